@@ -1,0 +1,35 @@
+"""Evaluate the base model, or a trained adapter, on one prepared split: predictions JSONL and metrics JSON."""
+
+import argparse
+import json
+
+from vlft.cli import run
+from vlft.evaluate import evaluate_split
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--adapter", help="trained adapter; the untrained base model without it")
+    parser.add_argument("--prepared", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--settings", required=True, help="evaluation settings, as JSON")
+    parser.add_argument("--predictions", required=True)
+    parser.add_argument("--metrics", required=True)
+    args = parser.parse_args()
+    metrics = evaluate_split(
+        args.model,
+        args.adapter,
+        args.prepared,
+        args.cache,
+        json.loads(args.settings),
+        args.predictions,
+        args.metrics,
+        args.trust_remote_code,
+    )
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,21 @@
+"""Validate a raw split (every record, every image) and write its normalized JSONL."""
+
+import argparse
+
+from vlft.cli import run
+from vlft.records import prepare_split
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", required=True, help="raw JSONL, one record a line")
+    parser.add_argument("--image-root", required=True, help="directory the records' image paths are relative to")
+    parser.add_argument("--output", required=True, help="normalized JSONL to write")
+    parser.add_argument("--threads", type=int, default=8)
+    args = parser.parse_args()
+    count = prepare_split(args.records, args.image_root, args.output, args.threads)
+    print(f"{args.records}: {count} records and their images are valid")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,41 @@
+"""Train one experiment stage's LoRA adapter from the pixel caches; resumes from its newest checkpoint."""
+
+import argparse
+import json
+import sys
+
+from vlft.cli import run
+from vlft.train import Preempted, StageInputs, StopSignal, train_stage
+
+# Distinct from a crash: the job stopped on request, with its progress saved.
+EXIT_PREEMPTED = 75
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--prepared", nargs="+", required=True, help="prepared JSONL of each training split")
+    parser.add_argument("--caches", nargs="+", required=True, help="pixel cache of each training split, same order")
+    parser.add_argument("--init-adapter", help="adapter of the stage this one starts from")
+    parser.add_argument("--settings", required=True, help="the stage's resolved settings, as JSON")
+    parser.add_argument("--checkpoints", required=True, help="where checkpoints of this stage are kept")
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
+    parser.add_argument("--adapter", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--summary", required=True)
+    args = parser.parse_args()
+    stop = StopSignal()  # before anything slow: a signal during loading must not kill us unsaved
+    inputs = StageInputs(args.model, args.prepared, args.caches, args.init_adapter, args.trust_remote_code)
+    try:
+        summary = train_stage(
+            inputs, json.loads(args.settings), args.adapter, args.log, args.summary, args.checkpoints, args.checkpoint_every, stop
+        )
+    except Preempted as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,30 @@
+"""Answers: the final answer parsed out of chain-of-thought text, normalized for comparison."""
+
+from __future__ import annotations
+
+import re
+
+FINAL_ANSWER = re.compile(r"final answer\s*[:：]\s*(.*)", re.IGNORECASE | re.DOTALL)
+NUMBER_WORDS = {w: str(i) for i, w in enumerate("zero one two three four five six seven eight nine ten".split())}
+ARTICLES = {"a", "an", "the"}
+
+
+def final_answer(text: str) -> str:
+    """The text after the last 'Final answer:' marker, or the whole text when there is none."""
+    matches = list(FINAL_ANSWER.finditer(text))
+    return (matches[-1].group(1) if matches else text).strip()
+
+
+def normalize(answer: str) -> str:
+    """Lower case, no punctuation or articles, number words as digits: 'Three.' == '3'."""
+    words = re.sub(r"[^\w\s]", " ", answer.lower()).split()
+    return " ".join(NUMBER_WORDS.get(w, w) for w in words if w not in ARTICLES)
+
+
+def target_text(answer: str, answer_format: str) -> str:
+    """What a stage trains the model to say: the final answer alone, or reasoning then final answer."""
+    return final_answer(answer) if answer_format == "final" else answer.strip()
+
+
+def is_correct(prediction: str, reference: str) -> bool:
+    return normalize(final_answer(prediction)) == normalize(final_answer(reference))

@@ -1,0 +1,1 @@
+"""The built-in demo: a synthetic VQA dataset and a tiny Qwen3-VL, made locally, nothing downloaded."""

@@ -1,0 +1,99 @@
+"""A synthetic VQA dataset: shapes of several colors on a 3x3 grid, four question categories,
+chain-of-thought answers that end in 'Final answer: ...'.
+
+Each shape fills one cell of a 3x3 grid of 32-pixel cells, so every cell is one merged image
+token of a 32-pixel-patch model: the answers are learnable from the tokens a small model sees.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from vlft.files import atomic_path, write_jsonl
+
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+COLUMNS = ("left", "center", "right")
+CELL = 32
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
+# Curricula sort or filter by difficulty: one attribute to read is easier than a count.
+DIFFICULTY = {"color": 1, "yes/no": 2, "location": 3, "count": 4}
+
+
+def draw(cells: list[tuple[int, int]], shape: str, color: str, rng: random.Random) -> Image.Image:
+    image = Image.new("RGB", (3 * CELL, 3 * CELL), (245, 245, 245))
+    pen = ImageDraw.Draw(image)
+    for row, col in cells:
+        pad = rng.randint(3, 7)
+        x0, y0, x1, y1 = col * CELL + pad, row * CELL + pad, (col + 1) * CELL - pad, (row + 1) * CELL - pad
+        if shape == "circle":
+            pen.ellipse((x0, y0, x1, y1), fill=COLORS[color])
+        elif shape == "square":
+            pen.rectangle((x0, y0, x1, y1), fill=COLORS[color])
+        else:
+            pen.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=COLORS[color])
+    return image
+
+
+def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Image.Image]:
+    shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    all_cells = [(r, c) for r in range(3) for c in range(3)]
+    if category == "count":
+        cells = rng.sample(all_cells, rng.randint(1, 4))
+        counted = ", ".join(NUMBER_WORDS[i] for i in range(1, len(cells) + 1))
+        question = "How many shapes are there?"
+        answer = f"I count the {color} {shape}s one by one: {counted}. Final answer: {len(cells)}"
+    else:
+        cells = [rng.choice(all_cells)]
+        column = COLUMNS[cells[0][1]]
+        if category == "color":
+            question = "What color is the shape?"
+            answer = f"There is one {shape} and it is filled with {color}. Final answer: {color}"
+        elif category == "location":
+            question = "Where is the shape?"
+            answer = f"The {color} {shape} is in the {column} column of the image. Final answer: {column}"
+        else:
+            asked = color if rng.random() < 0.5 else rng.choice([c for c in COLORS if c != color])
+            question = f"Is there a {asked} shape?"
+            verdict = "yes" if asked == color else "no"
+            answer = f"The only shape is a {color} {shape}, and {asked} was asked. Final answer: {verdict}"
+    record = {
+        "id": f"{index:05d}",
+        "image": f"{index:05d}.png",
+        "question": question,
+        "answer": answer,
+        "category": category,
+        "difficulty": DIFFICULTY[category],
+    }
+    return record, draw(cells, shape, color, rng)
+
+
+def make_dataset(splits: dict[str, str | Path], image_root: str | Path, sizes: dict[str, int], seed: int) -> None:
+    """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at all."""
+    records_by_split = {}
+    with atomic_path(image_root) as tmp:
+        for split_index, split in enumerate(sorted(sizes)):
+            rng = random.Random(seed * 1000 + split_index)
+            (tmp / split).mkdir(parents=True)
+            records = []
+            for index in range(sizes[split]):
+                record, image = make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng)
+                record["image"] = f"{split}/{record['image']}"
+                image.save(tmp / record["image"])
+                records.append(record)
+            records_by_split[split] = records
+    for split, records in records_by_split.items():
+        write_jsonl(splits[split], records)
+
+
+def corpus() -> list[str]:
+    """Every kind of text the dataset holds, for training the demo tokenizer."""
+    rng = random.Random(0)
+    texts = []
+    for index in range(400):
+        record, _ = make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng)
+        texts += [record["question"], record["answer"]]
+    return texts

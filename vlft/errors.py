@@ -1,0 +1,15 @@
+"""The errors that bad input raises: each names the file and line, or the config key."""
+
+
+class InputError(Exception):
+    """Bad input data: the message names the file, the line and the field."""
+
+    def __init__(self, path, message: str, line: int | None = None, field: str | None = None):
+        where = f"{path}:{line}" if line is not None else str(path)
+        if field:
+            where += f": field '{field}'"
+        super().__init__(f"{where}: {message}")
+
+
+class ConfigError(Exception):
+    """A config that passes the schema but names things that do not exist or cannot work."""

@@ -1,0 +1,91 @@
+"""Evaluate a base model or a trained adapter on one split: greedy answers, accuracy, loss."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from vlft.answers import final_answer, is_correct
+from vlft.batching import collate, token_loss_sum
+from vlft.files import write_json, write_jsonl
+from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter
+from vlft.prompts import PromptBuilder
+from vlft.stage_data import load_stage_data
+
+
+@torch.no_grad()
+def evaluate_split(
+    model_dir: str,
+    adapter: str | None,
+    prepared: str,
+    cache: str,
+    settings: dict,
+    predictions_out: str | Path,
+    metrics_out: str | Path,
+    trust_remote_code: bool = False,
+) -> dict:
+    started = time.time()
+    device, dtype = pick_device()
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    model = load_base_model(model_dir, device, dtype, trust_remote_code)
+    if adapter:
+        # Merged weights generate faster and give the same outputs.
+        model = with_adapter(model, adapter, trainable=False).merge_and_unload()
+    model.eval()
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    data = load_stage_data([prepared], [cache], builder, {**settings, "filter": {}})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
+
+    predictions, loss_sum, loss_tokens = [], 0.0, 0
+    batch_size = settings["batch_size"]
+    for start in range(0, len(data.records), batch_size):
+        records = data.records[start : start + batch_size]
+        samples = [data.samples[r["key"]] for r in records]
+
+        # Loss of the reference answer, in the format the stage was trained on.
+        batch = collate(samples, data.images, builder, pad_id, device, dtype)
+        loss, tokens = token_loss_sum(model, batch)
+        loss_sum, loss_tokens = loss_sum + loss.item(), loss_tokens + tokens
+
+        prompts = collate(samples, data.images, builder, pad_id, device, dtype, left_pad=True, prompt_only=True)
+        prompts.pop("labels")
+        generated = model.generate(
+            **prompts,
+            max_new_tokens=settings["max_new_tokens"],
+            do_sample=False,
+            eos_token_id=builder.end_of_turn,
+            pad_token_id=pad_id,
+        )
+        texts = tokenizer.batch_decode(generated[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
+        for record, text in zip(records, texts):
+            predictions.append(
+                {
+                    "id": record["id"],
+                    "category": record.get("category"),
+                    "question": record["question"],
+                    "reference": final_answer(record["answer"]),
+                    "prediction": text.strip(),
+                    "predicted_answer": final_answer(text),
+                    "correct": is_correct(text, record["answer"]),
+                }
+            )
+
+    by_category = defaultdict(list)
+    for p in predictions:
+        by_category[p["category"] or "all"].append(p["correct"])
+    wall = time.time() - started
+    metrics = {
+        "n": len(predictions),
+        "accuracy": sum(p["correct"] for p in predictions) / len(predictions),
+        "accuracy_by_category": {c: sum(v) / len(v) for c, v in sorted(by_category.items())},
+        "loss": loss_sum / max(loss_tokens, 1),
+        "wall_time_s": wall,
+        "samples_per_s": len(predictions) / wall,
+        "answer_format": settings["answer_format"],
+    }
+    write_jsonl(predictions_out, predictions)
+    write_json(metrics_out, metrics)
+    return metrics

@@ -1,0 +1,157 @@
+"""The pixel cache: every image of a split decoded and resized once, stored as uint8 safetensors shards.
+
+Training and evaluation read these tensors and never decode a JPEG. Pixels are stored resized
+but not normalized (uint8 is 4x smaller than float32 patches); `to_patches` turns them into
+exactly the flat patches the model's image processor would have produced, on whatever device
+the model runs on. The JSON index is written last and the directory is renamed into place, so a
+cache that exists is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from vlft.files import atomic_path, read_jsonl
+
+INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class PixelSettings:
+    """How the model's image processor cuts an image into patches, and the resolution range."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    resample: int
+    min_pixels: int
+    max_pixels: int
+
+    @classmethod
+    def from_processor(cls, processor, min_pixels: int, max_pixels: int) -> "PixelSettings":
+        return cls(
+            patch_size=processor.patch_size,
+            merge_size=processor.merge_size,
+            temporal_patch_size=processor.temporal_patch_size,
+            image_mean=tuple(processor.image_mean),
+            image_std=tuple(processor.image_std),
+            resample=int(processor.resample),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+        )
+
+    def target_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the processor's resize: multiples of patch x merge, within the pixel range."""
+        h, w = smart_resize(
+            height, width, factor=self.patch_size * self.merge_size, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
+        return w, h
+
+
+def load_resized(path: str, settings: PixelSettings) -> np.ndarray:
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        size = settings.target_size(*image.size)
+        if size != image.size:
+            image = image.resize(size, resample=settings.resample)
+        return np.asarray(image, dtype=np.uint8)
+
+
+def build_image_cache(
+    prepared_jsonl: str | Path,
+    output_dir: str | Path,
+    settings: PixelSettings,
+    threads: int = 4,
+    shard_bytes: int = 1 << 30,
+) -> int:
+    """Resize every image of a prepared split (many threads: PIL releases the GIL) into shards."""
+    records = read_jsonl(prepared_jsonl)
+    with atomic_path(output_dir) as tmp:
+        tmp.mkdir()
+        entries, shard, shard_size, shards = [], {}, 0, []
+
+        def flush():
+            nonlocal shard, shard_size
+            if shard:
+                name = f"shard-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / name)
+                shards.append(name)
+                shard, shard_size = {}, 0
+
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            # map() keeps the input order, so shards are written in record order.
+            for record, pixels in zip(records, pool.map(lambda r: load_resized(r["image_path"], settings), records)):
+                key = str(len(entries))
+                shard[key] = torch.from_numpy(pixels.copy())
+                shard_size += pixels.nbytes
+                height, width = pixels.shape[:2]
+                entries.append(
+                    {
+                        "id": record["id"],
+                        "shard": f"shard-{len(shards):05d}.safetensors",
+                        "key": key,
+                        "grid_thw": [1, height // settings.patch_size, width // settings.patch_size],
+                    }
+                )
+                if shard_size >= shard_bytes:
+                    flush()
+        flush()
+        index = {"format": 1, "settings": asdict(settings), "shards": shards, "records": entries}
+        (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
+    return len(entries)
+
+
+class ImageCache:
+    """Read access to one split's cache: pixels and grid sizes by record id."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = json.loads((self.directory / INDEX).read_text())
+        self.settings = PixelSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in index["settings"].items()})
+        self.entries = {entry["id"]: entry for entry in index["records"]}
+        self._shards = {}
+
+    def __contains__(self, record_id: str) -> bool:
+        return record_id in self.entries
+
+    def grid_thw(self, record_id: str) -> list[int]:
+        return self.entries[record_id]["grid_thw"]
+
+    def num_image_tokens(self, record_id: str) -> int:
+        t, h, w = self.grid_thw(record_id)
+        return t * h * w // self.settings.merge_size**2
+
+    def pixels(self, record_id: str) -> torch.Tensor:
+        entry = self.entries[record_id]
+        if entry["shard"] not in self._shards:
+            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
+        return self._shards[entry["shard"]].get_tensor(entry["key"])
+
+
+def to_patches(pixels: torch.Tensor, settings: PixelSettings, dtype=torch.float32) -> torch.Tensor:
+    """uint8 (H, W, 3) -> the processor's flat patches (grid_h * grid_w, 3 * T * P * P).
+
+    The same rescale, normalization and patch order as the Qwen2-VL image processor that every
+    Qwen-VL family shares; a test checks equality against the processor itself.
+    """
+    p, m, t = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    mean = torch.tensor(settings.image_mean, device=pixels.device).view(3, 1, 1)
+    std = torch.tensor(settings.image_std, device=pixels.device).view(3, 1, 1)
+    image = (pixels.permute(2, 0, 1).float() / 255.0 - mean) / std
+    channels, height, width = image.shape
+    gh, gw = height // p, width // p
+    patches = image.reshape(channels, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    patches = patches.unsqueeze(5).expand(*patches.shape[:5], t, p, p)
+    return patches.reshape(gh * gw, channels * t * p * p).to(dtype)

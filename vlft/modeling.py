@@ -1,0 +1,70 @@
+"""Loading a Qwen-VL checkpoint (or the tiny demo one) and attaching LoRA adapters to its language model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+
+def pick_device() -> tuple[torch.device, torch.dtype]:
+    """bf16 on a GPU that supports it, fp32 elsewhere; TF32 for whatever matmuls stay in fp32."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.device("cuda"), dtype
+    return torch.device("cpu"), torch.float32
+
+
+def attention_implementation(device: torch.device) -> str:
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_base_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The base model with every weight frozen; only adapters added later train."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=attention_implementation(device), trust_remote_code=trust_remote_code
+    )
+    model.requires_grad_(False)
+    return model.to(device)
+
+
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if tokenizer.chat_template is None:
+        # Some checkpoints keep the chat template with the processor only.
+        template = Path(model_dir) / "chat_template.jinja"
+        if template.exists():
+            tokenizer.chat_template = template.read_text()
+    return tokenizer
+
+
+def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False):
+    return AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def lora_config(settings: dict) -> LoraConfig:
+    # The pattern restricts LoRA to the language model: Qwen2.5-VL's vision MLP also has
+    # gate/up/down projections, and the vision tower stays frozen.
+    modules = "|".join(settings["lora_target_modules"])
+    return LoraConfig(
+        r=settings["lora_r"],
+        lora_alpha=settings["lora_alpha"],
+        lora_dropout=settings["lora_dropout"],
+        target_modules=rf".*language_model.*\.({modules})",
+        task_type="CAUSAL_LM",
+    )
+
+
+def with_new_adapter(model, settings: dict):
+    return get_peft_model(model, lora_config(settings))
+
+
+def with_adapter(model, adapter_dir: str | Path, trainable: bool):
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)

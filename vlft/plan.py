@@ -1,0 +1,209 @@
+"""Turn the validated config into a plan: every experiment x stage with its resolved settings.
+
+The config's `defaults` section is inherited by every stage and may be overridden per stage.
+Each stage's resolved settings are exactly what its training job depends on, so Snakemake's
+params trigger reruns a stage when, and only when, its own settings change.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from vlft.errors import ConfigError
+
+# Settings every stage starts from before the config's `defaults` and the stage itself.
+BUILTIN_STAGE_DEFAULTS: dict = {
+    "dataset": None,
+    "train_splits": ["train"],
+    "eval_splits": ["test"],
+    "filter": {},
+    "order": "random",
+    "order_field": None,
+    "order_descending": False,
+    "init_from": None,
+    "answer_format": "final",
+    "epochs": 1,
+    "max_steps": None,
+    "learning_rate": 2.0e-4,
+    "lr_schedule": "cosine",
+    "warmup_ratio": 0.03,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "micro_batch": 4,
+    "grad_accum": 1,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "min_pixels": 3136,
+    "max_pixels": 1003520,
+    "max_seq_len": 4096,
+    "seed": 0,
+    "checkpoint_every": 200,
+    "resources": {},
+}
+
+# Keys that decide how a job runs, not what it computes: never part of a job's params.
+RUN_ONLY_KEYS = ("resources", "checkpoint_every")
+
+# Settings that must match between a stage and the stage it starts from (the adapter's shape).
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
+
+BASE_EXPERIMENT = "base"
+BASE_STAGE = "base"
+
+
+@dataclass(frozen=True)
+class Stage:
+    experiment: str
+    name: str
+    index: int
+    settings: dict
+    init_from: str | None = None  # "experiment/stage"
+
+    @property
+    def id(self) -> str:
+        return f"{self.experiment}/{self.name}"
+
+    @property
+    def key(self) -> str:
+        return f"experiments.{self.experiment}.stages[{self.index}]"
+
+    def train_params(self) -> dict:
+        """What the training job computes from: everything but run-only keys."""
+        return {k: v for k, v in self.settings.items() if k not in RUN_ONLY_KEYS}
+
+    def pixels(self) -> str:
+        return pixels_tag(self.settings["min_pixels"], self.settings["max_pixels"])
+
+
+@dataclass
+class Plan:
+    stages: dict[str, Stage] = field(default_factory=dict)
+    defaults: dict = field(default_factory=dict)
+
+    def stage(self, experiment: str, name: str) -> Stage:
+        return self.stages[f"{experiment}/{name}"]
+
+    def ancestors(self, stage: Stage) -> list[Stage]:
+        """The chain of stages this one starts from, nearest first."""
+        chain = []
+        while stage.init_from:
+            stage = self.stages[stage.init_from]
+            chain.append(stage)
+        return chain
+
+    def evaluations(self) -> list[tuple[str, str, str]]:
+        """(experiment, stage, split) for every trained stage and for the untrained base model."""
+        jobs = []
+        base_splits = set()
+        for stage in self.stages.values():
+            for split in stage.settings["eval_splits"]:
+                jobs.append((stage.experiment, stage.name, split))
+                base_splits.add(split)
+        jobs += [(BASE_EXPERIMENT, BASE_STAGE, split) for split in sorted(base_splits)]
+        return jobs
+
+    def eval_settings(self, experiment: str, stage: str, evaluation: dict) -> dict:
+        """Everything an evaluation depends on: its stage's data and format, and the eval options."""
+        if experiment == BASE_EXPERIMENT:
+            source = dict(self.defaults, answer_format="final")
+        else:
+            source = self.stage(experiment, stage).settings
+        keys = ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")
+        return {**{k: source[k] for k in keys}, **evaluation}
+
+
+def pixels_tag(min_pixels: int, max_pixels: int) -> str:
+    return f"{min_pixels}-{max_pixels}"
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key != "filter":
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def build_plan(config: dict) -> Plan:
+    """Resolve every stage and check what the schema cannot: references between parts of the config."""
+    datasets = config.get("datasets", {})
+    defaults = _merge(BUILTIN_STAGE_DEFAULTS, config.get("defaults", {}))
+    if defaults["dataset"] is None and len(datasets) == 1:
+        defaults["dataset"] = next(iter(datasets))
+    plan = Plan(defaults=defaults)
+
+    for experiment, spec in config.get("experiments", {}).items():
+        if experiment == BASE_EXPERIMENT:
+            raise ConfigError(f"experiments.{BASE_EXPERIMENT}: the name is reserved for the untrained base model")
+        names = set()
+        for index, stage_spec in enumerate(spec["stages"]):
+            key = f"experiments.{experiment}.stages[{index}]"
+            name = stage_spec["name"]
+            if name in names:
+                raise ConfigError(f"{key}.name: stage '{name}' appears twice in experiment '{experiment}'")
+            names.add(name)
+            settings = _merge(defaults, {k: v for k, v in stage_spec.items() if k != "name"})
+            _check_data(settings, datasets, key)
+            init_from = settings.pop("init_from")
+            if init_from is not None and "/" not in init_from:
+                init_from = f"{experiment}/{init_from}"
+            settings["init_from"] = init_from
+            stage = Stage(experiment, name, index, settings, init_from)
+            plan.stages[stage.id] = stage
+
+    for stage in plan.stages.values():
+        _check_init_from(plan, stage)
+    return plan
+
+
+def _check_data(settings: dict, datasets: dict, key: str) -> None:
+    name = settings["dataset"]
+    if name not in datasets:
+        known = ", ".join(sorted(datasets)) or "none"
+        raise ConfigError(f"{key}.dataset: unknown dataset '{name}' (the config defines: {known})")
+    splits = datasets[name]["splits"]
+    for field_name in ("train_splits", "eval_splits"):
+        for split in settings[field_name]:
+            if split not in splits:
+                known = ", ".join(sorted(splits))
+                raise ConfigError(
+                    f"{key}.{field_name}: unknown split '{split}' of dataset '{name}' (it has: {known})"
+                )
+    if settings["order"] == "by_field" and not settings["order_field"]:
+        raise ConfigError(f"{key}.order_field: order 'by_field' needs the field to sort by")
+    if settings["min_pixels"] > settings["max_pixels"]:
+        raise ConfigError(f"{key}.min_pixels: larger than max_pixels")
+
+
+def _check_init_from(plan: Plan, stage: Stage) -> None:
+    seen = [stage.id]
+    current = stage
+    while current.init_from:
+        if current.init_from not in plan.stages:
+            raise ConfigError(
+                f"{current.key}.init_from: stage '{current.init_from}' does not exist "
+                f"(stages: {', '.join(plan.stages)})"
+            )
+        source = plan.stages[current.init_from]
+        if source.id in seen:
+            cycle = " -> ".join(seen + [source.id])
+            raise ConfigError(f"{stage.key}.init_from: the stages start from each other in a cycle: {cycle}")
+        for lora_key in LORA_KEYS:
+            if current.settings[lora_key] != source.settings[lora_key]:
+                raise ConfigError(
+                    f"{current.key}.{lora_key}: must equal that of '{source.id}', whose adapter it starts from "
+                    f"({current.settings[lora_key]!r} != {source.settings[lora_key]!r})"
+                )
+        seen.append(source.id)
+        current = source

@@ -1,0 +1,130 @@
+"""Dataset records: the one input format, its validation, and the selection and order of a stage.
+
+A record is one JSON object a line: id, image (relative to the dataset's image root), question,
+answer (may hold reasoning that ends in a final answer), and optionally category, difficulty,
+box or point, and any other fields a filter or an order may use.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from PIL import Image
+
+from vlft.errors import InputError
+from vlft.files import write_jsonl
+
+REQUIRED_TEXT_FIELDS = ("question", "answer")
+
+
+def read_raw_records(jsonl: str | Path) -> list[tuple[int, dict]]:
+    """Parse every line, checking the fields; returns (line number, record) pairs."""
+    records, seen_ids = [], {}
+    with open(jsonl) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(jsonl, f"not valid JSON ({err.msg} at column {err.colno})", line_no) from None
+            if not isinstance(record, dict):
+                raise InputError(jsonl, "each line must be a JSON object", line_no)
+            _check_fields(record, jsonl, line_no)
+            record["id"] = str(record["id"])
+            if record["id"] in seen_ids:
+                raise InputError(jsonl, f"duplicate id (first seen on line {seen_ids[record['id']]})", line_no, "id")
+            seen_ids[record["id"]] = line_no
+            records.append((line_no, record))
+    if not records:
+        raise InputError(jsonl, "no records")
+    return records
+
+
+def _check_fields(record: dict, jsonl, line_no: int) -> None:
+    if "id" not in record or not isinstance(record["id"], (str, int)) or record["id"] == "":
+        raise InputError(jsonl, "missing or empty", line_no, "id")
+    if not isinstance(record.get("image"), str) or not record["image"]:
+        raise InputError(jsonl, "missing or not a path", line_no, "image")
+    for name in REQUIRED_TEXT_FIELDS:
+        value = record.get(name)
+        if not isinstance(value, str) or not value.strip():
+            raise InputError(jsonl, "missing or empty", line_no, name)
+    for name, size in (("box", 4), ("point", 2)):
+        value = record.get(name)
+        if value is not None and not (
+            isinstance(value, list) and len(value) == size and all(isinstance(v, (int, float)) for v in value)
+        ):
+            raise InputError(jsonl, f"must be a list of {size} numbers", line_no, name)
+
+
+def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:
+    """The images a raw split refers to, read leniently: lines that do not parse are skipped here
+    and reported, with their line number, when the split is prepared."""
+    paths = []
+    with open(jsonl) as f:
+        for line in f:
+            try:
+                image = json.loads(line).get("image")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(image, str) and image:
+                paths.append(str(Path(image_root) / image))
+    return paths
+
+
+def _check_image(path: Path) -> tuple[int, int] | str:
+    """(width, height) of a readable image, or the reason it cannot be read."""
+    if not path.is_file():
+        return "file not found"
+    try:
+        with Image.open(path) as image:
+            image.load()  # decode fully: a truncated file only fails here
+            return image.size
+    except Exception as err:  # PIL raises many types for corrupt files
+        return f"cannot be read as an image ({type(err).__name__}: {err})"
+
+
+def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | Path, threads: int = 8) -> int:
+    """Validate every record and every image once; write the normalized records atomically."""
+    records = read_raw_records(raw_jsonl)
+    paths = [Path(image_root) / record["image"] for _, record in records]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        checks = list(pool.map(_check_image, paths))
+    normalized = []
+    for (line_no, record), path, check in zip(records, paths, checks):
+        if isinstance(check, str):
+            raise InputError(raw_jsonl, f"{check}: {path}", line_no, "image")
+        record = dict(record, image_path=str(path), width=check[0], height=check[1])
+        normalized.append(record)
+    write_jsonl(output, normalized)
+    return len(normalized)
+
+
+def select_records(records: list[dict], filters: dict, where: str) -> list[dict]:
+    """Keep the records whose fields match every filter (a value or a list of accepted values)."""
+    selected = records
+    for name, accepted in filters.items():
+        accepted = accepted if isinstance(accepted, list) else [accepted]
+        selected = [r for r in selected if r.get(name) in accepted]
+    if not selected:
+        raise InputError(where, f"the filter {filters} selects no records")
+    return selected
+
+
+def order_records(records: list[dict], order: str, field: str | None, descending: bool, seed: int, epoch: int) -> list[dict]:
+    """One epoch's order: shuffled with the seed, as given, or sorted by a field (a curriculum)."""
+    if order == "given":
+        return list(records)
+    if order == "random":
+        shuffled = list(records)
+        random.Random(seed * 100_003 + epoch).shuffle(shuffled)
+        return shuffled
+    missing = [r["id"] for r in records if r.get(field) is None]
+    if missing:
+        raise InputError("records", f"cannot sort by '{field}': {len(missing)} records lack it (first: {missing[0]})")
+    # A stable sort keeps the given order among equals.
+    return sorted(records, key=lambda r: r[field], reverse=descending)

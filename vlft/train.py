@@ -1,0 +1,210 @@
+"""Train one stage: LoRA on the language model, from the pixel cache, resumable, stoppable by signal.
+
+A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
+(curricula), batches come from our caches (and, later, packed sequences or cached vision
+outputs), the loss is summed per token across gradient accumulation, and a signal from SLURM
+must end in a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
+collator and resume logic; here they are a few lines each. It reads top to bottom:
+data -> model -> optimizer -> resume -> loop -> save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import get_scheduler
+
+from vlft import checkpoints
+from vlft.batching import collate, token_loss_sum
+from vlft.files import atomic_path, write_json
+from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter, with_new_adapter
+from vlft.prompts import PromptBuilder
+from vlft.records import order_records
+from vlft.stage_data import load_stage_data
+
+
+class Preempted(Exception):
+    """Raised after a signal asked training to stop and a checkpoint was saved."""
+
+
+class StopSignal:
+    """Remembers SIGTERM/SIGUSR1 so the loop can stop at the next step boundary, after a checkpoint."""
+
+    def __init__(self):
+        self.received: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+
+@dataclass
+class StageInputs:
+    model_dir: str
+    prepared: list[str]  # normalized JSONL of each training split
+    caches: list[str]  # pixel cache of each training split, same order
+    init_adapter: str | None  # adapter of the stage this one starts from
+    trust_remote_code: bool = False
+
+
+def plan_steps(records: list[dict], settings: dict) -> list[list[list[str]]]:
+    """Every optimizer step of the run as its micro-batches of record keys, in training order."""
+    micro, accum = settings["micro_batch"], settings["grad_accum"]
+    steps_per_epoch = math.ceil(math.ceil(len(records) / micro) / accum)
+    total = settings["max_steps"] or settings["epochs"] * steps_per_epoch
+    steps, epoch = [], 0
+    while len(steps) < total:
+        ordered = order_records(
+            records, settings["order"], settings["order_field"], settings["order_descending"], settings["seed"], epoch
+        )
+        keys = [r["key"] for r in ordered]
+        batches = [keys[i : i + micro] for i in range(0, len(keys), micro)]
+        steps += [batches[i : i + accum] for i in range(0, len(batches), accum)]
+        epoch += 1
+    return steps[:total]
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def train_stage(
+    inputs: StageInputs,
+    settings: dict,
+    adapter_out: str | Path,
+    log_out: str | Path,
+    summary_out: str | Path,
+    checkpoint_root: str | Path,
+    checkpoint_every: int,
+    stop: StopSignal | None = None,
+) -> dict:
+    started = time.time()
+    device, dtype = pick_device()
+    torch.manual_seed(settings["seed"])
+
+    # Data: tokenized once; pixels are read from the cache per batch.
+    tokenizer = load_tokenizer(inputs.model_dir, inputs.trust_remote_code)
+    model = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code)
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    data = load_stage_data(inputs.prepared, inputs.caches, builder, settings)
+    steps = plan_steps(data.records, settings)
+
+    # Model: a fresh adapter, or the adapter of the stage this one starts from.
+    if inputs.init_adapter:
+        model = with_adapter(model, inputs.init_adapter, trainable=True)
+    else:
+        model = with_new_adapter(model, settings)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable, lr=settings["learning_rate"], weight_decay=settings["weight_decay"], fused=device.type == "cuda"
+    )
+    scheduler = get_scheduler(
+        settings["lr_schedule"],
+        optimizer,
+        num_warmup_steps=math.ceil(settings["warmup_ratio"] * len(steps)),
+        num_training_steps=len(steps),
+    )
+
+    # Resume from the newest complete checkpoint of this exact stage, if any.
+    fingerprinted = inputs.prepared + [Path(c) / "index.json" for c in inputs.caches]
+    if inputs.init_adapter:
+        fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
+    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    running_log = run_dir / "log.jsonl"
+    first_step = 0
+    if (checkpoint := checkpoints.latest(run_dir)) is not None:
+        first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
+        print(f"resuming from step {first_step} ({checkpoint})", flush=True)
+    _truncate_log(running_log, first_step)
+
+    # Loop.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
+    progress = tqdm(total=len(steps), initial=first_step, desc=Path(adapter_out).parent.name, mininterval=5)
+    with open(running_log, "a") as log:
+        for step in range(first_step, len(steps)):
+            step_start = time.time()
+            micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
+            n_targets = sum(sum(t != -100 for t in s.labels) for batch in micro_batches for s in batch)
+            loss_total = 0.0
+            for batch_samples in micro_batches:
+                batch = collate(batch_samples, data.images, builder, pad_id, device, dtype)
+                loss_sum, _ = token_loss_sum(model, batch)
+                (loss_sum / n_targets).backward()
+                loss_total += loss_sum.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            elapsed = time.time() - step_start
+            n_samples = sum(len(b) for b in micro_batches)
+            n_tokens = sum(len(s.input_ids) for b in micro_batches for s in b)
+            log.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": loss_total / n_targets,
+                        "learning_rate": scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm),
+                        "samples_per_s": n_samples / elapsed,
+                        "tokens_per_s": n_tokens / elapsed,
+                        "memory_gb": memory_gb(device),
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
+            log.flush()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_total / n_targets:.3f}")
+            done = step + 1
+            if stop is not None and stop.received:
+                checkpoints.save(run_dir, done, model, optimizer, scheduler)
+                raise Preempted(f"{stop.received} received: saved a checkpoint after step {done}; a rerun resumes there")
+            if done % checkpoint_every == 0 and done < len(steps):
+                checkpoints.save(run_dir, done, model, optimizer, scheduler)
+    progress.close()
+
+    # Save: the adapter directory appears complete or not at all.
+    with atomic_path(adapter_out) as tmp:
+        model.save_pretrained(tmp)
+    rows = [json.loads(line) for line in running_log.read_text().splitlines()]
+    with atomic_path(log_out) as tmp:
+        shutil.copyfile(running_log, tmp)
+    summary = {
+        "steps": len(steps),
+        "resumed_from_step": first_step,
+        "samples": len(data.records),
+        "wall_time_s": time.time() - started,
+        "samples_per_s": sum(r["samples_per_s"] for r in rows) / len(rows),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
+        "peak_memory_gb": max(r["memory_gb"] for r in rows),
+        "final_loss": rows[-1]["loss"],
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    write_json(summary_out, summary)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the adapter is out; the checkpoints have served
+    return summary
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop log lines past the resumed step: they belong to work that is being redone."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))

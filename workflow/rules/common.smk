@@ -1,0 +1,124 @@
+# Config -> plan, output paths, and the get_* input functions of every rule.
+import json
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from vlft.errors import ConfigError
+from vlft.plan import BASE_EXPERIMENT, BASE_STAGE, build_plan, pixels_tag
+from vlft.records import image_paths
+
+try:
+    PLAN = build_plan(config)
+except ConfigError as err:
+    raise WorkflowError(f"Invalid config: {err}") from None
+
+RESULTS = config["results"]
+MODEL = config["model"]["path"]
+TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
+DEMO_DATASET = config.get("demo", {}).get("dataset", {}).get("name")
+
+
+wildcard_constraints:
+    dataset="|".join(config["datasets"]),
+    split="[^/]+",
+    pixels=r"\d+-\d+",
+    experiment="[^/]+",
+    stage="[^/]+",
+
+
+def prepared_path(dataset, split):
+    return f"{RESULTS}/prepared/{dataset}/{split}.jsonl"
+
+
+def cache_path(dataset, split, pixels):
+    return f"{RESULTS}/cache/images/{dataset}/{split}/{pixels}"
+
+
+def adapter_path(experiment, stage):
+    return f"{RESULTS}/train/{experiment}/{stage}/adapter"
+
+
+def metrics_path(experiment, stage, split):
+    return f"{RESULTS}/eval/{experiment}/{stage}/{split}/metrics.json"
+
+
+def get_raw_split(wildcards):
+    """The raw records of a split and every image they name, so that changed content reruns it."""
+    dataset = config["datasets"][wildcards.dataset]
+    records = dataset["splits"][wildcards.split]
+    if wildcards.dataset == DEMO_DATASET:
+        # The demo's images are made with its records, by one job: their directory stands for them.
+        return {"records": records, "images": dataset["image_root"]}
+    images = image_paths(records, dataset["image_root"]) if Path(records).exists() else []
+    # Missing images are reported by prepare_split, with the line that names them.
+    return {"records": records, "images": [p for p in images if Path(p).exists()]}
+
+
+def get_stage(wildcards):
+    return PLAN.stage(wildcards.experiment, wildcards.stage)
+
+
+def get_train_inputs(wildcards):
+    stage = get_stage(wildcards)
+    settings = stage.settings
+    inputs = {
+        "model": MODEL,
+        "prepared": [prepared_path(settings["dataset"], s) for s in settings["train_splits"]],
+        "caches": [cache_path(settings["dataset"], s, stage.pixels()) for s in settings["train_splits"]],
+    }
+    if stage.init_from:
+        inputs["init_adapter"] = adapter_path(*stage.init_from.split("/"))
+    return inputs
+
+
+def get_train_settings(wildcards):
+    return json.dumps(get_stage(wildcards).train_params(), sort_keys=True)
+
+
+def get_train_resource(key):
+    """A training resource from the stage's `resources` (inherited from `defaults`), growing with each retry."""
+
+    def resource(wildcards, attempt):
+        value = get_stage(wildcards).settings["resources"][key]
+        return value * attempt if key == "runtime" else value
+
+    return resource
+
+
+def get_eval_settings(wildcards):
+    return PLAN.eval_settings(wildcards.experiment, wildcards.stage, config["evaluation"])
+
+
+def get_eval_inputs(wildcards):
+    settings = get_eval_settings(wildcards)
+    pixels = pixels_tag(settings["min_pixels"], settings["max_pixels"])
+    inputs = {
+        "model": MODEL,
+        "prepared": prepared_path(settings["dataset"], wildcards.split),
+        "cache": cache_path(settings["dataset"], wildcards.split, pixels),
+    }
+    if wildcards.experiment != BASE_EXPERIMENT:
+        inputs["adapter"] = adapter_path(wildcards.experiment, wildcards.stage)
+    return inputs
+
+
+def get_adapter_arg(wildcards, input):
+    return f"--adapter {input.adapter}" if "adapter" in input.keys() else ""
+
+
+def get_init_adapter_arg(wildcards, input):
+    return f"--init-adapter {input.init_adapter}" if "init_adapter" in input.keys() else ""
+
+
+def get_report_inputs(wildcards):
+    stages = PLAN.stages.values()
+    return {
+        "metrics": [metrics_path(*job) for job in PLAN.evaluations()],
+        "summaries": [f"{RESULTS}/train/{s.experiment}/{s.name}/summary.json" for s in stages],
+        "logs": [f"{RESULTS}/train/{s.experiment}/{s.name}/log.jsonl" for s in stages],
+    }
+
+
+def get_report_outputs():
+    return [f"{RESULTS}/report/index.html"]

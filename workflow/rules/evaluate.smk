@@ -1,0 +1,16 @@
+rule evaluate:
+    # Greedy answers and metrics of one trained stage (or of the untrained base model) on one split.
+    input:
+        unpack(get_eval_inputs),
+    output:
+        predictions=f"{RESULTS}/eval/{{experiment}}/{{stage}}/{{split}}/predictions.jsonl",
+        metrics=f"{RESULTS}/eval/{{experiment}}/{{stage}}/{{split}}/metrics.json",
+    log:
+        f"{RESULTS}/logs/evaluate/{{experiment}}/{{stage}}/{{split}}.log",
+    params:
+        settings=lambda wildcards: json.dumps(get_eval_settings(wildcards), sort_keys=True),
+        adapter=get_adapter_arg,
+    shell:
+        "python scripts/evaluate.py --model {input.model:q} {TRUST_REMOTE_CODE} {params.adapter} "
+        "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
+        "--predictions {output.predictions:q} --metrics {output.metrics:q} 2>&1 | tee {log:q}"

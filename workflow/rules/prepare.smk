@@ -1,0 +1,14 @@
+rule prepare_split:
+    # Validate every record and image of a raw split once; write normalized JSONL.
+    input:
+        unpack(get_raw_split),
+    output:
+        f"{RESULTS}/prepared/{{dataset}}/{{split}}.jsonl",
+    log:
+        f"{RESULTS}/logs/prepare_split/{{dataset}}/{{split}}.log",
+    params:
+        image_root=lambda wildcards: config["datasets"][wildcards.dataset]["image_root"],
+    threads: 4
+    shell:
+        "python scripts/prepare_split.py --records {input.records:q} --image-root {params.image_root:q} "
+        "--output {output:q} --threads {threads} 2>&1 | tee {log:q}"

@@ -1,0 +1,25 @@
+rule train:
+    # One job per experiment x stage; a stage with init_from waits for that stage's adapter.
+    input:
+        unpack(get_train_inputs),
+    output:
+        adapter=directory(f"{RESULTS}/train/{{experiment}}/{{stage}}/adapter"),
+        log=f"{RESULTS}/train/{{experiment}}/{{stage}}/log.jsonl",
+        summary=f"{RESULTS}/train/{{experiment}}/{{stage}}/summary.json",
+    log:
+        f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.log",
+    params:
+        settings=get_train_settings,
+        init_adapter=get_init_adapter_arg,
+        # Outside the declared outputs: Snakemake deletes those when a job fails.
+        checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
+        checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
+    resources:
+        runtime=get_train_resource("runtime"),
+        mem_mb=get_train_resource("mem_mb"),
+        gpu=get_train_resource("gpus"),
+    shell:
+        "python scripts/train.py --model {input.model:q} {TRUST_REMOTE_CODE} --prepared {input.prepared:q} "
+        "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {params.checkpoint_every} --adapter {output.adapter:q} --log {output.log:q} "
+        "--summary {output.summary:q} 2>&1 | tee {log:q}"
