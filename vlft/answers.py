@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import re
 
-FINAL_ANSWER = re.compile(r"final answer\s*[:：]\s*(.*)", re.IGNORECASE | re.DOTALL)
+FINAL_ANSWER = re.compile(r"final answer\s*[:：]", re.IGNORECASE)
 NUMBER_WORDS = {w: str(i) for i, w in enumerate("zero one two three four five six seven eight nine ten".split())}
 ARTICLES = {"a", "an", "the"}
 
 
 def final_answer(text: str) -> str:
     """The text after the last 'Final answer:' marker, or the whole text when there is none."""
-    matches = list(FINAL_ANSWER.finditer(text))
-    return (matches[-1].group(1) if matches else text).strip()
+    return FINAL_ANSWER.split(text)[-1].strip()
 
 
 def normalize(answer: str) -> str:

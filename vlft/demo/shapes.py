@@ -67,6 +67,7 @@ def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Im
         "answer": answer,
         "category": category,
         "difficulty": DIFFICULTY[category],
+        "shapes": len(cells),
     }
     return record, draw(cells, shape, color, rng)
 

@@ -96,6 +96,10 @@ def make_tiny_model(output_dir: str | Path, seed: int = 0, hidden_size: int = 12
     config = make_config(tokenizer, hidden_size, layers)
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config)
+    # A pretrained head is confident; a random one at the usual 0.02 scale, behind a unit-RMS
+    # norm, caps every logit near 2.5, so no adapter could fit even one answer. Scale it up.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     processor = Qwen2VLImageProcessorPil(

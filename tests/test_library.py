@@ -1,0 +1,132 @@
+"""The library's parts on their own: config inheritance, answers, the pixel cache, resuming."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import REPO
+from vlft.answers import final_answer, is_correct, normalize
+from vlft.image_cache import ImageCache, PixelSettings, build_image_cache, to_patches
+from vlft.modeling import load_image_processor
+from vlft.plan import build_plan
+from vlft.records import order_records, prepare_split
+from vlft.train import Preempted, StageInputs, train_stage
+
+
+def test_stages_inherit_defaults_and_override_them():
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    plan = build_plan(config)
+    stage1, stage2 = plan.stage("exp4", "stage1"), plan.stage("exp4", "stage2")
+    assert stage1.settings["epochs"] == 4 and stage1.settings["learning_rate"] == config["defaults"]["learning_rate"]
+    assert stage1.settings["filter"] == {"category": ["color", "yes/no"]} and stage2.settings["filter"] == {}
+    assert stage2.init_from == "exp4/stage1" and plan.ancestors(stage2) == [stage1]
+    assert "resources" not in stage1.train_params() and "checkpoint_every" not in stage1.train_params()
+
+
+def test_example_config_is_valid():
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-qwen3-vl-8b.yaml").read_text())
+    validate(config, str(REPO / "workflow/schemas/config.schema.yaml"))
+    plan = build_plan(config)
+    assert sorted({s.experiment for s in plan.stages.values()}) == ["exp1", "exp2", "exp3", "exp4", "exp5"]
+    assert plan.stage("exp4", "stage2").init_from == "exp4/stage1"
+    assert plan.stage("exp5", "main").settings["answer_format"] == "cot"
+
+
+@pytest.mark.parametrize(
+    "prediction,reference,correct",
+    [
+        ("It is round and red. Final answer: Red.", "Final answer: red", True),
+        ("final answer: three", "I count one, two, three. Final answer: 3", True),
+        ("Final answer: 2", "Final answer: 3", False),
+        ("yes", "The shape is blue. Final answer: yes", True),
+    ],
+)
+def test_final_answers_are_compared_normalized(prediction, reference, correct):
+    assert is_correct(prediction, reference) is correct
+
+
+def test_final_answer_takes_the_last_marker():
+    assert final_answer("Final answer: no... wait. Final answer: yes") == "yes"
+    assert normalize("The  Left!") == "left"
+
+
+def test_orders_random_given_and_by_field():
+    records = [{"id": str(i), "d": d} for i, d in enumerate([3, 1, 2, 1])]
+    assert [r["id"] for r in order_records(records, "given", None, False, 0, 0)] == ["0", "1", "2", "3"]
+    assert [r["id"] for r in order_records(records, "by_field", "d", False, 0, 0)] == ["1", "3", "2", "0"]
+    assert [r["id"] for r in order_records(records, "by_field", "d", True, 0, 0)] == ["0", "2", "1", "3"]
+    first, second = (order_records(records, "random", None, False, 7, e) for e in (0, 1))
+    assert sorted(r["id"] for r in first) == ["0", "1", "2", "3"]
+    assert order_records(records, "random", None, False, 7, 0) == first  # seeded
+    assert first != second or first != order_records(records, "random", None, False, 7, 2)
+
+
+def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_dir):
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, (w, h) in enumerate([(157, 211), (300, 120), (64, 64)]):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{i}.jpg")
+        rows.append({"id": i, "image": f"{i}.jpg", "question": "q", "answer": "a"})
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_split(tmp_path / "raw.jsonl", tmp_path, tmp_path / "prepared.jsonl")
+    processor = load_image_processor(tiny_model_dir)
+    settings = PixelSettings.from_processor(processor, 32 * 32, 128 * 128)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", settings, shard_bytes=50_000)
+    cache = ImageCache(tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) > 1
+    for i in range(3):
+        expected = processor(
+            images=[Image.open(tmp_path / f"{i}.jpg")], size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+            return_tensors="pt",
+        )
+        assert cache.grid_thw(str(i)) == expected["image_grid_thw"][0].tolist()
+        assert torch.equal(to_patches(cache.pixels(str(i)), cache.settings), expected["pixel_values"])
+
+
+class StopAfter:
+    """Stands in for a SIGTERM arriving while step `n` runs."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    @property
+    def received(self):
+        self.calls += 1
+        return "SIGTERM" if self.calls == self.n else None
+
+
+def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterrupted_one_does(tmp_path, tiny_model_dir):
+    from vlft.demo.shapes import make_dataset
+
+    make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 48}, seed=0)
+    prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+    settings_px = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", settings_px)
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    settings = build_plan(config).stage("exp1", "main").train_params() | {"max_steps": 6, "micro_batch": 8, "lora_dropout": 0.1}
+    inputs = StageInputs(str(tiny_model_dir), [str(tmp_path / "prepared.jsonl")], [str(tmp_path / "cache")], None)
+
+    def run(name, stop=None):
+        out = tmp_path / name
+        return train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 2, stop), out
+
+    _, whole = run("whole")
+    with pytest.raises(Preempted, match="after step 3"):
+        run("split", StopAfter(3))
+    assert not (tmp_path / "split/adapter").exists()
+    summary, split = run("split")
+    assert summary["resumed_from_step"] == 3
+    log = [json.loads(line) for line in (split / "log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == [1, 2, 3, 4, 5, 6]
+    a = load_file(whole / "adapter/adapter_model.safetensors")
+    b = load_file(split / "adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
