@@ -8,8 +8,9 @@ rule make_demo_dataset:
     log:
         f"{RESULTS}/logs/make_demo_dataset.log",
     params:
-        sizes=" ".join(f"{k}={v}" for k, v in config["demo"]["dataset"]["sizes"].items()),
-        records=" ".join(f"{k}={v}" for k, v in config["datasets"][DEMO_DATASET]["splits"].items()),
+        # Sorted: the order of keys in the YAML file is not a change.
+        sizes=" ".join(f"{k}={v}" for k, v in sorted(config["demo"]["dataset"]["sizes"].items())),
+        records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][DEMO_DATASET]["splits"].items())),
         seed=config["demo"]["dataset"]["seed"],
     shell:
         "python scripts/make_demo_dataset.py --image-root {output.images:q} --records {params.records} "

@@ -13,13 +13,14 @@ rule train:
         init_adapter=get_init_adapter_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
-        checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
     resources:
         runtime=get_train_resource("runtime"),
         mem_mb=get_train_resource("mem_mb"),
         gpu=get_train_resource("gpus"),
+        # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
+        checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
     shell:
         "python scripts/train.py --model {input.model:q} {TRUST_REMOTE_CODE} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {params.checkpoint_every} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee {log:q}"
