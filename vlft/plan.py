@@ -8,8 +8,6 @@ params trigger reruns a stage when, and only when, its own settings change.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from dataclasses import dataclass, field
 
 from vlft.errors import ConfigError
@@ -119,10 +117,6 @@ class Plan:
 
 def pixels_tag(min_pixels: int, max_pixels: int) -> str:
     return f"{min_pixels}-{max_pixels}"
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _merge(base: dict, override: dict) -> dict:
