@@ -1,10 +1,10 @@
 rule cache_images:
     # Decode and resize every image of a split once, at one resolution range; uint8 safetensors shards.
     input:
-        records=f"{RESULTS}/prepared/{{dataset}}/{{split}}.jsonl",
+        records=prepared_path("{dataset}", "{split}"),
         model=MODEL,
     output:
-        directory(f"{RESULTS}/cache/images/{{dataset}}/{{split}}/{{pixels}}"),
+        directory(cache_path("{dataset}", "{split}", "{pixels}")),
     log:
         f"{RESULTS}/logs/cache_images/{{dataset}}/{{split}}/{{pixels}}.log",
     params:

@@ -4,7 +4,7 @@ rule evaluate:
         unpack(get_eval_inputs),
     output:
         predictions=f"{RESULTS}/eval/{{experiment}}/{{stage}}/{{split}}/predictions.jsonl",
-        metrics=f"{RESULTS}/eval/{{experiment}}/{{stage}}/{{split}}/metrics.json",
+        metrics=metrics_path("{experiment}", "{stage}", "{split}"),
     log:
         f"{RESULTS}/logs/evaluate/{{experiment}}/{{stage}}/{{split}}.log",
     params:

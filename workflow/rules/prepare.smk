@@ -3,7 +3,7 @@ rule prepare_split:
     input:
         unpack(get_raw_split),
     output:
-        f"{RESULTS}/prepared/{{dataset}}/{{split}}.jsonl",
+        prepared_path("{dataset}", "{split}"),
     log:
         f"{RESULTS}/logs/prepare_split/{{dataset}}/{{split}}.log",
     params:

@@ -3,7 +3,7 @@ rule train:
     input:
         unpack(get_train_inputs),
     output:
-        adapter=directory(f"{RESULTS}/train/{{experiment}}/{{stage}}/adapter"),
+        adapter=directory(adapter_path("{experiment}", "{stage}")),
         log=f"{RESULTS}/train/{{experiment}}/{{stage}}/log.jsonl",
         summary=f"{RESULTS}/train/{{experiment}}/{{stage}}/summary.json",
     log:
