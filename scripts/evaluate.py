@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from vlft.cli import run
+from vlft.cli import run, set_cpu_threads
 from vlft.evaluate import evaluate_split
 
 
@@ -17,7 +17,9 @@ def main():
     parser.add_argument("--settings", required=True, help="evaluation settings, as JSON")
     parser.add_argument("--predictions", required=True)
     parser.add_argument("--metrics", required=True)
+    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch")
     args = parser.parse_args()
+    set_cpu_threads(args.threads)
     metrics = evaluate_split(
         args.model,
         args.adapter,

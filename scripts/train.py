@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from vlft.cli import run
+from vlft.cli import run, set_cpu_threads
 from vlft.train import Preempted, StageInputs, StopSignal, train_stage
 
 # Distinct from a crash: the job stopped on request, with its progress saved.
@@ -24,8 +24,10 @@ def main():
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
+    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch")
     args = parser.parse_args()
     stop = StopSignal()  # before anything slow: a signal during loading must not kill us unsaved
+    set_cpu_threads(args.threads)
     inputs = StageInputs(args.model, args.prepared, args.caches, args.init_adapter, args.trust_remote_code)
     try:
         summary = train_stage(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -25,9 +26,9 @@ def copy_workflow(target: Path) -> Path:
     return target
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True
+        [sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True, timeout=timeout
     )
     if check and result.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
@@ -60,3 +61,40 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model") / "tiny"
     make_tiny_model(path)
     return path
+
+
+def slurm_problem() -> str | None:
+    """Why no SLURM cluster can be used here, or None when one answers."""
+    if shutil.which("sbatch") is None:
+        return "no SLURM client (sbatch) on this machine; start one with scripts/slurm_cluster.sh start"
+    ping = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    if ping.returncode != 0 or "idle" not in ping.stdout and "mix" not in ping.stdout:
+        return f"no idle SLURM node answers (sinfo: {ping.stdout.strip() or ping.stderr.strip()})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A SLURM cluster to submit to: skipped where there is none, a failure where CI asks for one
+    (VLFT_REQUIRE_SLURM=1, set by .ci/run after scripts/slurm_cluster.sh start)."""
+    problem = slurm_problem()
+    if problem and os.environ.get("VLFT_REQUIRE_SLURM") == "1":
+        pytest.fail(f"SLURM required (VLFT_REQUIRE_SLURM=1) but {problem}")
+    if problem:
+        pytest.skip(problem)
+
+
+def site_profile(directory: Path, **extra) -> Path:
+    """A site's own small profile, given after profiles/slurm: the account and partition of the
+    cluster from scripts/slurm_cluster.sh, threads capped to its CPUs, quick first status check."""
+    import yaml
+
+    settings = {
+        "default-resources": {"slurm_account": "demo", "slurm_partition": "debug"},
+        "max-threads": 2,
+        "slurm-init-seconds-before-status-checks": 2,
+        **extra,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text(yaml.safe_dump(settings))
+    return directory

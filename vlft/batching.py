@@ -1,14 +1,14 @@
 """Micro-batches from samples: token ids padded per batch, image patches from the pixel cache.
 
-Padding happens per micro-batch only (never to a global length); another batching strategy
-(packing, precomputed vision outputs) plugs in by producing the same model inputs.
+Padding happens per micro-batch only (never to a global length), and micro-batches can be cut
+to a token budget from samples of similar length, so little of each batch is padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vlft.image_cache import ImageCache, to_patches
+from vlft.image_cache import ImageCache
 from vlft.prompts import PromptBuilder, Sample
 
 
@@ -34,10 +34,11 @@ def collate(
         input_ids[row, span] = torch.tensor(seq)
         label_ids[row, span] = torch.tensor(lab)
         attention[row, span] = 1
+    # Each image as its cache holds it: pixel patches, or the vision tower's cached outputs.
     patches, grids = [], []
     for sample in samples:
         cache, image_id = images[sample.record_id]
-        patches.append(to_patches(cache.pixels(image_id).to(device), cache.settings, dtype))
+        patches.append(cache.model_input(image_id, device, dtype))
         grids.append(cache.grid_thw(image_id))
     return {
         "input_ids": input_ids.to(device),
@@ -49,16 +50,22 @@ def collate(
     }
 
 
-def token_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the answer tokens, and how many there were.
+def token_budget_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Split one optimizer step's samples into micro-batches of similar length, each holding at most
+    `max_tokens` tokens once padded (one sample alone may exceed it).
 
-    Summing (not averaging) per micro-batch lets gradient accumulation weight every token
-    equally, however the tokens fall into micro-batches.
+    Long samples are grouped with long ones and short with short, so padding stays small, and
+    the micro-batch grows where samples are short. The step's loss and gradient are unchanged: the
+    loss is summed per token over all micro-batches of the step.
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits[:, :-1].float()
-    targets = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-    return loss, int((targets != -100).sum())
+    batches, current = [], []
+    for sample in sorted(samples, key=lambda s: len(s.input_ids), reverse=True):
+        # Sorted longest first: the first sample of a batch sets its padded width.
+        width = len(current[0].input_ids) if current else len(sample.input_ids)
+        if current and (len(current) + 1) * width > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        batches.append(current)
+    return batches

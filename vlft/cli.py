@@ -1,13 +1,33 @@
-"""What the command-line entry points share: bad input ends in one line naming the file and line, not a traceback."""
+"""What the command-line entry points share: a first line saying where the job runs, and bad input
+ending in one line naming the file and line, not a traceback."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 
 from vlft.errors import ConfigError, InputError
 
 
+def describe_placement() -> str:
+    """Host and the GPUs this job may use, as the scheduler handed them out: a GPU job on SLURM shows
+    its own CUDA_VISIBLE_DEVICES, a CPU job shows none."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
+    job = os.environ.get("SLURM_JOB_ID")
+    where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
+    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}"
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Keep torch's CPU work inside the CPUs the job was given."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
 def run(main) -> None:
+    print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", file=sys.stderr, flush=True)
     try:
         main()
     except (InputError, ConfigError) as err:

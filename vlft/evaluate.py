@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from vlft.answers import final_answer, is_correct
-from vlft.batching import collate, token_loss_sum
+from vlft.batching import collate
+from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter
 from vlft.prompts import PromptBuilder
@@ -47,7 +48,7 @@ def evaluate_split(
 
         # Loss of the reference answer, in the format the stage was trained on.
         batch = collate(samples, data.images, builder, pad_id, device, dtype)
-        loss, tokens = token_loss_sum(model, batch)
+        loss, tokens = answer_loss_sum(model, batch)
         loss_sum, loss_tokens = loss_sum + loss.item(), loss_tokens + tokens
 
         prompts = collate(samples, data.images, builder, pad_id, device, dtype, left_pad=True, prompt_only=True)

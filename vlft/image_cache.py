@@ -133,6 +133,10 @@ class ImageCache:
         t, h, w = self.grid_thw(record_id)
         return t * h * w // self.settings.merge_size**2
 
+    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The image as the vision tower takes it: flat patches."""
+        return to_patches(self.pixels(record_id).to(device), self.settings, dtype)
+
     def pixels(self, record_id: str) -> torch.Tensor:
         entry = self.entries[record_id]
         if entry["shard"] not in self._shards:

@@ -41,7 +41,11 @@ BUILTIN_STAGE_DEFAULTS: dict = {
     "max_seq_len": 4096,
     "seed": 0,
     "checkpoint_every": 200,
-    "resources": {},
+    "vision_cache": False,
+    "max_batch_tokens": None,
+    "compile": False,
+    # A GPU job's cluster request (train, and evaluate of this stage); runtime in minutes.
+    "resources": {"runtime": 360, "mem_mb": 32000, "gpus": 1},
 }
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
@@ -104,6 +108,11 @@ class Plan:
                 base_splits.add(split)
         jobs += [(BASE_EXPERIMENT, BASE_STAGE, split) for split in sorted(base_splits)]
         return jobs
+
+    def resources(self, experiment: str, stage: str) -> dict:
+        """The cluster request of a stage's jobs; the untrained base model's evaluations use `defaults`."""
+        source = self.defaults if experiment == BASE_EXPERIMENT else self.stage(experiment, stage).settings
+        return source["resources"]
 
     def eval_settings(self, experiment: str, stage: str, evaluation: dict) -> dict:
         """Everything an evaluation depends on: its stage's data and format, and the eval options."""

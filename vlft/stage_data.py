@@ -8,6 +8,7 @@ from vlft.answers import target_text
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.image_cache import ImageCache
+from vlft.vision_cache import VisionCache, is_vision_cache
 from vlft.prompts import PromptBuilder, Sample
 from vlft.records import select_records
 
@@ -15,14 +16,14 @@ from vlft.records import select_records
 @dataclass
 class StageData:
     records: list[dict]  # each with "key": unique across the splits joined here
-    images: dict[str, tuple[ImageCache, str]]  # by record key: the cache holding its image, and its id there
+    images: dict[str, tuple[ImageCache | VisionCache, str]]  # by record key: the cache holding its image, and its id there
     samples: dict[str, Sample]  # by record key
 
 
 def load_stage_data(prepared: list[str], cache_dirs: list[str], builder: PromptBuilder, settings: dict) -> StageData:
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
-        cache = ImageCache(cache_dir)
+        cache = VisionCache(cache_dir) if is_vision_cache(cache_dir) else ImageCache(cache_dir)
         split_records = read_jsonl(split_path)
         split_records = select_records(split_records, settings.get("filter") or {}, split_path)
         for record in split_records:
@@ -44,5 +45,9 @@ def load_stage_data(prepared: list[str], cache_dirs: list[str], builder: PromptB
     return StageData(records, images, samples)
 
 
-def cache_of(images: dict, key: str) -> ImageCache:
+def uses_vision_cache(data: StageData) -> bool:
+    return any(isinstance(cache, VisionCache) for cache, _ in data.images.values())
+
+
+def cache_of(images: dict, key: str) -> ImageCache | VisionCache:
     return images[key][0]

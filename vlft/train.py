@@ -1,8 +1,9 @@
-"""Train one stage: LoRA on the language model, from the pixel cache, resumable, stoppable by signal.
+"""Train one stage: LoRA on the language model, from the pixel or vision cache, resumable, stoppable by signal.
 
 A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
-(curricula), batches come from our caches (and, later, packed sequences or cached vision
-outputs), the loss is summed per token across gradient accumulation, and a signal from SLURM
+(curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) cut to a
+token budget, the loss is summed per token across gradient accumulation and computed on answer
+tokens only (vlft.loss), and a signal from SLURM
 must end in a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
 collator and resume logic; here they are a few lines each. It reads top to bottom:
 data -> model -> optimizer -> resume -> loop -> save.
@@ -24,12 +25,14 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from vlft import checkpoints
-from vlft.batching import collate, token_loss_sum
+from vlft.batching import collate, token_budget_batches
+from vlft.loss import answer_loss_sum
 from vlft.files import atomic_path, write_json
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter, with_new_adapter
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
-from vlft.stage_data import load_stage_data
+from vlft.stage_data import load_stage_data, uses_vision_cache
+from vlft.vision_cache import use_vision_cache
 
 
 class Preempted(Exception):
@@ -74,6 +77,14 @@ def plan_steps(records: list[dict], settings: dict) -> list[list[list[str]]]:
     return steps[:total]
 
 
+def compile_decoder_layers(model) -> None:
+    """torch.compile each decoder layer of the language model: fused elementwise work around the
+    matmuls, one graph reused by every layer; dynamic shapes, as batch widths vary."""
+    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in outer.model.language_model.layers:
+        layer.compile(dynamic=True)
+
+
 def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -106,6 +117,10 @@ def train_stage(
         model = with_adapter(model, inputs.init_adapter, trainable=True)
     else:
         model = with_new_adapter(model, settings)
+    if uses_vision_cache(data):
+        use_vision_cache(model)  # the frozen tower's outputs come from the cache
+    if settings["compile"] and device.type == "cuda":
+        compile_decoder_layers(model)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -138,14 +153,19 @@ def train_stage(
         for step in range(first_step, len(steps)):
             step_start = time.time()
             micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
+            if settings["max_batch_tokens"]:
+                micro_batches = token_budget_batches([s for b in micro_batches for s in b], settings["max_batch_tokens"])
             n_targets = sum(sum(t != -100 for t in s.labels) for batch in micro_batches for s in batch)
-            loss_total = 0.0
+            # The loss stays on the device until the step ends: no sync between micro-batches, so
+            # the next batch is read and copied while the GPU still works on this one.
+            loss_total = torch.zeros((), device=device)
             for batch_samples in micro_batches:
                 batch = collate(batch_samples, data.images, builder, pad_id, device, dtype)
-                loss_sum, _ = token_loss_sum(model, batch)
+                loss_sum, _ = answer_loss_sum(model, batch)
                 (loss_sum / n_targets).backward()
-                loss_total += loss_sum.item()
+                loss_total += loss_sum.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
+            loss_total = loss_total.item()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (
+    AutoModelForImageTextToText,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2VLConfig,
+    Qwen3VLConfig,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlft.demo.shapes import corpus
@@ -54,36 +60,47 @@ def make_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_config(tokenizer, hidden_size: int, layers: int) -> Qwen3VLConfig:
+FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2_vl")
+# Vision patch size of each family (Qwen3-VL 16 pixels, the earlier ones 14).
+PATCH_SIZE = {"qwen3_vl": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
+
+
+def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_vl"):
     token = tokenizer.convert_tokens_to_ids
     head_dim = 32
-    return Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": layers,
-            "num_attention_heads": hidden_size // head_dim,
-            "num_key_value_heads": max(1, hidden_size // head_dim // 2),
-            "head_dim": head_dim,
-            "max_position_embeddings": 4096,
-            # M-RoPE splits the rotary half of head_dim (16) into temporal, height and width parts.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-            "pad_token_id": token("<|endoftext|>"),
-            "eos_token_id": token("<|im_end|>"),
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": hidden_size,
-            "num_position_embeddings": 256,
-            "deepstack_visual_indexes": [1],
-        },
+    # M-RoPE splits the rotary half of head_dim (16) into temporal, height and width parts.
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5]}
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden_size // head_dim,
+        "num_key_value_heads": max(1, hidden_size // head_dim // 2),
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rope_parameters": dict(rope, mrope_interleaved=True) if family == "qwen3_vl" else rope,
+        "bos_token_id": token("<|endoftext|>"),
+        "pad_token_id": token("<|endoftext|>"),
+        "eos_token_id": token("<|im_end|>"),
+    }
+    vision_common = {"depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen3_vl":
+        config_class = Qwen3VLConfig
+        vision = {**vision_common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": hidden_size,
+                  "num_position_embeddings": 256, "deepstack_visual_indexes": [1]}
+    elif family == "qwen2_5_vl":
+        config_class = Qwen2_5_VLConfig
+        vision = {**vision_common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": hidden_size,
+                  "window_size": 56, "fullatt_block_indexes": [1]}
+    elif family == "qwen2_vl":
+        config_class = Qwen2VLConfig
+        vision = {**vision_common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}
+    else:
+        raise ValueError(f"unknown model family {family!r}; one of {FAMILIES}")
+    return config_class(
+        text_config=text,
+        vision_config=vision,
         image_token_id=token("<|image_pad|>"),
         video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"),
@@ -91,11 +108,13 @@ def make_config(tokenizer, hidden_size: int, layers: int) -> Qwen3VLConfig:
     )
 
 
-def make_tiny_model(output_dir: str | Path, seed: int = 0, hidden_size: int = 128, layers: int = 2) -> None:
+def make_tiny_model(
+    output_dir: str | Path, seed: int = 0, hidden_size: int = 128, layers: int = 2, family: str = "qwen3_vl"
+) -> None:
     tokenizer = make_tokenizer()
-    config = make_config(tokenizer, hidden_size, layers)
+    config = make_config(tokenizer, hidden_size, layers, family)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = AutoModelForImageTextToText.from_config(config)
     # A pretrained head is confident; a random one at the usual 0.02 scale, behind a unit-RMS
     # norm, caps every logit near 2.5, so no adapter could fit even one answer. Scale it up.
     with torch.no_grad():
@@ -103,7 +122,7 @@ def make_tiny_model(output_dir: str | Path, seed: int = 0, hidden_size: int = 12
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     processor = Qwen2VLImageProcessorPil(
-        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=256 * 256
+        patch_size=PATCH_SIZE[family], merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=256 * 256
     )
     with atomic_path(output_dir) as tmp:
         model.save_pretrained(tmp)

@@ -11,7 +11,32 @@ rule cache_images:
         min_pixels=lambda wildcards: wildcards.pixels.split("-")[0],
         max_pixels=lambda wildcards: wildcards.pixels.split("-")[1],
     threads: 8
+    resources:
+        mem_mb=8000,
+        runtime=120,
     shell:
         "python scripts/cache_images.py --records {input.records:q} --model {input.model:q} {TRUST_REMOTE_CODE} "
         "--min-pixels {params.min_pixels} --max-pixels {params.max_pixels} --threads {threads} "
         "--output {output:q} 2>&1 | tee {log:q}"
+
+
+rule cache_vision:
+    # The frozen vision tower's outputs for every image of a split, once, for experiments with
+    # vision_cache: true; refused before it starts if larger than vision_cache_max_gb.
+    input:
+        pixels=cache_path("{dataset}", "{split}", "{pixels}"),
+        model=MODEL,
+    output:
+        directory(vision_cache_path("{dataset}", "{split}", "{pixels}")),
+    log:
+        f"{RESULTS}/logs/cache_vision/{{dataset}}/{{split}}/{{pixels}}.log",
+    params:
+        max_gb=config.get("vision_cache_max_gb", 200),
+    threads: 8
+    resources:
+        runtime=get_stage_resource("runtime", default=True),
+        mem_mb=get_stage_resource("mem_mb", default=True),
+        gpu=get_stage_resource("gpus", default=True),
+    shell:
+        "python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {TRUST_REMOTE_CODE} "
+        "--max-gb {params.max_gb} --output {output:q} 2>&1 | tee {log:q}"

@@ -1,5 +1,6 @@
 # Config -> plan, output paths, and the get_* input functions of every rule.
 import json
+import signal
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -12,6 +13,11 @@ try:
     PLAN = build_plan(config)
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
+
+# SLURM's early warning before a time limit (`--signal=USR1@...`, see profiles/slurm) goes to
+# every process of the job, Snakemake's own included, and USR1's default action is to exit.
+# Snakemake ignores it, so that the job lives on while the trainer saves a checkpoint.
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 RESULTS = config["results"]
 MODEL = config["model"]["path"]
@@ -33,6 +39,10 @@ def prepared_path(dataset, split):
 
 def cache_path(dataset, split, pixels):
     return f"{RESULTS}/cache/images/{dataset}/{split}/{pixels}"
+
+
+def vision_cache_path(dataset, split, pixels):
+    return f"{RESULTS}/cache/vision/{dataset}/{split}/{pixels}"
 
 
 def adapter_path(experiment, stage):
@@ -65,7 +75,10 @@ def get_train_inputs(wildcards):
     inputs = {
         "model": MODEL,
         "prepared": [prepared_path(settings["dataset"], s) for s in settings["train_splits"]],
-        "caches": [cache_path(settings["dataset"], s, stage.pixels()) for s in settings["train_splits"]],
+        "caches": [
+            (vision_cache_path if settings["vision_cache"] else cache_path)(settings["dataset"], s, stage.pixels())
+            for s in settings["train_splits"]
+        ],
     }
     if stage.init_from:
         inputs["init_adapter"] = adapter_path(*stage.init_from.split("/"))
@@ -76,11 +89,16 @@ def get_train_settings(wildcards):
     return json.dumps(get_stage(wildcards).train_params(), sort_keys=True)
 
 
-def get_train_resource(key):
-    """A training resource from the stage's `resources` (inherited from `defaults`), growing with each retry."""
+def get_stage_resource(key, default=False):
+    """A GPU job's resource from its stage's `resources` (inherited from `defaults`; `default` takes
+    `defaults` itself, for jobs of no one stage); runtime grows with each retry, so a job killed at
+    its time limit gets longer the next time."""
 
     def resource(wildcards, attempt):
-        value = get_stage(wildcards).settings["resources"][key]
+        if default:
+            value = PLAN.defaults["resources"][key]
+        else:
+            value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
         return value * attempt if key == "runtime" else value
 
     return resource

@@ -10,7 +10,12 @@ rule evaluate:
     params:
         settings=lambda wildcards: json.dumps(get_eval_settings(wildcards), sort_keys=True),
         adapter=get_adapter_arg,
+    threads: 8
+    resources:
+        runtime=get_stage_resource("runtime"),
+        mem_mb=get_stage_resource("mem_mb"),
+        gpu=get_stage_resource("gpus"),
     shell:
         "python scripts/evaluate.py --model {input.model:q} {TRUST_REMOTE_CODE} {params.adapter} "
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
-        "--predictions {output.predictions:q} --metrics {output.metrics:q} 2>&1 | tee {log:q}"
+        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} 2>&1 | tee {log:q}"

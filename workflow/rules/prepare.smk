@@ -9,6 +9,9 @@ rule prepare_split:
     params:
         image_root=lambda wildcards: config["datasets"][wildcards.dataset]["image_root"],
     threads: 4
+    resources:
+        mem_mb=4000,
+        runtime=60,
     shell:
         "python scripts/prepare_split.py --records {input.records:q} --image-root {params.image_root:q} "
         "--output {output:q} --threads {threads} 2>&1 | tee {log:q}"

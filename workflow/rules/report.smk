@@ -9,6 +9,9 @@ rule report:
         jobs=f"{RESULTS}/report/jobs.csv",
     log:
         f"{RESULTS}/logs/report.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
     shell:
         "python scripts/report.py --metrics {input.metrics:q} "
         "--summaries {input.summaries:q} --output-dir $(dirname {output.html:q}) 2>&1 | tee {log:q}"

@@ -13,14 +13,18 @@ rule train:
         init_adapter=get_init_adapter_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
+    threads: 8
     resources:
-        runtime=get_train_resource("runtime"),
-        mem_mb=get_train_resource("mem_mb"),
-        gpu=get_train_resource("gpus"),
+        runtime=get_stage_resource("runtime"),
+        mem_mb=get_stage_resource("mem_mb"),
+        gpu=get_stage_resource("gpus"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
     shell:
-        "python scripts/train.py --model {input.model:q} {TRUST_REMOTE_CODE} --prepared {input.prepared:q} "
+        # At a time limit SLURM signals every process of the job. The shell and tee ignore
+        # SIGTERM and SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a
+        # checkpoint, exits 75, and the retry resumes.
+        "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {TRUST_REMOTE_CODE} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,25 @@
+"""Run the frozen vision tower once over a split's pixel cache and store its outputs (the vision cache)."""
+
+import argparse
+
+from vlft.cli import run
+from vlft.modeling import load_base_model, pick_device
+from vlft.vision_cache import build_vision_cache
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pixels", required=True, help="the split's pixel cache")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--max-gb", type=float, required=True, help="refuse a cache larger than this")
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    device, dtype = pick_device()
+    model = load_base_model(args.model, device, dtype, args.trust_remote_code)
+    count = build_vision_cache(args.pixels, model, args.output, args.max_gb, device)
+    print(f"cached the vision outputs of {count} images in {args.output}")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# A single-node SLURM cluster on this machine, for the tests and for trying the SLURM profile:
+# slurmctld, slurmd with two fake GPUs, and slurmdbd on MariaDB so that `sacct` works as on a
+# real site. Debian 12, as root.
+#
+#   scripts/slurm_cluster.sh install   # apt packages (about 25 s)
+#   scripts/slurm_cluster.sh start     # writes the config, starts the daemons, waits for an idle node
+#   scripts/slurm_cluster.sh stop      # stops each daemon by its pid file
+#
+# The account `demo` and the partition `debug` exist on it. Everything lives under $STATE_DIR.
+set -euo pipefail
+
+STATE_DIR=${VLFT_SLURM_STATE:-/var/lib/vlft-slurm}
+CLUSTER=vlft
+ACCOUNT=demo
+PARTITION=debug
+PACKAGES="munge slurmctld slurmd slurm-client slurmdbd mariadb-server"
+
+say() { echo "slurm_cluster: $*" >&2; }
+
+wait_for() {  # wait_for <seconds> <what> <command...>
+    local seconds=$1 what=$2
+    shift 2
+    for _ in $(seq $((seconds * 5))); do
+        if "$@" >/dev/null 2>&1; then return 0; fi
+        sleep 0.2
+    done
+    say "timed out after ${seconds}s waiting for $what"
+    return 1
+}
+
+install() {
+    if command -v slurmctld >/dev/null && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then
+        return 0
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null
+}
+
+write_config() {
+    local cpus mem_mb
+    # At least 4 CPUs, so that two jobs of two threads run side by side even on a 2-core machine
+    # (config_overrides lets slurmd accept more CPUs than it counts).
+    cpus=$(( $(nproc) < 4 ? 4 : $(nproc) ))
+    mem_mb=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
+    mkdir -p "$STATE_DIR"/{spool/ctld,spool/d,log,run,gpu} /etc/slurm
+    chown -R slurm:slurm "$STATE_DIR"/spool "$STATE_DIR"/log "$STATE_DIR"/run
+    # Fake GPUs: SLURM needs a device file per GPU and refuses plain files; /dev/null will do.
+    ln -sf /dev/null "$STATE_DIR/gpu/nvidia0"
+    ln -sf /dev/null "$STATE_DIR/gpu/nvidia1"
+
+    cat >/etc/slurm/slurm.conf <<EOF
+ClusterName=$CLUSTER
+SlurmctldHost=localhost
+SlurmUser=slurm
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE_DIR/spool/ctld
+SlurmdSpoolDir=$STATE_DIR/spool/d
+SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid
+SlurmdPidFile=$STATE_DIR/run/slurmd.pid
+SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
+SlurmdLogFile=$STATE_DIR/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+GresTypes=gpu
+# Signals at the time limit: SIGTERM, then SIGKILL after KillWait seconds.
+KillWait=30
+# Keep finished jobs visible to squeue for a while, as real sites do.
+MinJobAge=300
+ReturnToService=2
+SlurmdParameters=config_overrides
+NodeName=localhost CPUs=$cpus RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN
+PartitionName=$PARTITION Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+EOF
+    cat >/etc/slurm/gres.conf <<EOF
+NodeName=localhost Name=gpu File=$STATE_DIR/gpu/nvidia[0-1]
+EOF
+    cat >/etc/slurm/slurmdbd.conf <<EOF
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=slurm
+PidFile=$STATE_DIR/run/slurmdbd.pid
+LogFile=$STATE_DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+EOF
+    chown slurm:slurm /etc/slurm/slurmdbd.conf
+    chmod 600 /etc/slurm/slurmdbd.conf
+}
+
+start() {
+    install
+    write_config
+    mkdir -p /run/munge /run/mysqld
+    chown munge:munge /run/munge
+    chown mysql:mysql /run/mysqld
+    runuser -u munge -- /usr/sbin/munged
+    wait_for 10 munge munge -n
+
+    runuser -u mysql -- mariadbd --datadir=/var/lib/mysql --socket=/run/mysqld/mysqld.sock \
+        --pid-file=/run/mysqld/mysqld.pid --skip-networking=0 --bind-address=127.0.0.1 \
+        >"$STATE_DIR/log/mariadb.log" 2>&1 &
+    wait_for 30 mariadb mariadb -e "select 1"
+    mariadb -e "create user if not exists 'slurm'@'localhost' identified by 'slurm';
+                grant all on slurm_acct_db.* to 'slurm'@'localhost';"
+
+    slurmdbd
+    wait_for 30 slurmdbd sacctmgr -n show cluster
+    sacctmgr -i add cluster "$CLUSTER" >/dev/null 2>&1 || true
+    sacctmgr -i add account "$ACCOUNT" cluster="$CLUSTER" >/dev/null 2>&1 || true
+    sacctmgr -i add user root account="$ACCOUNT" cluster="$CLUSTER" >/dev/null 2>&1 || true
+
+    slurmctld
+    wait_for 30 slurmctld scontrol ping
+    slurmd
+    wait_for 30 "an idle node" sh -c '[ "$(sinfo -h -o %t)" = idle ]'
+    say "up: partition $PARTITION, account $ACCOUNT, $(sinfo -h -o %c) CPUs, 2 GPUs"
+}
+
+stop_daemon() {  # stop_daemon <pid file>
+    local pidfile=$1 pid
+    [ -f "$pidfile" ] || return 0
+    pid=$(cat "$pidfile")
+    if kill "$pid" 2>/dev/null; then
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    rm -f "$pidfile"
+}
+
+stop() {
+    stop_daemon "$STATE_DIR/run/slurmd.pid"
+    stop_daemon "$STATE_DIR/run/slurmctld.pid"
+    stop_daemon "$STATE_DIR/run/slurmdbd.pid"
+    stop_daemon /run/mysqld/mysqld.pid
+    if [ -f /run/munge/munged.pid ]; then stop_daemon /run/munge/munged.pid; fi
+    # Stale pid files of the packages' own scripts break their removal.
+    rm -f /run/slurmctld.pid /run/slurmd.pid /run/slurmdbd.pid
+    say "stopped"
+}
+
+case "${1:-}" in
+install) install ;;
+start) start ;;
+stop) stop ;;
+*) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
+esac

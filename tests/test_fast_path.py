@@ -1,0 +1,168 @@
+"""The fast training path changes no result: for the same samples, the vision cache, token-budget
+micro-batches and the fused head + loss give the loss and LoRA gradients of the plain path (pixels
+through the vision tower, padded batches, full-vocabulary logits), for every Qwen-VL family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from vlft.batching import collate, token_budget_batches
+from vlft.demo.shapes import make_dataset
+from vlft.errors import ConfigError
+from vlft.image_cache import ImageCache, PixelSettings, build_image_cache
+from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
+from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, with_new_adapter
+from vlft.prompts import PromptBuilder
+from vlft.records import prepare_split
+from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
+from vlft.demo.tiny_model import FAMILIES, make_tiny_model
+
+# fp32 on the CPU: the paths differ only in summation order.
+TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_setup(request, tmp_path_factory):
+    """A tiny model of one family, 12 demo records of varied answer lengths, and their pixel cache."""
+    root = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(root / "model", family=request.param)
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 12}, seed=1)
+    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
+    settings = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "pixels", settings)
+    return root
+
+
+def lora_model(model_dir):
+    torch.manual_seed(0)
+    model = with_new_adapter(load_base_model(model_dir, torch.device("cpu"), torch.float32), LORA)
+    # Non-zero B matrices, so that every LoRA gradient is non-trivial.
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return model
+
+
+def samples_and_images(root, cache):
+    from vlft.files import read_jsonl
+
+    tokenizer = load_tokenizer(root / "model")
+    model_config = load_base_model(root / "model", torch.device("cpu"), torch.float32).config
+    builder = PromptBuilder(tokenizer, model_config.image_token_id)
+    records = read_jsonl(root / "prepared.jsonl")
+    samples = [builder.sample(r["id"], r["question"], r["answer"] + " because" * (3 * i), cache.num_image_tokens(r["id"]), 1024)
+               for i, r in enumerate(records)]
+    return samples, {r["id"]: (cache, r["id"]) for r in records}, builder, tokenizer.pad_token_id
+
+
+def plain_loss_sum(model, batch):
+    """The reference: full-vocabulary logits from the model's own forward, summed cross-entropy."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+def loss_and_grads(model, batches, n_targets):
+    model.zero_grad()
+    total = 0.0
+    for loss in batches:
+        (loss() / n_targets).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return grads
+
+
+def test_cached_budgeted_fused_path_gives_the_plain_paths_loss_and_gradients(family_setup):
+    root = family_setup
+    pixels = ImageCache(root / "pixels")
+    model = lora_model(root / "model")
+    build_vision_cache(root / "pixels", model.get_base_model(), root / "vision", max_gb=1, device=torch.device("cpu"))
+    vision = VisionCache(root / "vision")
+    samples, pixel_images, builder, pad_id = samples_and_images(root, pixels)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+
+    # Plain: one padded batch of pixels, full logits.
+    model.zero_grad()
+    batch = collate(samples, pixel_images, builder, pad_id, cpu, fp32)
+    plain = plain_loss_sum(model, batch)
+    n_targets = int((batch["labels"][:, 1:] != -100).sum())
+    (plain / n_targets).backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g.abs().sum() > 0 for g in plain_grads.values())
+
+    # Fast: the vision tower replaced by its cached outputs, micro-batches under a token budget.
+    fast_model = copy.deepcopy(model)
+    use_vision_cache(fast_model)
+    fast_model.zero_grad()
+    vision_images = {key: (vision, image_id) for key, (_, image_id) in pixel_images.items()}
+    budget = max(len(s.input_ids) for s in samples) * 3
+    groups = token_budget_batches(samples, budget)
+    assert len(groups) > 1 and all(len(g) * max(len(s.input_ids) for s in g) <= budget for g in groups)
+    fast, counted = 0.0, 0
+    for group in groups:
+        loss, n = answer_loss_sum(fast_model, collate(group, vision_images, builder, pad_id, cpu, fp32))
+        (loss / n_targets).backward()
+        fast, counted = fast + loss.item(), counted + n
+    assert counted == n_targets
+    assert fast == pytest.approx(plain.item(), rel=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(dict(fast_model.named_parameters())[name].grad, grad, **TOLERANCE, msg=name)
+
+
+def test_chunked_fallback_equals_full_logits_cross_entropy():
+    torch.manual_seed(0)
+    hidden = torch.randn(2500, 32, requires_grad=True)
+    weight = torch.randn(300, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (2500,))
+    fused = linear_cross_entropy_sum(hidden, weight, targets)
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    plain = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grads[0], hidden.grad, **TOLERANCE)
+    torch.testing.assert_close(grads[1], weight.grad, **TOLERANCE)
+
+
+def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(family_setup, tmp_path):
+    root = family_setup
+    model = load_base_model(root / "model", torch.device("cpu"), torch.float32)
+    size = estimate_bytes(ImageCache(root / "pixels"), model.config, torch.float32)
+    with pytest.raises(ConfigError, match="vision_cache_max_gb"):
+        build_vision_cache(root / "pixels", model, tmp_path / "vision", max_gb=size / 2e9, device=torch.device("cpu"))
+    assert not (tmp_path / "vision").exists()
+    build_vision_cache(root / "pixels", model, tmp_path / "vision", max_gb=size * 1.01 / 1e9, device=torch.device("cpu"))
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "vision").glob("*.safetensors"))
+    assert size <= on_disk < size * 1.05
+
+
+def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_curve(demo_workdir, tmp_path):
+    import json
+    import shutil
+
+    import yaml
+
+    from conftest import planned_outputs, snakemake
+
+    workdir = tmp_path / "work"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    config_file = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["experiments"]["exp1"]["stages"][0]["vision_cache"] = True
+    config_file.write_text(yaml.safe_dump(config))
+    planned = planned_outputs(workdir, "--cores", "2", "results/train/exp1/main/log.jsonl")
+    assert planned == {"results/cache/vision/shapes/train/4096-16384", "results/train/exp1/main/adapter"}
+    snakemake(workdir, "--cores", "2", "results/train/exp1/main/log.jsonl")
+
+    def losses(root):
+        return [json.loads(line)["loss"] for line in (root / "results/train/exp1/main/log.jsonl").read_text().splitlines()]
+
+    from_pixels, from_vision_cache = losses(demo_workdir), losses(workdir)
+    assert len(from_pixels) == len(from_vision_cache) > 100
+    assert from_vision_cache == pytest.approx(from_pixels, rel=1e-3, abs=1e-4)

@@ -1,0 +1,95 @@
+"""Snakemake itself killed mid-run (kill -9): the next run redoes what was unfinished, nothing that was
+complete, and never takes a half-written output for a complete one."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import copy_workflow, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def running_jobs(session_id: int) -> list[str]:
+    """Command lines of the job scripts running in the driver's process session."""
+    jobs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != session_id:
+                continue
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+        args = [a.decode() for a in cmdline if a]
+        if len(args) > 1 and args[1].startswith("scripts/"):
+            jobs.append(" ".join(args))
+    return jobs
+
+
+def planned_jobs_with_reasons(workdir) -> dict[str, str]:
+    """Each job a dry run plans: its first output and why Snakemake plans it."""
+    text = snakemake(workdir, "--cores", "2", "--dry-run").stdout
+    jobs = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", text):
+        output = re.search(r"^\s+output: (.+)$", block, re.MULTILINE)
+        reason = re.search(r"^\s+reason: (.+)$", block, re.MULTILINE)
+        if output and reason:
+            jobs[output.group(1).split(",")[0].strip()] = reason.group(1)
+    return jobs
+
+
+def test_a_killed_driver_leaves_nothing_half_done_behind(tmp_path):
+    workdir = copy_workflow(tmp_path / "work")
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2"],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    # Wait until some training stages are complete and others are running.
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        done = list((workdir / "results/train").glob("*/*/summary.json"))
+        running = [job for job in running_jobs(driver.pid) if "scripts/train.py" in job]
+        if len(done) >= 2 and running:
+            break
+        assert driver.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.5)
+    else:
+        pytest.fail("no training stage ran within 10 minutes")
+
+    # Freeze the driver and its jobs, note what ran, then kill -9 them all: the driver first, the
+    # jobs with it, as when the machine or session running them goes down.
+    os.killpg(driver.pid, signal.SIGSTOP)
+    interrupted = running_jobs(driver.pid)
+    existing = {p.relative_to(workdir).as_posix() for p in (workdir / "results").rglob("*")}
+    os.kill(driver.pid, signal.SIGKILL)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+
+    # The README's recovery: unlock the directory, run again.
+    snakemake(workdir, "--unlock")
+    planned = planned_jobs_with_reasons(workdir)
+    interrupted_outputs = {
+        output for output in planned if any(f" {output}" in job or f"={output}" in job for job in interrupted)
+    }
+    # What was running is redone, even where its outputs exist on disk ...
+    assert interrupted_outputs, f"none of {interrupted} is planned again: {planned}"
+    for output in interrupted_outputs:
+        assert "Incomplete output files" in planned[output] or output not in existing, (output, planned[output])
+    # ... and nothing that was complete is: a planned job's output is either missing or incomplete.
+    for output, reason in planned.items():
+        if output in existing:
+            assert "Incomplete output files" in reason, f"{output} was complete but is planned again: {reason}"
+
+    snakemake(workdir, "--cores", "2")
+    assert (workdir / "results/report/index.html").exists()
+    assert planned_jobs_with_reasons(workdir) == {}

@@ -1,0 +1,55 @@
+"""The training loss without full-vocabulary logits.
+
+Only answer tokens carry labels: a Qwen-VL sample of 1,300 image tokens and a 200-token answer
+needs logits at 200 positions, not 1,500. The hidden states of those positions alone go through the
+language-model head, fused with the cross-entropy: liger-kernel's Triton kernel where it is
+installed and the tensors are on a GPU (logits never materialize), else chunks of rows recomputed
+in the backward pass (logits of one chunk at a time). Both return the summed loss, so gradient
+accumulation weights every answer token equally.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+try:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+except ImportError:  # optional: the fallback below computes the same sum
+    LigerFusedLinearCrossEntropyLoss = None
+
+# Rows of hidden states whose logits the fallback holds at once (rows x vocabulary x 4 bytes).
+CHUNK_ROWS = 1024
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum(cross_entropy(hidden @ weight.T, targets)) over rows, computed in float32."""
+    if LigerFusedLinearCrossEntropyLoss is not None and hidden.is_cuda:
+        return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, targets)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        total = total + checkpoint(_chunk_loss_sum, hidden[rows], weight, targets[rows], use_reentrant=False)
+    return total
+
+
+def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the answer tokens of a batch, and how many there were.
+
+    `model` is a Qwen-VL ForConditionalGeneration, or a PEFT model around one: its backbone gives the
+    hidden states, and its (frozen) head is applied to the labelled positions only.
+    """
+    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # No KV cache: nothing is generated, and filling one costs memory and time (and torch.compile
+    # recompiles on its state).
+    hidden = outer.model(**inputs, use_cache=False).last_hidden_state
+    targets = batch["labels"][:, 1:]
+    labelled = targets != -100
+    loss = linear_cross_entropy_sum(hidden[:, :-1][labelled], outer.lm_head.weight, targets[labelled])
+    return loss, int(labelled.sum())

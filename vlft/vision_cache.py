@@ -1,0 +1,175 @@
+"""The frozen-vision cache: the vision tower's outputs for every image of a split, computed once.
+
+LoRA trains the language model only, so the vision tower's output for an image is the same at every
+step of every epoch and every stage. Stored here per image, in safetensors shards in the model's
+dtype (bf16 on a GPU, so nothing is lost against computing them each step): the merged
+embeddings that take the image tokens' place and, for Qwen3-VL, the deepstack features that early
+decoder layers add; the grid sizes come with them. Training then hands these to the model in place
+of pixels (CachedVision) and never runs the tower. The index is written last and the directory
+renamed into place, so a cache is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlft.errors import ConfigError
+from vlft.files import atomic_path
+from vlft.image_cache import ImageCache, to_patches
+
+INDEX = "index.json"
+
+
+def feature_layout(model_config) -> tuple[int, int]:
+    """(width of one image token's features, number of deepstack levels) of a Qwen-VL config."""
+    text = getattr(model_config, "text_config", model_config)
+    levels = len(getattr(model_config.vision_config, "deepstack_visual_indexes", None) or [])
+    return text.hidden_size, levels
+
+
+def estimate_bytes(pixel_cache: ImageCache, model_config, dtype: torch.dtype) -> int:
+    """Size of the vision cache of a split, known from the pixel cache's grids before anything runs."""
+    width, levels = feature_layout(model_config)
+    tokens = sum(pixel_cache.num_image_tokens(image_id) for image_id in pixel_cache.entries)
+    return tokens * width * (1 + levels) * dtype.itemsize
+
+
+def check_budget(estimated: int, max_gb: float, output_dir) -> None:
+    if estimated > max_gb * 1e9:
+        raise ConfigError(
+            "vision_cache_max_gb",
+            f"the vision cache {output_dir} would take {estimated / 1e9:.1f} GB, more than the budget of "
+            f"{max_gb:g} GB; raise vision_cache_max_gb or set vision_cache: false for this experiment",
+        )
+
+
+@torch.no_grad()
+def build_vision_cache(
+    pixel_cache_dir: str | Path,
+    model,
+    output_dir: str | Path,
+    max_gb: float,
+    device: torch.device,
+    batch_tokens: int = 32768,
+    shard_bytes: int = 1 << 30,
+) -> int:
+    """Run the model's vision tower over every image of a pixel cache, batched by patch count."""
+    pixels = ImageCache(pixel_cache_dir)
+    backbone = model.model
+    dtype = backbone.visual.dtype
+    check_budget(estimate_bytes(pixels, model.config, dtype), max_gb, output_dir)
+    ids = list(pixels.entries)
+    with atomic_path(output_dir) as tmp:
+        tmp.mkdir()
+        entries, shard, shard_size, shards = [], {}, 0, []
+
+        def flush():
+            nonlocal shard, shard_size
+            if shard:
+                save_file(shard, tmp / f"shard-{len(shards):05d}.safetensors")
+                shards.append(f"shard-{len(shards):05d}.safetensors")
+                shard, shard_size = {}, 0
+
+        start = 0
+        while start < len(ids):
+            batch, patches = [], 0
+            while start + len(batch) < len(ids) and (not batch or patches < batch_tokens):
+                image_id = ids[start + len(batch)]
+                batch.append(image_id)
+                patches += pixels.num_image_tokens(image_id) * pixels.settings.merge_size**2
+            start += len(batch)
+            patch_rows = torch.cat([to_patches(pixels.pixels(i).to(device), pixels.settings, dtype) for i in batch])
+            grids = torch.tensor([pixels.grid_thw(i) for i in batch], device=device)
+            out = backbone.get_image_features(patch_rows, grids, return_dict=True)
+            sizes = [pixels.num_image_tokens(i) for i in batch]
+
+            def per_image(features):  # some transformers versions split per image, others do not
+                return list(features) if isinstance(features, (list, tuple)) else list(torch.split(features, sizes))
+
+            embeds = per_image(out.pooler_output)
+            levels = [per_image(level) for level in getattr(out, "deepstack_features", None) or []]
+            for n, image_id in enumerate(batch):
+                features = [embeds[n]] + [level[n] for level in levels]
+                stacked = torch.stack(features, dim=1).cpu().contiguous()
+                key = str(len(entries))
+                shard[key] = stacked
+                shard_size += stacked.nbytes
+                entries.append({"id": image_id, "shard": f"shard-{len(shards):05d}.safetensors", "key": key,
+                                "grid_thw": pixels.grid_thw(image_id)})
+                if shard_size >= shard_bytes:
+                    flush()
+        flush()
+        index = {"format": 1, "merge_size": pixels.settings.merge_size, "levels": len(levels), "shards": shards,
+                 "records": entries}
+        (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
+    return len(entries)
+
+
+def is_vision_cache(directory: str | Path) -> bool:
+    return "levels" in json.loads((Path(directory) / INDEX).read_text())
+
+
+class VisionCache:
+    """Read access to one split's vision cache; the same questions as ImageCache, other answers."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = json.loads((self.directory / INDEX).read_text())
+        self.merge_size = index["merge_size"]
+        self.entries = {entry["id"]: entry for entry in index["records"]}
+        self._shards = {}
+
+    def __contains__(self, record_id: str) -> bool:
+        return record_id in self.entries
+
+    def grid_thw(self, record_id: str) -> list[int]:
+        return self.entries[record_id]["grid_thw"]
+
+    def num_image_tokens(self, record_id: str) -> int:
+        t, h, w = self.grid_thw(record_id)
+        return t * h * w // self.merge_size**2
+
+    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(image tokens, 1 + deepstack levels, width): what CachedVision turns back into tower outputs."""
+        entry = self.entries[record_id]
+        if entry["shard"] not in self._shards:
+            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
+        return self._shards[entry["shard"]].get_tensor(entry["key"]).to(device=device, dtype=dtype)
+
+
+class CachedVision(torch.nn.Module):
+    """Stands in for a Qwen-VL vision tower: its "pixel values" are cached outputs, returned as they are.
+
+    The model's own code around the tower (splitting per image, placing embeddings at the image
+    tokens, M-RoPE positions from the grids, deepstack injection) runs unchanged.
+    """
+
+    def __init__(self, tower):
+        super().__init__()
+        self.spatial_merge_size = tower.spatial_merge_size
+        self.levels = len(getattr(tower, "deepstack_visual_indexes", None) or [])
+        self.register_buffer("_dtype_probe", torch.empty(0, dtype=tower.dtype, device=tower.device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype_probe.dtype
+
+    def forward(self, cached: torch.Tensor, grid_thw=None, **kwargs):
+        if cached.dim() != 3:
+            raise ValueError("CachedVision takes features from the vision cache, not pixel patches")
+        out = BaseModelOutputWithPooling(last_hidden_state=cached[:, 0], pooler_output=cached[:, 0])
+        if self.levels:
+            out["deepstack_features"] = [cached[:, 1 + level] for level in range(self.levels)]
+        return out
+
+
+def use_vision_cache(model) -> None:
+    """Replace the vision tower of a Qwen-VL model (or a PEFT model around one) by CachedVision, freeing its weights."""
+    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    outer.model.visual = CachedVision(outer.model.visual)
