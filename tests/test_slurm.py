@@ -94,7 +94,7 @@ LONG_STAGE = {
         "stages": [
             {
                 "name": "main",
-                "epochs": 40,
+                "epochs": 25,
                 "lora_dropout": 0.1,
                 "checkpoint_every": 1000,
                 "resources": {"runtime": 1, "mem_mb": 4000, "gpus": 1},
