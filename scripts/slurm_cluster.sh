@@ -99,6 +99,7 @@ EOF
 
 start() {
     install
+    stop >/dev/null 2>&1  # a cluster left from an earlier start: begin afresh
     write_config
     mkdir -p /run/munge /run/mysqld
     chown munge:munge /run/munge

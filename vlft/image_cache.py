@@ -80,47 +80,51 @@ def build_image_cache(
     records = read_jsonl(prepared_jsonl)
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
-        entries, shard, shard_size, shards = [], {}, 0, []
-
-        def flush():
-            nonlocal shard, shard_size
-            if shard:
-                name = f"shard-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name)
-                shards.append(name)
-                shard, shard_size = {}, 0
-
+        writer = ShardWriter(tmp, shard_bytes)
         with ThreadPoolExecutor(max_workers=threads) as pool:
             # map() keeps the input order, so shards are written in record order.
             for record, pixels in zip(records, pool.map(lambda r: load_resized(r["image_path"], settings), records)):
-                key = str(len(entries))
-                shard[key] = torch.from_numpy(pixels.copy())
-                shard_size += pixels.nbytes
                 height, width = pixels.shape[:2]
-                entries.append(
-                    {
-                        "id": record["id"],
-                        "shard": f"shard-{len(shards):05d}.safetensors",
-                        "key": key,
-                        "grid_thw": [1, height // settings.patch_size, width // settings.patch_size],
-                    }
-                )
-                if shard_size >= shard_bytes:
-                    flush()
-        flush()
-        index = {"format": 1, "settings": asdict(settings), "shards": shards, "records": entries}
+                grid = [1, height // settings.patch_size, width // settings.patch_size]
+                writer.add({"id": record["id"], "grid_thw": grid}, torch.from_numpy(pixels.copy()))
+        writer.flush()
+        index = {"format": 1, "settings": asdict(settings), "shards": writer.shards, "records": writer.entries}
         (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
-    return len(entries)
+    return len(writer.entries)
 
 
-class ImageCache:
-    """Read access to one split's cache: pixels and grid sizes by record id."""
+class ShardWriter:
+    """Tensors, in order, into safetensors shards of about `shard_bytes`; each entry notes its shard and key."""
+
+    def __init__(self, directory: Path, shard_bytes: int):
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.shards, self.entries = [], []
+        self._shard, self._size = {}, 0
+
+    def add(self, entry: dict, tensor: torch.Tensor) -> None:
+        key = str(len(self.entries))
+        self._shard[key] = tensor
+        self._size += tensor.nbytes
+        self.entries.append(dict(entry, shard=f"shard-{len(self.shards):05d}.safetensors", key=key))
+        if self._size >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._shard:
+            name = f"shard-{len(self.shards):05d}.safetensors"
+            save_file(self._shard, self.directory / name)
+            self.shards.append(name)
+            self._shard, self._size = {}, 0
+
+
+class ShardedCache:
+    """Read access to a cache directory: its index, and per image a tensor in a safetensors shard
+    and the image's grid. The pixel cache and the vision cache both have this shape."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        index = json.loads((self.directory / INDEX).read_text())
-        self.settings = PixelSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in index["settings"].items()})
-        self.entries = {entry["id"]: entry for entry in index["records"]}
+        self.index = json.loads((self.directory / INDEX).read_text())
+        self.entries = {entry["id"]: entry for entry in self.index["records"]}
         self._shards = {}
 
     def __contains__(self, record_id: str) -> bool:
@@ -131,17 +135,30 @@ class ImageCache:
 
     def num_image_tokens(self, record_id: str) -> int:
         t, h, w = self.grid_thw(record_id)
-        return t * h * w // self.settings.merge_size**2
+        return t * h * w // self.merge_size**2
+
+    def tensor(self, record_id: str) -> torch.Tensor:
+        entry = self.entries[record_id]
+        if entry["shard"] not in self._shards:
+            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
+        return self._shards[entry["shard"]].get_tensor(entry["key"])
+
+
+class ImageCache(ShardedCache):
+    """The pixel cache of one split: resized uint8 pixels and grid sizes by record id."""
+
+    def __init__(self, directory: str | Path):
+        super().__init__(directory)
+        settings = self.index["settings"]
+        self.settings = PixelSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+        self.merge_size = self.settings.merge_size
 
     def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The image as the vision tower takes it: flat patches."""
         return to_patches(self.pixels(record_id).to(device), self.settings, dtype)
 
     def pixels(self, record_id: str) -> torch.Tensor:
-        entry = self.entries[record_id]
-        if entry["shard"] not in self._shards:
-            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
-        return self._shards[entry["shard"]].get_tensor(entry["key"])
+        return self.tensor(record_id)
 
 
 def to_patches(pixels: torch.Tensor, settings: PixelSettings, dtype=torch.float32) -> torch.Tensor:

@@ -15,13 +15,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlft.errors import ConfigError
 from vlft.files import atomic_path
-from vlft.image_cache import ImageCache, to_patches
+from vlft.image_cache import ImageCache, ShardedCache, ShardWriter
 
 INDEX = "index.json"
 
@@ -67,16 +65,8 @@ def build_vision_cache(
     ids = list(pixels.entries)
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
-        entries, shard, shard_size, shards = [], {}, 0, []
-
-        def flush():
-            nonlocal shard, shard_size
-            if shard:
-                save_file(shard, tmp / f"shard-{len(shards):05d}.safetensors")
-                shards.append(f"shard-{len(shards):05d}.safetensors")
-                shard, shard_size = {}, 0
-
-        start = 0
+        writer = ShardWriter(tmp, shard_bytes)
+        start, levels = 0, []
         while start < len(ids):
             batch, patches = [], 0
             while start + len(batch) < len(ids) and (not batch or patches < batch_tokens):
@@ -84,7 +74,7 @@ def build_vision_cache(
                 batch.append(image_id)
                 patches += pixels.num_image_tokens(image_id) * pixels.settings.merge_size**2
             start += len(batch)
-            patch_rows = torch.cat([to_patches(pixels.pixels(i).to(device), pixels.settings, dtype) for i in batch])
+            patch_rows = torch.cat([pixels.model_input(i, device, dtype) for i in batch])
             grids = torch.tensor([pixels.grid_thw(i) for i in batch], device=device)
             out = backbone.get_image_features(patch_rows, grids, return_dict=True)
             sizes = [pixels.num_image_tokens(i) for i in batch]
@@ -96,51 +86,28 @@ def build_vision_cache(
             levels = [per_image(level) for level in getattr(out, "deepstack_features", None) or []]
             for n, image_id in enumerate(batch):
                 features = [embeds[n]] + [level[n] for level in levels]
-                stacked = torch.stack(features, dim=1).cpu().contiguous()
-                key = str(len(entries))
-                shard[key] = stacked
-                shard_size += stacked.nbytes
-                entries.append({"id": image_id, "shard": f"shard-{len(shards):05d}.safetensors", "key": key,
-                                "grid_thw": pixels.grid_thw(image_id)})
-                if shard_size >= shard_bytes:
-                    flush()
-        flush()
-        index = {"format": 1, "merge_size": pixels.settings.merge_size, "levels": len(levels), "shards": shards,
-                 "records": entries}
+                writer.add({"id": image_id, "grid_thw": pixels.grid_thw(image_id)}, torch.stack(features, dim=1).cpu().contiguous())
+        writer.flush()
+        index = {"format": 1, "merge_size": pixels.settings.merge_size, "levels": len(levels), "shards": writer.shards,
+                 "records": writer.entries}
         (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
-    return len(entries)
+    return len(writer.entries)
 
 
 def is_vision_cache(directory: str | Path) -> bool:
     return "levels" in json.loads((Path(directory) / INDEX).read_text())
 
 
-class VisionCache:
-    """Read access to one split's vision cache; the same questions as ImageCache, other answers."""
+class VisionCache(ShardedCache):
+    """The vision cache of one split; the same questions as ImageCache, other answers."""
 
     def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        index = json.loads((self.directory / INDEX).read_text())
-        self.merge_size = index["merge_size"]
-        self.entries = {entry["id"]: entry for entry in index["records"]}
-        self._shards = {}
-
-    def __contains__(self, record_id: str) -> bool:
-        return record_id in self.entries
-
-    def grid_thw(self, record_id: str) -> list[int]:
-        return self.entries[record_id]["grid_thw"]
-
-    def num_image_tokens(self, record_id: str) -> int:
-        t, h, w = self.grid_thw(record_id)
-        return t * h * w // self.merge_size**2
+        super().__init__(directory)
+        self.merge_size = self.index["merge_size"]
 
     def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(image tokens, 1 + deepstack levels, width): what CachedVision turns back into tower outputs."""
-        entry = self.entries[record_id]
-        if entry["shard"] not in self._shards:
-            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
-        return self._shards[entry["shard"]].get_tensor(entry["key"]).to(device=device, dtype=dtype)
+        return self.tensor(record_id).to(device=device, dtype=dtype)
 
 
 class CachedVision(torch.nn.Module):
