@@ -27,7 +27,8 @@ def set_cpu_threads(threads: int) -> None:
 
 
 def run(main) -> None:
-    print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", file=sys.stderr, flush=True)
+    # On stdout: stderr stays for errors, one line each.
+    print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
     try:
         main()
     except (InputError, ConfigError) as err:
