@@ -68,15 +68,6 @@ def plain_loss_sum(model, batch):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def loss_and_grads(model, batches, n_targets):
-    model.zero_grad()
-    total = 0.0
-    for loss in batches:
-        (loss() / n_targets).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return grads
-
-
 def test_cached_budgeted_fused_path_gives_the_plain_paths_loss_and_gradients(family_setup):
     root = family_setup
     pixels = ImageCache(root / "pixels")

@@ -121,11 +121,7 @@ class CachedVision(torch.nn.Module):
         super().__init__()
         self.spatial_merge_size = tower.spatial_merge_size
         self.levels = len(getattr(tower, "deepstack_visual_indexes", None) or [])
-        self.register_buffer("_dtype_probe", torch.empty(0, dtype=tower.dtype, device=tower.device), persistent=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype_probe.dtype
+        self.dtype = tower.dtype  # what the model casts the cached features to
 
     def forward(self, cached: torch.Tensor, grid_thw=None, **kwargs):
         if cached.dim() != 3:
