@@ -26,7 +26,17 @@ wait_for() {  # wait_for <seconds> <what> <command...>
         sleep 0.2
     done
     say "timed out after ${seconds}s waiting for $what"
+    diagnose
     return 1
+}
+
+diagnose() {  # what a failed start leaves to read: the node's state and the daemons' last words
+    say "hostname $(hostname); sinfo: $(sinfo -h -N -o '%N %t %E' 2>&1 | tr '\n' ' ')"
+    for log in "$STATE_DIR"/log/*.log; do
+        [ -f "$log" ] || continue
+        say "--- last lines of $log"
+        tail -n 15 "$log" >&2
+    done
 }
 
 install() {
@@ -51,7 +61,7 @@ write_config() {
 
     cat >/etc/slurm/slurm.conf <<EOF
 ClusterName=$CLUSTER
-SlurmctldHost=localhost
+SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=slurm
 SlurmdUser=root
 AuthType=auth/munge
@@ -75,7 +85,7 @@ KillWait=30
 MinJobAge=300
 ReturnToService=2
 SlurmdParameters=config_overrides
-NodeName=localhost CPUs=$cpus RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN
 PartitionName=$PARTITION Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
     cat >/etc/slurm/gres.conf <<EOF
@@ -122,8 +132,9 @@ start() {
 
     slurmctld
     wait_for 30 slurmctld scontrol ping
-    slurmd
-    wait_for 30 "an idle node" sh -c '[ "$(sinfo -h -o %t)" = idle ]'
+    # -N: this node's name in slurm.conf, whatever the machine's hostname is.
+    slurmd -N localhost
+    wait_for 60 "an idle node" sh -c '[ "$(sinfo -h -o %t)" = idle ]'
     say "up: partition $PARTITION, account $ACCOUNT, $(sinfo -h -o %c) CPUs, 2 GPUs"
 }
 
