@@ -230,7 +230,11 @@ def main():
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[8192],
+                        help="token budgets of our micro-batches: one run of ours for each")
+    parser.add_argument("--liger-kernels", action="store_true",
+                        help="then the same runs again with liger-kernel's RMSNorm and RoPE kernels patched in")
+    parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     parser.add_argument("--skip", choices=["reference", "ours"], help="run one side only")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -281,12 +285,29 @@ def main():
         settings = {k: v for k, v in BUILTIN_STAGE_DEFAULTS.items() if k not in ("resources", "checkpoint_every")}
         settings.update(answer_format="cot", lora_r=16, lora_alpha=32, lora_dropout=0.0, learning_rate=1e-4,
                         micro_batch=SAMPLES_PER_STEP, grad_accum=1, max_steps=args.steps, max_seq_len=8192,
-                        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True,
-                        max_batch_tokens=args.max_batch_tokens, compile=True, order="given")
-        ours = run_ours(model_dir, work / "prepared.jsonl", work / "vision", args.steps, args.warmup, settings, work)
-        results["ours"] = summarize(ours, flops_per_token, peak) | {"pixel_cache_s": pixel_cache_s, "vision_cache_s": vision_cache_s}
+                        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True, compile=True, order="given")
+        variants = [("", budget) for budget in args.max_batch_tokens]
+        if args.liger_kernels:
+            variants += [("+liger", budget) for budget in args.max_batch_tokens]
+        for kernels, budget in variants:
+            if kernels == "+liger":
+                patch_liger_kernels(args.arch)
+            name = f"ours{kernels}@{budget}"
+            try:
+                ours = run_ours(model_dir, work / "prepared.jsonl", work / "vision", args.steps, args.warmup,
+                                dict(settings, max_batch_tokens=budget), work / name)
+                results[name] = summarize(ours, flops_per_token, peak) | {"pixel_cache_s": pixel_cache_s,
+                                                                           "vision_cache_s": vision_cache_s}
+            except torch.OutOfMemoryError as error:
+                results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+            import gc
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+            torch._dynamo.reset()  # drop this run's compiled graphs with its model
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()
     report = {
         "arch": args.arch, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "commit": commit or "unknown", "command": " ".join(sys.argv), "images": args.images,
@@ -294,19 +315,32 @@ def main():
         "liger_kernel": _installed("liger_kernel"), "flash_attn": _installed("flash_attn"),
         "torch": torch.__version__, **results,
     }
-    if "reference" in results and "ours" in results:
-        report["ratio"] = {k: results["ours"][k] / results["reference"][k] for k in ("samples_per_s", "tokens_per_s", "mfu", "peak_gib")}
+    if "reference" in results:
+        report["ratio"] = {
+            name: {k: r[k] / results["reference"][k] for k in ("samples_per_s", "tokens_per_s", "mfu", "peak_gib")}
+            for name, r in results.items() if name != "reference" and "error" not in r
+        }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.arch}-{report['device'].replace(' ', '_')}-{report['date']}.json"
+    name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
     print(f"\n{args.arch} on {report['device']}: bf16 matmul peak {peak:.0f} TFLOP/s")
-    print(f"{'':10} {'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'':18} {'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'ratio':>6}")
     for side, r in results.items():
-        print(f"{side:10} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f}")
-    if "ratio" in report:
-        r = report["ratio"]
-        print(f"{'ratio':10} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.2f} {r['mfu']:6.2f} {r['peak_gib']:9.2f}")
+        if "error" in r:
+            print(f"{side:18} {r['error'][:60]}")
+            continue
+        ratio = report.get("ratio", {}).get(side, {}).get("samples_per_s", float("nan"))
+        print(f"{side:18} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}")
     print(json.dumps(report))
+
+
+def patch_liger_kernels(arch: str) -> None:
+    """liger-kernel's RMSNorm and RoPE in the model classes (for models loaded from now on); our own
+    fused loss stays as it is."""
+    import liger_kernel.transformers as liger
+
+    patch = {"qwen3-vl": liger.apply_liger_kernel_to_qwen3_vl}[arch.rsplit("-", 1)[0]]
+    patch(rope=True, rms_norm=True, fused_linear_cross_entropy=False)
 
 
 def _installed(name: str) -> bool:

@@ -1,6 +1,7 @@
 """The fast training path changes no result: for the same samples, the vision cache, token-budget
-micro-batches and the fused head + loss give the loss and LoRA gradients of the plain path (pixels
-through the vision tower, padded batches, full-vocabulary logits), for every Qwen-VL family."""
+micro-batches, positions computed on the host with causal attention and no padding mask, and the
+fused head + loss give the loss and LoRA gradients of the plain path (pixels through the vision
+tower, padded batches with their attention mask, full-vocabulary logits), for every Qwen-VL family."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import copy
 import pytest
 import torch
 
-from vlft.batching import collate, token_budget_batches
+from vlft.batching import collate, to_device, token_budget_batches
 from vlft.demo.shapes import make_dataset
 from vlft.errors import ConfigError
 from vlft.image_cache import ImageCache, PixelSettings, build_image_cache
 from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
-from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, with_new_adapter
+from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index, with_new_adapter
 from vlft.prompts import PromptBuilder
 from vlft.records import prepare_split
 from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
@@ -79,7 +80,8 @@ def test_cached_budgeted_fused_path_gives_the_plain_paths_loss_and_gradients(fam
 
     # Plain: one padded batch of pixels, full logits.
     model.zero_grad()
-    batch = collate(samples, pixel_images, builder, pad_id, cpu, fp32)
+    batch = to_device(collate(samples, pixel_images, builder, pad_id), cpu, fp32)
+    assert "attention_mask" in batch and "position_ids" not in batch  # the model's own masking and positions
     plain = plain_loss_sum(model, batch)
     n_targets = int((batch["labels"][:, 1:] != -100).sum())
     (plain / n_targets).backward()
@@ -96,7 +98,10 @@ def test_cached_budgeted_fused_path_gives_the_plain_paths_loss_and_gradients(fam
     assert len(groups) > 1 and all(len(g) * max(len(s.input_ids) for s in g) <= budget for g in groups)
     fast, counted = 0.0, 0
     for group in groups:
-        loss, n = answer_loss_sum(fast_model, collate(group, vision_images, builder, pad_id, cpu, fp32))
+        # Positions from the host and no attention mask, as the training loop does.
+        fast_batch = collate(group, vision_images, builder, pad_id, rope_index=rope_index(fast_model), pin=False)
+        assert "position_ids" in fast_batch and "attention_mask" not in fast_batch
+        loss, n = answer_loss_sum(fast_model, to_device(fast_batch, cpu, fp32))
         (loss / n_targets).backward()
         fast, counted = fast + loss.item(), counted + n
     assert counted == n_targets

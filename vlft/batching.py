@@ -1,15 +1,25 @@
-"""Micro-batches from samples: token ids padded per batch, image patches from the pixel cache.
+"""Micro-batches from samples: built on the host, then moved to the model's device in one go.
 
-Padding happens per micro-batch only (never to a global length), and micro-batches can be cut
-to a token budget from samples of similar length, so little of each batch is padding.
+`collate` does all the host work (token ids padded per micro-batch, image tensors read from the
+cache, M-RoPE positions, which positions carry an answer token) and touches no GPU, so the training
+loop runs it for the next step in a background thread while the GPU works on this one
+(`prefetched`). `to_device` then only copies, from pinned memory without waiting, and turns cached
+pixels into patches on the device. Nothing in a forward pass has to wait for the host: the model
+is given its positions and the loss its answer positions, where computing them on the GPU would
+stop the host at every micro-batch.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
 from vlft.image_cache import ImageCache
 from vlft.prompts import PromptBuilder, Sample
+
+T = TypeVar("T")
 
 
 def collate(
@@ -17,12 +27,19 @@ def collate(
     images: dict[str, tuple[ImageCache, str]],
     builder: PromptBuilder,
     pad_id: int,
-    device: torch.device,
-    dtype: torch.dtype,
     left_pad: bool = False,
     prompt_only: bool = False,
+    rope_index: Callable | None = None,
+    pin: bool = False,
 ) -> dict:
-    """Model inputs for a list of samples. `prompt_only` drops the answers (for generation, left-padded)."""
+    """A micro-batch on the host. `prompt_only` drops the answers (for generation, left-padded).
+
+    With `rope_index` (the model's M-RoPE position function) a right-padded batch gets its
+    positions here and no attention mask: under causal attention a real token only sees tokens
+    before it, which padding at the end never is, so the mask changes nothing for them, and
+    without one SDPA can use its flash kernel. `pin` puts the tensors in pinned memory, so the
+    copy to a GPU does not block the host.
+    """
     sequences = [s.input_ids[: s.prompt_length] if prompt_only else s.input_ids for s in samples]
     labels = [s.labels[: s.prompt_length] if prompt_only else s.labels for s in samples]
     width = max(len(seq) for seq in sequences)
@@ -34,20 +51,55 @@ def collate(
         input_ids[row, span] = torch.tensor(seq)
         label_ids[row, span] = torch.tensor(lab)
         attention[row, span] = 1
-    # Each image as its cache holds it: pixel patches, or the vision tower's cached outputs.
-    patches, grids = [], []
+    # Token t predicts token t + 1: the answer positions index the flattened (batch x width)
+    # hidden states, and their targets are the next tokens.
+    rows, columns = (label_ids[:, 1:] != -100).nonzero(as_tuple=True)
+    batch = {
+        "input_ids": input_ids,
+        "labels": label_ids,
+        "mm_token_type_ids": builder.mm_token_type_ids(input_ids),
+        "image_grid_thw": torch.tensor([images[s.record_id][0].grid_thw(images[s.record_id][1]) for s in samples]),
+        "answer_positions": rows * width + columns,
+        "answer_targets": label_ids[rows, columns + 1],
+    }
+    if rope_index is not None and not left_pad:
+        batch["position_ids"] = rope_index(
+            input_ids=input_ids,
+            mm_token_type_ids=batch["mm_token_type_ids"],
+            image_grid_thw=batch["image_grid_thw"],
+            attention_mask=attention,
+        )[0]
+    else:
+        batch["attention_mask"] = attention
+    if pin:
+        batch = {key: value.pin_memory() for key, value in batch.items()}
+    # Each image as its cache holds it (pixels, or the vision tower's outputs), with the cache
+    # that knows how to turn it into model input.
+    batch["images"] = []
     for sample in samples:
         cache, image_id = images[sample.record_id]
-        patches.append(cache.model_input(image_id, device, dtype))
-        grids.append(cache.grid_thw(image_id))
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention.to(device),
-        "labels": label_ids.to(device),
-        "mm_token_type_ids": builder.mm_token_type_ids(input_ids).to(device),
-        "pixel_values": torch.cat(patches),
-        "image_grid_thw": torch.tensor(grids, dtype=torch.long, device=device),
-    }
+        tensor = cache.tensor(image_id)
+        batch["images"].append((cache, tensor.pin_memory() if pin else tensor))
+    return batch
+
+
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory."""
+    moved = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key != "images"}
+    moved["pixel_values"] = torch.cat(
+        [cache.device_input(tensor.to(device, non_blocking=True), dtype) for cache, tensor in batch["images"]]
+    )
+    return moved
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """The items of an iterator, each produced in a background thread while the caller uses the one before."""
+    end = object()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(next, items, end)
+        while (item := pending.result()) is not end:
+            pending = pool.submit(next, items, end)
+            yield item
 
 
 def token_budget_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from vlft.answers import final_answer, is_correct
-from vlft.batching import collate
-from vlft.loss import answer_loss_sum
+from vlft.batching import collate, to_device
+from vlft.loss import NOT_MODEL_INPUTS, answer_loss_sum
 from vlft.files import write_json, write_jsonl
-from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter
+from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import load_stage_data
 
@@ -47,12 +47,12 @@ def evaluate_split(
         samples = [data.samples[r["key"]] for r in records]
 
         # Loss of the reference answer, in the format the stage was trained on.
-        batch = collate(samples, data.images, builder, pad_id, device, dtype)
-        loss, tokens = answer_loss_sum(model, batch)
+        batch = collate(samples, data.images, builder, pad_id, rope_index=rope_index(model))
+        loss, tokens = answer_loss_sum(model, to_device(batch, device, dtype))
         loss_sum, loss_tokens = loss_sum + loss.item(), loss_tokens + tokens
 
-        prompts = collate(samples, data.images, builder, pad_id, device, dtype, left_pad=True, prompt_only=True)
-        prompts.pop("labels")
+        prompts = collate(samples, data.images, builder, pad_id, left_pad=True, prompt_only=True)
+        prompts = {k: v for k, v in to_device(prompts, device, dtype).items() if k not in NOT_MODEL_INPUTS}
         generated = model.generate(
             **prompts,
             max_new_tokens=settings["max_new_tokens"],

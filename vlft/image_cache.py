@@ -143,6 +143,13 @@ class ShardedCache:
             self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
         return self._shards[entry["shard"]].get_tensor(entry["key"])
 
+    def device_input(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the model takes for an image, from its cached tensor already on the device."""
+        raise NotImplementedError
+
+    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.device_input(self.tensor(record_id).to(device), dtype)
+
 
 class ImageCache(ShardedCache):
     """The pixel cache of one split: resized uint8 pixels and grid sizes by record id."""
@@ -153,9 +160,9 @@ class ImageCache(ShardedCache):
         self.settings = PixelSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
         self.merge_size = self.settings.merge_size
 
-    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The image as the vision tower takes it: flat patches."""
-        return to_patches(self.pixels(record_id).to(device), self.settings, dtype)
+    def device_input(self, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The image as the vision tower takes it: flat patches, made wherever the pixels are."""
+        return to_patches(pixels, self.settings, dtype)
 
     def pixels(self, record_id: str) -> torch.Tensor:
         return self.tensor(record_id)

@@ -38,18 +38,21 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     return total
 
 
+NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets")
+
+
 def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the answer tokens of a batch, and how many there were.
+    """Summed next-token cross-entropy over the answer tokens of a batch (vlft.batching.to_device's
+    output), and how many there were.
 
     `model` is a Qwen-VL ForConditionalGeneration, or a PEFT model around one: its backbone gives the
-    hidden states, and its (frozen) head is applied to the labelled positions only.
+    hidden states, and its (frozen) head is applied to the answer positions only.
     """
     outer = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
     # No KV cache: nothing is generated, and filling one costs memory and time (and torch.compile
     # recompiles on its state).
     hidden = outer.model(**inputs, use_cache=False).last_hidden_state
-    targets = batch["labels"][:, 1:]
-    labelled = targets != -100
-    loss = linear_cross_entropy_sum(hidden[:, :-1][labelled], outer.lm_head.weight, targets[labelled])
-    return loss, int(labelled.sum())
+    answer_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
+    loss = linear_cross_entropy_sum(answer_hidden, outer.lm_head.weight, batch["answer_targets"])
+    return loss, batch["answer_targets"].numel()

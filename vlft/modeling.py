@@ -35,6 +35,13 @@ def load_base_model(model_dir: str | Path, device: torch.device, dtype: torch.dt
     return model.to(device)
 
 
+def rope_index(model):
+    """The model's M-RoPE position function (text and image token positions from the ids and the
+    image grids), for collate to run on the host."""
+    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return outer.model.get_rope_index
+
+
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:

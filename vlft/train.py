@@ -25,10 +25,10 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from vlft import checkpoints
-from vlft.batching import collate, token_budget_batches
+from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.files import atomic_path, write_json
-from vlft.modeling import load_base_model, load_tokenizer, pick_device, with_adapter, with_new_adapter
+from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter, with_new_adapter
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
 from vlft.stage_data import load_stage_data, uses_vision_cache
@@ -146,22 +146,30 @@ def train_stage(
         print(f"resuming from step {first_step} ({checkpoint})", flush=True)
     _truncate_log(running_log, first_step)
 
-    # Loop.
+    # Loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
+    # background thread, while the GPU trains on the step before.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
+
+    def host_batches(step: int) -> list[dict]:
+        micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
+        if settings["max_batch_tokens"]:
+            micro_batches = token_budget_batches([s for b in micro_batches for s in b], settings["max_batch_tokens"])
+        return [
+            collate(b, data.images, builder, pad_id, rope_index=rope_index(model), pin=device.type == "cuda")
+            for b in micro_batches
+        ]
+
     progress = tqdm(total=len(steps), initial=first_step, desc=Path(adapter_out).parent.name, mininterval=5)
+    todo = range(first_step, len(steps))
+    step_start = time.time()  # a step's time runs from the end of the one before: waits included
     with open(running_log, "a") as log:
-        for step in range(first_step, len(steps)):
-            step_start = time.time()
-            micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
-            if settings["max_batch_tokens"]:
-                micro_batches = token_budget_batches([s for b in micro_batches for s in b], settings["max_batch_tokens"])
-            n_targets = sum(sum(t != -100 for t in s.labels) for batch in micro_batches for s in batch)
+        for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
+            n_targets = sum(len(b["answer_targets"]) for b in micro_batches)
             # The loss stays on the device until the step ends: no sync between micro-batches, so
-            # the next batch is read and copied while the GPU still works on this one.
+            # the host queues the next one while the GPU still works on this one.
             loss_total = torch.zeros((), device=device)
-            for batch_samples in micro_batches:
-                batch = collate(batch_samples, data.images, builder, pad_id, device, dtype)
-                loss_sum, _ = answer_loss_sum(model, batch)
+            for host_batch in micro_batches:
+                loss_sum, _ = answer_loss_sum(model, to_device(host_batch, device, dtype))
                 (loss_sum / n_targets).backward()
                 loss_total += loss_sum.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
@@ -170,9 +178,9 @@ def train_stage(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
-            elapsed = time.time() - step_start
-            n_samples = sum(len(b) for b in micro_batches)
-            n_tokens = sum(len(s.input_ids) for b in micro_batches for s in b)
+            elapsed, step_start = time.time() - step_start, time.time()
+            n_samples = sum(len(keys) for keys in steps[step])
+            n_tokens = sum(len(data.samples[key].input_ids) for keys in steps[step] for key in keys)
             log.write(
                 json.dumps(
                     {

@@ -105,9 +105,9 @@ class VisionCache(ShardedCache):
         super().__init__(directory)
         self.merge_size = self.index["merge_size"]
 
-    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def device_input(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(image tokens, 1 + deepstack levels, width): what CachedVision turns back into tower outputs."""
-        return self.tensor(record_id).to(device=device, dtype=dtype)
+        return features.to(dtype)
 
 
 class CachedVision(torch.nn.Module):
