@@ -27,6 +27,7 @@ import random
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -198,17 +199,39 @@ def run_reference(model, records, image_processor, builder, pad_id, steps, warmu
 # ---------------------------------------------------------------- (b) ours
 
 
-def run_ours(model_dir: Path, prepared: Path, cache: Path, steps: int, warmup: int, settings: dict, work: Path) -> dict:
+def run_ours(model_dir: Path, prepared: Path, cache: Path, steps: int, warmup: int, settings: dict, work: Path,
+             profile: bool = False) -> dict:
     from vlft.train import StageInputs, train_stage
 
     torch.cuda.reset_peak_memory_stats()
     out = work / "ours"
     inputs = StageInputs(str(model_dir), [str(prepared)], [str(cache)], None)
-    train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 10**6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else nullcontext() as prof:
+        train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 10**6)
+    if profile:
+        print_kernel_time(prof, work)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
     return {"step_s": [SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
             "tokens": [row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+KERNEL_KINDS = [("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("attention", ("flash", "fmha", "attention")),
+                ("fused by torch.compile", ("triton_",)), ("liger / loss", ("liger", "_kernel"))]
+
+
+def print_kernel_time(prof, work: Path) -> None:
+    """GPU time per kind of kernel over the whole run (warm-up included), and the 25 costliest kernels."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    by_kind = {}
+    for e in events:
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in e.key.lower() for m in marks)), "other")
+        by_kind[kind] = by_kind.get(kind, 0) + e.self_device_time_total
+    print(f"GPU kernel time {total / 1e6:.1f} s: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / total:6.1%} {e.count:7d}x  {e.key[:110]}")
+    (work / "kernels.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80))
 
 
 # ---------------------------------------------------------------- main
@@ -232,8 +255,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[8192],
                         help="token budgets of our micro-batches: one run of ours for each")
-    parser.add_argument("--liger-kernels", action="store_true",
-                        help="then the same runs again with liger-kernel's RMSNorm and RoPE kernels patched in")
+    parser.add_argument("--profile", action="store_true",
+                        help="record our runs' GPU kernels and print where the time goes (slows them down)")
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     parser.add_argument("--skip", choices=["reference", "ours"], help="run one side only")
     args = parser.parse_args()
@@ -286,16 +309,11 @@ def main():
         settings.update(answer_format="cot", lora_r=16, lora_alpha=32, lora_dropout=0.0, learning_rate=1e-4,
                         micro_batch=SAMPLES_PER_STEP, grad_accum=1, max_steps=args.steps, max_seq_len=8192,
                         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True, compile=True, order="given")
-        variants = [("", budget) for budget in args.max_batch_tokens]
-        if args.liger_kernels:
-            variants += [("+liger", budget) for budget in args.max_batch_tokens]
-        for kernels, budget in variants:
-            if kernels == "+liger":
-                patch_liger_kernels(args.arch)
-            name = f"ours{kernels}@{budget}"
+        for budget in args.max_batch_tokens:
+            name = f"ours@{budget}"
             try:
                 ours = run_ours(model_dir, work / "prepared.jsonl", work / "vision", args.steps, args.warmup,
-                                dict(settings, max_batch_tokens=budget), work / name)
+                                dict(settings, max_batch_tokens=budget), work / name, args.profile)
                 results[name] = summarize(ours, flops_per_token, peak) | {"pixel_cache_s": pixel_cache_s,
                                                                            "vision_cache_s": vision_cache_s}
             except torch.OutOfMemoryError as error:
@@ -332,15 +350,6 @@ def main():
         ratio = report.get("ratio", {}).get(side, {}).get("samples_per_s", float("nan"))
         print(f"{side:18} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}")
     print(json.dumps(report))
-
-
-def patch_liger_kernels(arch: str) -> None:
-    """liger-kernel's RMSNorm and RoPE in the model classes (for models loaded from now on); our own
-    fused loss stays as it is."""
-    import liger_kernel.transformers as liger
-
-    patch = {"qwen3-vl": liger.apply_liger_kernel_to_qwen3_vl}[arch.rsplit("-", 1)[0]]
-    patch(rope=True, rms_norm=True, fused_linear_cross_entropy=False)
 
 
 def _installed(name: str) -> bool:

@@ -162,3 +162,41 @@ def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_cu
     from_pixels, from_vision_cache = losses(demo_workdir), losses(workdir)
     assert len(from_pixels) == len(from_vision_cache) > 100
     assert from_vision_cache == pytest.approx(from_pixels, rel=1e-3, abs=1e-4)
+
+
+def test_lora_in_bf16_uses_float32_weights_in_bf16_and_keeps_float32_gradients(family_setup):
+    """On a bf16 model the LoRA layers compute in bf16 from their float32 weights (no float32 copies
+    of the activations), their gradients stay float32, and the loss and gradients are those of a
+    float32 run within bf16 rounding."""
+    from vlft.modeling import adapter_autocast
+
+    root = family_setup
+    pixels = ImageCache(root / "pixels")
+    samples, images, builder, pad_id = samples_and_images(root, pixels)
+    batch = collate(samples[:4], images, builder, pad_id)
+    cpu = torch.device("cpu")
+
+    def run(dtype):
+        torch.manual_seed(0)
+        model = with_new_adapter(load_base_model(root / "model", cpu, dtype), LORA)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.02)
+        lora_dtypes = set()  # (input, output) of every LoRA A matmul
+        for name, module in model.named_modules():
+            if name.endswith("lora_A.default"):
+                module.register_forward_hook(lambda m, args, out: lora_dtypes.add((args[0].dtype, out.dtype)))
+        with adapter_autocast(model, cpu, dtype):
+            loss, n = answer_loss_sum(model, to_device(batch, cpu, dtype))
+        (loss / n).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss.item(), grads, lora_dtypes
+
+    loss32, grads32, dtypes32 = run(torch.float32)
+    loss16, grads16, dtypes16 = run(torch.bfloat16)
+    assert dtypes32 == {(torch.float32, torch.float32)} and dtypes16 == {(torch.bfloat16, torch.bfloat16)}
+    assert all(g.dtype == torch.float32 for g in grads16.values())
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    # bf16 keeps 8 bits of mantissa: compare each gradient by its relative error as a whole.
+    for name, grad in grads32.items():
+        assert (grads16[name] - grad).norm() <= 0.05 * grad.norm(), name

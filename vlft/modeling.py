@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 
@@ -75,3 +77,20 @@ def with_new_adapter(model, settings: dict):
 
 def with_adapter(model, adapter_dir: str | Path, trainable: bool):
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+
+
+def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
+    """The context for training forward passes: LoRA computed in the base model's dtype.
+
+    PEFT keeps adapter weights in float32, for the optimizer, and by default casts every input of a
+    LoRA layer to float32 first: a float32 copy of each activation, kept for the backward pass, and
+    float32 matmuls. Under autocast the float32 weights are used in bf16 instead and the inputs
+    stay as they are, the way transformers' Trainer runs LoRA with bf16=True; gradients and
+    optimizer state stay float32. A float32 model needs none of this.
+    """
+    if dtype == torch.float32:
+        return nullcontext()
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+    return torch.autocast(device.type, dtype=dtype)

@@ -28,7 +28,15 @@ from vlft import checkpoints
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.files import atomic_path, write_json
-from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter, with_new_adapter
+from vlft.modeling import (
+    adapter_autocast,
+    load_base_model,
+    load_tokenizer,
+    pick_device,
+    rope_index,
+    with_adapter,
+    with_new_adapter,
+)
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
 from vlft.stage_data import load_stage_data, uses_vision_cache
@@ -119,6 +127,7 @@ def train_stage(
         model = with_new_adapter(model, settings)
     if uses_vision_cache(data):
         use_vision_cache(model)  # the frozen tower's outputs come from the cache
+    forward_context = adapter_autocast(model, device, dtype)
     if settings["compile"] and device.type == "cuda":
         compile_decoder_layers(model)
     model.train()
@@ -169,7 +178,8 @@ def train_stage(
             # the host queues the next one while the GPU still works on this one.
             loss_total = torch.zeros((), device=device)
             for host_batch in micro_batches:
-                loss_sum, _ = answer_loss_sum(model, to_device(host_batch, device, dtype))
+                with forward_context:
+                    loss_sum, _ = answer_loss_sum(model, to_device(host_batch, device, dtype))
                 (loss_sum / n_targets).backward()
                 loss_total += loss_sum.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
