@@ -134,8 +134,16 @@ start() {
     wait_for 30 slurmctld scontrol ping
     # -N: this node's name in slurm.conf, whatever the machine's hostname is.
     slurmd -N localhost
-    wait_for 60 "an idle node" sh -c '[ "$(sinfo -h -o %t)" = idle ]'
+    wait_for 60 "an idle node" node_idle
     say "up: partition $PARTITION, account $ACCOUNT, $(sinfo -h -o %c) CPUs, 2 GPUs"
+}
+
+node_idle() {  # true once the node takes jobs; a node that registered as down is asked back once more
+    case "$(sinfo -h -N -o %t 2>/dev/null)" in
+    idle) return 0 ;;
+    down* | drain*) scontrol update nodename=localhost state=resume >/dev/null 2>&1 ;;
+    esac
+    return 1
 }
 
 stop_daemon() {  # stop_daemon <pid file>

@@ -49,7 +49,7 @@ def slurm_demo(slurm_cluster, tmp_path_factory):
 def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workdir):
     local = sorted(p.relative_to(demo_workdir) for p in (demo_workdir / "results/eval").rglob("metrics.json"))
     through_slurm = sorted(p.relative_to(slurm_demo) for p in (slurm_demo / "results/eval").rglob("metrics.json"))
-    assert through_slurm == local and len(local) == 17
+    assert through_slurm == local and len(local) == 2 * 9  # val and test of the base model and 8 stages
     for path in local:
         ours, theirs = (result_fields(json.loads((workdir / path).read_text())) for workdir in (slurm_demo, demo_workdir))
         assert ours == pytest.approx(theirs, rel=1e-4), path
@@ -67,7 +67,7 @@ def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
     logs = slurm_demo / "results/logs"
     gpu_jobs = list(logs.glob("train/*/*.log")) + list(logs.glob("evaluate/*/*/*.log"))
     cpu_jobs = list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
-    assert len(gpu_jobs) == 8 + 17 and len(cpu_jobs) == 3 + 3 + 1
+    assert len(gpu_jobs) == 8 + 2 * 9 and len(cpu_jobs) == 3 + 3 + 1
     placements = {log: placement(log) for log in gpu_jobs + cpu_jobs}
     for log in gpu_jobs:
         assert placements[log][1] in {"0", "1"}, f"{log}: a GPU job saw CUDA_VISIBLE_DEVICES={placements[log][1]}"
