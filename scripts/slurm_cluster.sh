@@ -4,7 +4,8 @@
 # real site. Debian 12, as root.
 #
 #   scripts/slurm_cluster.sh install   # apt packages (about 25 s)
-#   scripts/slurm_cluster.sh start     # writes the config, starts the daemons, waits for an idle node
+#   scripts/slurm_cluster.sh start     # a fresh cluster: config, daemons, no jobs or accounting
+#                                      # left from an earlier start; waits for an idle node
 #   scripts/slurm_cluster.sh stop      # stops each daemon by its pid file
 #
 # The account `demo` and the partition `debug` exist on it. Everything lives under $STATE_DIR.
@@ -110,6 +111,9 @@ EOF
 start() {
     install
     stop >/dev/null 2>&1  # a cluster left from an earlier start: begin afresh
+    # Without this, slurmctld recovers the jobs of an earlier start whose processes are gone, and
+    # the node stays allocated to them; old job ids would also mix into sacct's answers.
+    rm -rf "$STATE_DIR"/spool
     write_config
     mkdir -p /run/munge /run/mysqld
     chown munge:munge /run/munge
@@ -121,7 +125,8 @@ start() {
         --pid-file=/run/mysqld/mysqld.pid --skip-networking=0 --bind-address=127.0.0.1 \
         >"$STATE_DIR/log/mariadb.log" 2>&1 &
     wait_for 30 mariadb mariadb -e "select 1"
-    mariadb -e "create user if not exists 'slurm'@'localhost' identified by 'slurm';
+    mariadb -e "drop database if exists slurm_acct_db;
+                create user if not exists 'slurm'@'localhost' identified by 'slurm';
                 grant all on slurm_acct_db.* to 'slurm'@'localhost';"
 
     slurmdbd
