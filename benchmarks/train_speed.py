@@ -12,7 +12,9 @@ r=16 on every linear layer of the language model, bf16.
     AdamW, 4 data-loader workers, pinned memory, prefetch 2.
 (b) ours: vlft.train.train_stage, the project's own training path, from its caches (pixel cache, and
     the frozen-vision cache built by the cache_vision job's code), micro-batches cut to a token budget,
-    fused linear cross-entropy on answer tokens, compiled decoder layers; 16 samples a step as (a).
+    fused linear cross-entropy on answer tokens, compiled decoder layers; 16 samples a step as (a),
+    packed into rows with per-sample positions and attention (--grouped also runs padded
+    micro-batches of similar length, packing off).
 
 Prints a table and writes benchmarks/results/<arch>-<device>-<date>.json. The formula for model
 FLOPs utilization is in benchmarks/README.md.
@@ -255,6 +257,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[8192],
                         help="token budgets of our micro-batches: one run of ours for each")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also run ours with packing off (padded micro-batches of similar length), for comparison")
     parser.add_argument("--profile", action="store_true",
                         help="record our runs' GPU kernels and print where the time goes (slows them down)")
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
@@ -309,11 +313,14 @@ def main():
         settings.update(answer_format="cot", lora_r=16, lora_alpha=32, lora_dropout=0.0, learning_rate=1e-4,
                         micro_batch=SAMPLES_PER_STEP, grad_accum=1, max_steps=args.steps, max_seq_len=8192,
                         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True, compile=True, order="given")
-        for budget in args.max_batch_tokens:
-            name = f"ours@{budget}"
+        runs = [(f"ours@{budget}", budget, True) for budget in args.max_batch_tokens]
+        if args.grouped:
+            runs += [(f"ours grouped@{budget}", budget, False) for budget in args.max_batch_tokens]
+        for name, budget, packing in runs:
             try:
                 ours = run_ours(model_dir, work / "prepared.jsonl", work / "vision", args.steps, args.warmup,
-                                dict(settings, max_batch_tokens=budget), work / name, args.profile)
+                                dict(settings, max_batch_tokens=budget, packing=packing), work / name.replace(" ", "-"),
+                                args.profile)
                 results[name] = summarize(ours, flops_per_token, peak) | {"pixel_cache_s": pixel_cache_s,
                                                                            "vision_cache_s": vision_cache_s}
             except torch.OutOfMemoryError as error:
@@ -342,13 +349,13 @@ def main():
     name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
     print(f"\n{args.arch} on {report['device']}: bf16 matmul peak {peak:.0f} TFLOP/s")
-    print(f"{'':18} {'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'ratio':>6}")
+    print(f"{'':22} {'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'ratio':>6}")
     for side, r in results.items():
         if "error" in r:
-            print(f"{side:18} {r['error'][:60]}")
+            print(f"{side:22} {r['error'][:60]}")
             continue
         ratio = report.get("ratio", {}).get(side, {}).get("samples_per_s", float("nan"))
-        print(f"{side:18} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}")
+        print(f"{side:22} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}")
     print(json.dumps(report))
 
 

@@ -85,7 +85,8 @@ def collate(
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory."""
-    moved = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key != "images"}
+    moved = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+             for key, value in batch.items() if key != "images"}
     moved["pixel_values"] = torch.cat(
         [cache.device_input(tensor.to(device, non_blocking=True), dtype) for cache, tensor in batch["images"]]
     )

@@ -43,6 +43,7 @@ BUILTIN_STAGE_DEFAULTS: dict = {
     "checkpoint_every": 200,
     "vision_cache": False,
     "max_batch_tokens": None,
+    "packing": True,
     "compile": False,
     # A GPU job's cluster request (train, and evaluate of this stage); runtime in minutes.
     "resources": {"runtime": 360, "mem_mb": 32000, "gpus": 1},

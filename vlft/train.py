@@ -1,10 +1,10 @@
 """Train one stage: LoRA on the language model, from the pixel or vision cache, resumable, stoppable by signal.
 
 A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
-(curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) cut to a
-token budget, the loss is summed per token across gradient accumulation and computed on answer
-tokens only (vlft.loss), and a signal from SLURM
-must end in a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
+(curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) packed
+into rows under a token budget (vlft.packing), the loss is summed per token across gradient
+accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM must end in
+a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
 collator and resume logic; here they are a few lines each. It reads top to bottom:
 data -> model -> optimizer -> resume -> loop -> save.
 """
@@ -37,6 +37,7 @@ from vlft.modeling import (
     with_adapter,
     with_new_adapter,
 )
+from vlft.packing import pack, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
 from vlft.stage_data import load_stage_data, uses_vision_cache
@@ -127,6 +128,8 @@ def train_stage(
         model = with_new_adapter(model, settings)
     if uses_vision_cache(data):
         use_vision_cache(model)  # the frozen tower's outputs come from the cache
+    if settings["packing"]:
+        use_packed_attention(model)
     forward_context = adapter_autocast(model, device, dtype)
     if settings["compile"] and device.type == "cuda":
         compile_decoder_layers(model)
@@ -162,11 +165,12 @@ def train_stage(
     def host_batches(step: int) -> list[dict]:
         micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
         if settings["max_batch_tokens"]:
-            micro_batches = token_budget_batches([s for b in micro_batches for s in b], settings["max_batch_tokens"])
-        return [
-            collate(b, data.images, builder, pad_id, rope_index=rope_index(model), pin=device.type == "cuda")
-            for b in micro_batches
-        ]
+            split = packed_batches if settings["packing"] else token_budget_batches
+            micro_batches = split([s for b in micro_batches for s in b], settings["max_batch_tokens"])
+        pin = device.type == "cuda"
+        if settings["packing"]:
+            return [pack(b, data.images, builder, rope_index(model), pin=pin) for b in micro_batches]
+        return [collate(b, data.images, builder, pad_id, rope_index=rope_index(model), pin=pin) for b in micro_batches]
 
     progress = tqdm(total=len(steps), initial=first_step, desc=Path(adapter_out).parent.name, mininterval=5)
     todo = range(first_step, len(steps))
