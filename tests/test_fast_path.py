@@ -249,10 +249,13 @@ def test_packed_attention_attends_within_each_sample_only(device):
         query.float(), key.float().repeat_interleave(4, dim=1), value.float().repeat_interleave(4, dim=1),
         attn_mask=mask, scale=0.125,
     ).transpose(1, 2)
-    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     assert packed.shape == (1, total, 8, 64)
-    torch.testing.assert_close(packed.float(), expected, **tolerance)
     gradients = torch.autograd.grad(packed.float().square().sum(), (query, key, value))
     expected_gradients = torch.autograd.grad(expected.square().sum(), (query, key, value))
-    for got, want in zip(gradients, expected_gradients):
-        torch.testing.assert_close(got.float(), want.float(), **tolerance)
+    for got, want in zip((packed, *gradients), (expected, *expected_gradients)):
+        if dtype == torch.bfloat16:
+            # 8 bits of mantissa, and key/value gradients summed over many queries: compare each
+            # tensor by its relative error as a whole (one sample's leak would be of order 1).
+            assert (got.float() - want.float()).norm() <= 0.01 * want.float().norm()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
