@@ -56,7 +56,9 @@ def packed_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]
 
 def pack(samples: list[Sample], images: dict, builder: PromptBuilder, rope_index: Callable, pin: bool = False) -> dict:
     """One packed row on the host: each sample collated alone (so its positions are its own), then
-    laid end to end; `cu_seqlens` marks where each sample starts and ends."""
+    laid end to end; `packed_cu_seqlens` marks where each sample starts and ends, and
+    `packed_max_seqlen` is the longest (the attention kernel's two extra inputs)."""
+    # A batch of one has no padding, so the pad id is never written.
     alone = [collate([s], images, builder, pad_id=0, rope_index=rope_index) for s in samples]
     lengths = [len(s.input_ids) for s in samples]
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
