@@ -54,11 +54,12 @@ def collate(
     # Token t predicts token t + 1: the answer positions index the flattened (batch x width)
     # hidden states, and their targets are the next tokens.
     rows, columns = (label_ids[:, 1:] != -100).nonzero(as_tuple=True)
+    sources = [images[s.record_id] for s in samples]  # (cache, image id) of each sample
     batch = {
         "input_ids": input_ids,
         "labels": label_ids,
         "mm_token_type_ids": builder.mm_token_type_ids(input_ids),
-        "image_grid_thw": torch.tensor([images[s.record_id][0].grid_thw(images[s.record_id][1]) for s in samples]),
+        "image_grid_thw": torch.tensor([cache.grid_thw(image_id) for cache, image_id in sources]),
         "answer_positions": rows * width + columns,
         "answer_targets": label_ids[rows, columns + 1],
     }
@@ -71,16 +72,17 @@ def collate(
         )[0]
     else:
         batch["attention_mask"] = attention
-    if pin:
-        batch = {key: value.pin_memory() for key, value in batch.items()}
     # Each image as its cache holds it (pixels, or the vision tower's outputs), with the cache
     # that knows how to turn it into model input.
-    batch["images"] = []
-    for sample in samples:
-        cache, image_id = images[sample.record_id]
-        tensor = cache.tensor(image_id)
-        batch["images"].append((cache, tensor.pin_memory() if pin else tensor))
-    return batch
+    batch["images"] = [(cache, cache.tensor(image_id)) for cache, image_id in sources]
+    return pinned(batch) if pin else batch
+
+
+def pinned(batch: dict) -> dict:
+    """A host batch with its tensors (images too) in pinned memory, so that copies to a GPU do not block."""
+    moved = {key: value.pin_memory() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    moved["images"] = [(cache, tensor.pin_memory()) for cache, tensor in batch["images"]]
+    return moved
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:

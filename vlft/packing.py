@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from vlft.batching import collate
+from vlft.batching import collate, pinned
 from vlft.prompts import PromptBuilder, Sample
 
 try:
@@ -61,21 +61,17 @@ def pack(samples: list[Sample], images: dict, builder: PromptBuilder, rope_index
     # A batch of one has no padding, so the pad id is never written.
     alone = [collate([s], images, builder, pad_id=0, rope_index=rope_index) for s in samples]
     lengths = [len(s.input_ids) for s in samples]
-    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0, dtype=torch.int32)
     row = {key: torch.cat([one[key] for one in alone], dim=1) for key in ("input_ids", "labels", "mm_token_type_ids")}
     row["position_ids"] = torch.cat([one["position_ids"] for one in alone], dim=-1)
     row["image_grid_thw"] = torch.cat([one["image_grid_thw"] for one in alone])
     # Each sample alone is a batch of one: its answer positions are offsets within it.
-    row["answer_positions"] = torch.cat([one["answer_positions"] + start for one, start in zip(alone, starts)])
+    row["answer_positions"] = torch.cat([one["answer_positions"] + start for one, start in zip(alone, cu_seqlens)])
     row["answer_targets"] = torch.cat([one["answer_targets"] for one in alone])
-    row["packed_cu_seqlens"] = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    if pin:
-        row = {key: value.pin_memory() for key, value in row.items()}
+    row["packed_cu_seqlens"] = cu_seqlens
     row["packed_max_seqlen"] = max(lengths)
     row["images"] = [image for one in alone for image in one["images"]]
-    if pin:
-        row["images"] = [(cache, tensor.pin_memory()) for cache, tensor in row["images"]]
-    return row
+    return pinned(row) if pin else row
 
 
 def _varlen_kernel() -> Callable | None:
@@ -107,10 +103,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.packing.pack)")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
-    if VARLEN_KERNEL is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        out = VARLEN_KERNEL(q, k, v, packed_cu_seqlens, packed_max_seqlen, scaling)
-        return out[None], None
+    if VARLEN_KERNEL is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+        return VARLEN_KERNEL(q, k, v, packed_cu_seqlens, packed_max_seqlen, scaling)[None], None
     bounds = packed_cu_seqlens.tolist()
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -161,16 +161,16 @@ def train_stage(
     # Loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
+    positions, pin = rope_index(model), device.type == "cuda"
 
     def host_batches(step: int) -> list[dict]:
         micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
         if settings["max_batch_tokens"]:
             split = packed_batches if settings["packing"] else token_budget_batches
             micro_batches = split([s for b in micro_batches for s in b], settings["max_batch_tokens"])
-        pin = device.type == "cuda"
         if settings["packing"]:
-            return [pack(b, data.images, builder, rope_index(model), pin=pin) for b in micro_batches]
-        return [collate(b, data.images, builder, pad_id, rope_index=rope_index(model), pin=pin) for b in micro_batches]
+            return [pack(b, data.images, builder, positions, pin=pin) for b in micro_batches]
+        return [collate(b, data.images, builder, pad_id, rope_index=positions, pin=pin) for b in micro_batches]
 
     progress = tqdm(total=len(steps), initial=first_step, desc=Path(adapter_out).parent.name, mininterval=5)
     todo = range(first_step, len(steps))
