@@ -10,10 +10,12 @@ import copy
 
 import pytest
 import torch
+import yaml
 
 from vlft.batching import collate, to_device, token_budget_batches
 from vlft.demo.shapes import make_dataset
 from vlft.errors import ConfigError
+from vlft.files import read_jsonl
 from vlft.image_cache import ImageCache, PixelSettings, build_image_cache
 from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
 from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index, with_new_adapter
@@ -52,7 +54,6 @@ def lora_model(model_dir):
 
 
 def samples_and_images(root, cache):
-    from vlft.files import read_jsonl
 
     tokenizer = load_tokenizer(root / "model")
     model_config = load_base_model(root / "model", torch.device("cpu"), torch.float32).config
@@ -152,10 +153,7 @@ def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(fam
 
 
 def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_curve(demo_workdir, tmp_path):
-    import json
     import shutil
-
-    import yaml
 
     from conftest import planned_outputs, snakemake
 
@@ -170,7 +168,7 @@ def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_cu
     snakemake(workdir, "--cores", "2", "results/train/exp1/main/log.jsonl")
 
     def losses(root):
-        return [json.loads(line)["loss"] for line in (root / "results/train/exp1/main/log.jsonl").read_text().splitlines()]
+        return [row["loss"] for row in read_jsonl(root / "results/train/exp1/main/log.jsonl")]
 
     from_pixels, from_vision_cache = losses(demo_workdir), losses(workdir)
     assert len(from_pixels) == len(from_vision_cache) > 100
@@ -264,10 +262,6 @@ def test_packed_attention_attends_within_each_sample_only(device):
 def test_training_on_packed_rows_follows_the_padded_loss_curve(demo_workdir, tmp_path):
     """The training loop itself: a stage trained on packed rows and the same stage on padded
     micro-batches under the same token budget log the same losses step by step."""
-    import json
-
-    import yaml
-
     from vlft.plan import build_plan
     from vlft.train import StageInputs, train_stage
 
@@ -283,7 +277,7 @@ def test_training_on_packed_rows_follows_the_padded_loss_curve(demo_workdir, tmp
         out = tmp_path / f"packing-{packing}"
         train_stage(inputs, dict(settings, packing=packing), out / "adapter", out / "log.jsonl", out / "summary.json",
                     out / "checkpoints", 1000)
-        return [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+        return [row["loss"] for row in read_jsonl(out / "log.jsonl")]
 
     packed, padded = losses(True), losses(False)
     assert len(packed) == 12
