@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.modeling import lora_config  # noqa: E402
-from vlft.plan import BUILTIN_STAGE_DEFAULTS  # noqa: E402
+from vlft.config import stage_defaults  # noqa: E402
 from vlft.prompts import PromptBuilder  # noqa: E402
 from vlft.records import prepare_split  # noqa: E402
 
@@ -162,7 +162,7 @@ def run_reference(model, records, image_processor, builder, pad_id, steps, warmu
     from peft import get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model = get_peft_model(model, lora_config(dict(BUILTIN_STAGE_DEFAULTS, lora_r=16, lora_alpha=32, lora_dropout=0.0)))
+    model = get_peft_model(model, lora_config(dict(stage_defaults(), lora_r=16, lora_alpha=32, lora_dropout=0.0)))
     timings = []
 
     class StepTimer(TrainerCallback):
@@ -309,7 +309,7 @@ def main():
         vision_cache_s = time.time() - started
         del model
         torch.cuda.empty_cache()
-        settings = {k: v for k, v in BUILTIN_STAGE_DEFAULTS.items() if k not in ("resources", "checkpoint_every")}
+        settings = {k: v for k, v in stage_defaults().items() if k not in ("resources", "checkpoint_every")}
         settings.update(answer_format="cot", lora_r=16, lora_alpha=32, lora_dropout=0.0, learning_rate=1e-4,
                         micro_batch=SAMPLES_PER_STEP, grad_accum=1, max_steps=args.steps, max_seq_len=8192,
                         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True, compile=True, order="given")

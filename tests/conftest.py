@@ -46,11 +46,15 @@ def planned_outputs(workdir: Path, *args: str) -> set[str]:
     }
 
 
+# The README's quick start, after its install: the whole demo pipeline.
+DEMO_COMMAND = "snakemake --cores all"
+
+
 @pytest.fixture(scope="session")
 def demo_workdir(tmp_path_factory) -> Path:
     """The whole demo pipeline, run once, exactly as the README's quick start runs it."""
     workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
-    snakemake(workdir, "--cores", "2")
+    snakemake(workdir, *DEMO_COMMAND.split()[1:])
     return workdir
 
 

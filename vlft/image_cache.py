@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.image_utils import load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlft.files import atomic_path, read_jsonl
@@ -61,12 +61,13 @@ class PixelSettings:
 
 
 def load_resized(path: str, settings: PixelSettings) -> np.ndarray:
-    with Image.open(path) as image:
-        image = image.convert("RGB")
-        size = settings.target_size(*image.size)
-        if size != image.size:
-            image = image.resize(size, resample=settings.resample)
-        return np.asarray(image, dtype=np.uint8)
+    # transformers' own loading, as an inference server would feed the processor: the EXIF
+    # orientation applied (the image as a person sees it), then any mode converted to RGB.
+    image = load_image(path)
+    size = settings.target_size(*image.size)
+    if size != image.size:
+        image = image.resize(size, resample=settings.resample)
+    return np.asarray(image, dtype=np.uint8)
 
 
 def build_image_cache(

@@ -1,6 +1,7 @@
 """Turn the validated config into a plan: every experiment x stage with its resolved settings.
 
-The config's `defaults` section is inherited by every stage and may be overridden per stage.
+A stage's settings are the schema's defaults (vlft.config.stage_defaults), overridden by the
+config's `defaults` section, overridden by the stage's own keys.
 Each stage's resolved settings are exactly what its training job depends on, so Snakemake's
 params trigger reruns a stage when, and only when, its own settings change.
 """
@@ -10,44 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from vlft.config import stage_defaults
 from vlft.errors import ConfigError
-
-# Settings every stage starts from before the config's `defaults` and the stage itself.
-BUILTIN_STAGE_DEFAULTS: dict = {
-    "dataset": None,
-    "train_splits": ["train"],
-    "eval_splits": ["test"],
-    "filter": {},
-    "order": "random",
-    "order_field": None,
-    "order_descending": False,
-    "init_from": None,
-    "answer_format": "final",
-    "epochs": 1,
-    "max_steps": None,
-    "learning_rate": 2.0e-4,
-    "lr_schedule": "cosine",
-    "warmup_ratio": 0.03,
-    "weight_decay": 0.0,
-    "max_grad_norm": 1.0,
-    "micro_batch": 4,
-    "grad_accum": 1,
-    "lora_r": 16,
-    "lora_alpha": 32,
-    "lora_dropout": 0.05,
-    "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "min_pixels": 3136,
-    "max_pixels": 1003520,
-    "max_seq_len": 4096,
-    "seed": 0,
-    "checkpoint_every": 200,
-    "vision_cache": False,
-    "max_batch_tokens": None,
-    "packing": True,
-    "compile": False,
-    # A GPU job's cluster request (train, and evaluate of this stage); runtime in minutes.
-    "resources": {"runtime": 360, "mem_mb": 32000, "gpus": 1},
-}
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every")
@@ -142,8 +107,11 @@ def _merge(base: dict, override: dict) -> dict:
 def build_plan(config: dict) -> Plan:
     """Resolve every stage and check what the schema cannot: references between parts of the config."""
     datasets = config.get("datasets", {})
-    defaults = _merge(BUILTIN_STAGE_DEFAULTS, config.get("defaults", {}))
-    if defaults["dataset"] is None and len(datasets) == 1:
+    defaults = _merge(stage_defaults(), config.get("defaults", {}))
+    if "dataset" not in defaults:
+        if len(datasets) != 1:
+            # The untrained base model is evaluated on the defaults' dataset.
+            raise ConfigError(f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})")
         defaults["dataset"] = next(iter(datasets))
     plan = Plan(defaults=defaults)
 

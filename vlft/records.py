@@ -12,7 +12,8 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from PIL import Image
+from PIL import ExifTags, Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlft.errors import InputError
 from vlft.files import write_jsonl
@@ -76,16 +77,30 @@ def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:
     return paths
 
 
+# EXIF orientations that turn the stored image by 90 or 270 degrees (with or without a mirror).
+TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
+
+
 def _check_image(path: Path) -> tuple[int, int] | str:
-    """(width, height) of a readable image, or the reason it cannot be read."""
+    """(width, height) of a readable image as a person sees it (EXIF orientation applied), or the
+    reason it cannot be used."""
     if not path.is_file():
         return "file not found"
     try:
         with Image.open(path) as image:
             image.load()  # decode fully: a truncated file only fails here
-            return image.size
+            width, height = image.size
+            if image.getexif().get(ExifTags.Base.Orientation) in TRANSPOSED_ORIENTATIONS:
+                width, height = height, width
     except Exception as err:  # PIL raises many types for corrupt files
         return f"cannot be read as an image ({type(err).__name__}: {err})"
+    try:
+        # The Qwen-VL image processor's own check (an aspect-ratio limit), which would otherwise
+        # stop the pixel cache later; the size arguments do not matter to it.
+        smart_resize(height, width)
+    except ValueError as err:
+        return f"{width}x{height} pixels cannot be taken by the model's image processor ({err})"
+    return width, height
 
 
 def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | Path, threads: int = 8) -> int:

@@ -31,7 +31,7 @@ rule cache_vision:
     log:
         f"{RESULTS}/logs/cache_vision/{{dataset}}/{{split}}/{{pixels}}.log",
     params:
-        max_gb=config.get("vision_cache_max_gb", 200),
+        max_gb=config["vision_cache_max_gb"],
     threads: 8
     resources:
         runtime=get_stage_resource("runtime", default=True),

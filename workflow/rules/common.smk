@@ -5,11 +5,14 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from vlft.config import resolve_config
 from vlft.errors import ConfigError
-from vlft.plan import BASE_EXPERIMENT, BASE_STAGE, build_plan, pixels_tag
+from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag
 from vlft.records import image_paths
 
 try:
+    # In place: the rules read `config` too. Keys the file leaves out take the schema's defaults.
+    config.update(resolve_config(config))
     PLAN = build_plan(config)
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None

@@ -1,0 +1,168 @@
+"""Every command the README shows runs as written: each shell line of its bash blocks is run here
+(dry, with -n added, where it needs a cluster or a GPU), so the README cannot drift from what works.
+A line the README gains without a way to run it here fails this test."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO_COMMAND, REPO, copy_workflow
+
+EXAMPLE = "config/examples/kvasir-vqa-qwen3-vl-8b.yaml"
+TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the README's bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+            if command:
+                commands.append(command)
+    return commands
+
+
+def shell(command: str, cwd: Path, env: dict | None = None) -> str:
+    result = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, f"`{command}` failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def need(program: str) -> None:
+    """A program the README says a command needs: where CI runs, it must be there."""
+    if shutil.which(program) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{program} is not installed, and CI must run every README command")
+        pytest.skip(f"{program} is not installed")
+
+
+@pytest.fixture(scope="module")
+def kvasir_workdir(tmp_path_factory, tiny_model_dir):
+    """A clone whose Kvasir example has the user's paths put in, as the README asks: a small
+    Kvasir-like set (train, val and the reordered train split) and a tiny Qwen3-VL."""
+    from vlft.demo.shapes import make_dataset
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("kvasir"))
+    data = tmp_path_factory.mktemp("kvasir-data")
+    files = {"train": data / "train.jsonl", "val": data / "val.jsonl", "reordered": data / "train_reordered.jsonl"}
+    make_dataset(files, data / "images", {"train": 8, "val": 4, "reordered": 8}, seed=0)
+    example = workdir / EXAMPLE
+    text = example.read_text().replace("/path/to/models/Qwen3-VL-8B-Instruct", str(tiny_model_dir))
+    text = text.replace("/path/to/kvasir-vqa", str(data))
+    assert "/path/to" not in text
+    example.write_text(text)
+    return workdir
+
+
+# The example's plan: 8 stages, each evaluated on val beside the base model, on 3 splits' caches.
+KVASIR_STAGES = ["exp1/main", "exp2/main", "exp3/stage1", "exp3/stage2", "exp3/stage3", "exp4/stage1",
+                 "exp4/stage2", "exp5/main"]
+KVASIR_PLAN = {
+    *(f"results/kvasir/train/{s}/adapter" for s in KVASIR_STAGES),
+    *(f"results/kvasir/eval/{s}/val/predictions.jsonl" for s in KVASIR_STAGES + ["base/base"]),
+    *(f"results/kvasir/prepared/kvasir/{s}.jsonl" for s in ("train", "val", "reordered")),
+    *(f"results/kvasir/cache/images/kvasir/{s}/3136-1336320" for s in ("train", "val", "reordered")),
+    "results/kvasir/report/index.html",
+    "rule:all",
+}
+
+
+def run_quick_start_demo(command, fixture, tmp_path):
+    # The demo fixture (conftest) runs the second half; CI's fresh machine has just run the install.
+    assert command == f"pip install -e . && {DEMO_COMMAND}"
+    assert (fixture("demo_workdir") / "results/report/index.html").exists()
+
+
+def run_test_suite(command, fixture, tmp_path):
+    # This very run is that command: .ci/run runs it, word for word.
+    assert command == TEST_COMMAND
+    assert TEST_COMMAND in (REPO / ".ci/run").read_text()
+
+
+def run_dry_run(command, fixture, tmp_path):
+    assert "Nothing to be done" in shell(command, fixture("demo_workdir"))
+
+
+def run_dag(command, fixture, tmp_path):
+    need("dot")
+    workdir = copy_workflow(tmp_path / "dag")
+    shell(command, workdir)
+    svg = (workdir / "dag.svg").read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "train" in svg and "report" in svg
+
+
+def run_kvasir_plan(command, fixture, tmp_path):
+    """A dry run, as written, or with -n added where it would train an 8B-sized setup."""
+    kvasir_workdir = fixture("kvasir_workdir")
+    if " -n" not in command:
+        command += " -n"
+    output = shell(command, kvasir_workdir, env={"HOME": str(kvasir_workdir / "home")})
+    planned = {m.group(1).split(",")[0].strip() for m in re.finditer(r"^\s+output: (.+)$", output, re.MULTILINE)}
+    assert planned | {"rule:all"} == KVASIR_PLAN
+    return output
+
+
+def run_kvasir_on_slurm(command, fixture, tmp_path):
+    # The site profile the README describes, in the home directory `~` names.
+    site = fixture("kvasir_workdir") / "home/my-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "config.yaml").write_text("default-resources: {slurm_account: myaccount, slurm_partition: gpu}\n")
+    output = run_kvasir_plan(command, fixture, tmp_path)
+    train_jobs = re.findall(r"^rule train:\n(?:\s+.*\n)*?\s+resources: (.*)$", output, re.MULTILINE)
+    assert len(train_jobs) == len(KVASIR_STAGES)
+    for resources in train_jobs:
+        assert "slurm_account=myaccount" in resources and "slurm_partition=gpu" in resources
+        assert "runtime=420" in resources and "gpu=1" in resources
+
+
+def run_retrain(command, fixture, tmp_path):
+    """Rebuilds exp4 stage 2 (-f), or it and what depends on it (-R); nothing else."""
+    workdir = tmp_path / "work"
+    shutil.copytree(fixture("demo_workdir"), workdir, symlinks=True)
+    before = {p: p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+    shell(command, workdir)
+    changed = {str(p.relative_to(workdir).parent if "adapter" in p.parts else p.relative_to(workdir))
+               for p, mtime in before.items() if p.exists() and p.stat().st_mtime_ns != mtime}
+    changed = {c for c in changed if not c.startswith("results/logs/")}
+    stage = {"results/train/exp4/stage2/adapter", "results/train/exp4/stage2/log.jsonl",
+             "results/train/exp4/stage2/summary.json"}
+    downstream = {f"results/eval/exp4/stage2/{split}/{name}" for split in ("val", "test")
+                  for name in ("predictions.jsonl", "metrics.json")}
+    downstream |= {f"results/report/{name}" for name in ("index.html", "results.csv", "accuracy_by_category.csv",
+                                                          "jobs.csv")}
+    assert changed == (stage | downstream if " -R " in command else stage)
+
+
+RUNNERS = {
+    "pip install -e . && snakemake --cores all": run_quick_start_demo,
+    TEST_COMMAND: run_test_suite,
+    "snakemake -n": run_dry_run,
+    "snakemake --dag | dot -Tsvg > dag.svg": run_dag,
+    f"snakemake --configfile {EXAMPLE} -n": run_kvasir_plan,
+    f"snakemake --configfile {EXAMPLE} --cores all": run_kvasir_plan,
+    f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --default-resources slurm_account=myaccount "
+    "slurm_partition=gpu": run_kvasir_on_slurm,
+    f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --profile ~/my-site": run_kvasir_on_slurm,
+    "snakemake --cores all -f results/train/exp4/stage2/adapter": run_retrain,
+    "snakemake --cores all -R results/train/exp4/stage2/adapter": run_retrain,
+}
+
+
+def test_every_readme_command_has_a_runner():
+    commands = readme_commands()
+    assert len(commands) == len(set(commands))
+    assert set(commands) == set(RUNNERS), f"README commands without a runner: {set(commands) - set(RUNNERS)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs_as_written(command, request, tmp_path):
+    RUNNERS[command](command, request.getfixturevalue, tmp_path)

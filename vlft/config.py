@@ -1,0 +1,106 @@
+"""The config file: checked against its JSON schema, and every key it leaves out taken from the
+schema's documented defaults.
+
+A user's config file is the whole config. The workflow reads the demo (config/config.yaml) only
+when no --configfile is given, so nothing of the demo leaks into a user's study; and the defaults
+live in one place, the schema, where each is documented beside its key.
+
+Snakemake's own `validate` is not used: it fills a schema's defaults into every object the schema
+describes, stages included, so a stage would get the built-in learning rate instead of inheriting
+the one in `defaults`; and it reports an error as a dump of the schema rather than one sentence.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import re
+from pathlib import Path
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
+from vlft.errors import ConfigError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@functools.cache
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _defaults_of(node: dict):
+    """The default of a schema node: its own, or for an object, those of its properties."""
+    if "default" in node:
+        return copy.deepcopy(node["default"])
+    return {key: _defaults_of(prop) for key, prop in node.get("properties", {}).items() if _has_default(prop)}
+
+
+def _has_default(node: dict) -> bool:
+    return "default" in node or any(_has_default(p) for p in node.get("properties", {}).values())
+
+
+def stage_defaults() -> dict:
+    """What every stage starts from before the config's `defaults` and the stage's own keys."""
+    return _defaults_of(load_schema()["$defs"]["stage_settings"])
+
+
+def _fill_defaults(schema: dict, value: dict) -> None:
+    # Only the config's own sections: stage settings are resolved by the plan, through `defaults`.
+    for key, prop in schema.get("properties", {}).items():
+        if key not in value and "default" in prop:
+            value[key] = copy.deepcopy(prop["default"])
+        if isinstance(value.get(key), dict) and "properties" in prop:
+            _fill_defaults(prop, value[key])
+
+
+def _key_path(path) -> str:
+    key = ""
+    for part in path:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key or "the config"
+
+
+@functools.cache
+def _known_keys() -> tuple[str, ...]:
+    keys = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            keys.update(node.get("properties", {}))
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk(load_schema())
+    return tuple(sorted(keys))
+
+
+def _sentence(error) -> str:
+    where = _key_path(error.absolute_path)
+    unexpected = re.findall(r"'([^']+)'", error.message) if error.validator in (
+        "additionalProperties", "unevaluatedProperties") else []
+    if unexpected:
+        name = unexpected[0]
+        close = difflib.get_close_matches(name, _known_keys(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{where}: unknown key '{name}'{hint}"
+    if error.validator == "required":
+        return f"{where}: {error.message.replace('is a required property', 'is required')}"
+    return f"{where}: {error.message}"
+
+
+def resolve_config(config: dict) -> dict:
+    """The config checked against the schema, with the schema's defaults for every section it leaves
+    out; raises ConfigError with one sentence naming the key."""
+    error = best_match(Draft202012Validator(load_schema()).iter_errors(config))
+    if error is not None:
+        raise ConfigError(_sentence(error))
+    resolved = copy.deepcopy(config)
+    _fill_defaults(load_schema(), resolved)
+    return resolved
