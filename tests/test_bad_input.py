@@ -1,6 +1,7 @@
 """Bad input: one clear error naming the file and line, or the config key, and nothing half-written."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -69,6 +70,12 @@ def test_truncated_image(split):
     assert_one_error(*prepare(split), f"{split}:1", "cannot be read as an image")
 
 
+def test_image_beyond_the_processors_aspect_ratio_limit(split):
+    Image.new("RGB", (3000, 10)).save(split.parent / "1.png")
+    assert_one_error(*prepare(split), f"{split}:2", "field 'image'", "3000x10 pixels",
+                     "aspect ratio must be smaller than 200, got 300")
+
+
 def test_malformed_line(split):
     lines = split.read_text().splitlines()
     lines[1] = lines[1][:-5]
@@ -91,44 +98,70 @@ def workdir(tmp_path_factory):
     return copy_workflow(tmp_path_factory.mktemp("config"))
 
 
-def dry_run_with(workdir, edit):
+def config_error(workdir, edit) -> str:
+    """The one line Snakemake prints for a config edited by `edit`, which must stop the dry run."""
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     edit(config)
     (workdir / "config/bad.yaml").write_text(yaml.safe_dump(config))
     result = snakemake(workdir, "--dry-run", "--configfile", "config/bad.yaml", check=False)
     assert result.returncode != 0
     assert not (workdir / "results").exists()
-    return result.stdout + result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Invalid config: ")]
+    assert len(lines) == 1, result.stdout + result.stderr
+    return lines[0].removeprefix("Invalid config: ")
 
 
-def test_unknown_config_key(workdir):
-    output = dry_run_with(workdir, lambda c: c["experiments"]["exp1"]["stages"][0].update(learnin_rate=0.1))
-    assert "learnin_rate" in output and "unexpected" in output.lower()
+def stage(config, experiment, index):
+    return config["experiments"][experiment]["stages"][index]
 
 
-def test_unknown_key_in_defaults(workdir):
-    output = dry_run_with(workdir, lambda c: c["defaults"].update(epoch=3))
-    assert "'epoch'" in output
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: stage(c, "exp1", 0).update(learnin_rate=0.1),
+     "experiments.exp1.stages[0]: unknown key 'learnin_rate' (did you mean 'learning_rate'?)"),
+    (lambda c: c["defaults"].update(epoch=3), "defaults: unknown key 'epoch' (did you mean 'epochs'?)"),
+    (lambda c: c.update(evaluaton={}), "the config: unknown key 'evaluaton' (did you mean 'evaluation'?)"),
+    (lambda c: c["defaults"].update(micro_batch="four"), "defaults.micro_batch: 'four' is not of type 'integer'"),
+    (lambda c: c["defaults"].update(order="randm"),
+     "defaults.order: 'randm' is not one of ['random', 'given', 'by_field']"),
+    (lambda c: c.pop("model"), "model: required, but the config does not set it"),
+    (lambda c: stage(c, "exp2", 0).update(dataset="kvasir"),
+     "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: shapes)"),
+    (lambda c: stage(c, "exp3", 1).update(eval_splits=["dev"]),
+     "experiments.exp3.stages[1].eval_splits: unknown split 'dev' of dataset 'shapes' (it has: test, train, val)"),
+    (lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
+     "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: exp1/main, exp2/main, "
+     "exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)"),
+], ids=["typo-in-stage", "typo-in-defaults", "typo-at-top", "wrong-type", "not-an-option", "missing-key",
+        "unknown-dataset", "unknown-split", "init-from-missing-stage"])
+def test_config_error_is_one_sentence_naming_the_key(workdir, edit, message):
+    assert config_error(workdir, edit) == message
 
 
-def test_wrong_type(workdir):
-    output = dry_run_with(workdir, lambda c: c["defaults"].update(micro_batch="four"))
-    assert "micro_batch" in output or "'four'" in output
+def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
+    """A job's own config check (the vision cache's size budget) prints one line, not a tuple."""
+    from vlft.demo.shapes import make_dataset
+    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.modeling import load_image_processor
+    from vlft.records import prepare_split
 
-
-def test_unknown_dataset(workdir):
-    output = dry_run_with(workdir, lambda c: c["experiments"]["exp2"]["stages"][0].update(dataset="kvasir"))
-    assert "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir'" in output
-
-
-def test_unknown_split(workdir):
-    output = dry_run_with(workdir, lambda c: c["experiments"]["exp3"]["stages"][1].update(eval_splits=["dev"]))
-    assert "experiments.exp3.stages[1].eval_splits: unknown split 'dev'" in output
-
-
-def test_init_from_a_stage_that_does_not_exist(workdir):
-    output = dry_run_with(workdir, lambda c: c["experiments"]["exp4"]["stages"][1].update(init_from="stage0"))
-    assert "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist" in output
+    make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 2}, seed=0)
+    prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+    settings = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "pixels", settings)
+    output = tmp_path / "vision"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/cache_vision.py"), "--pixels", str(tmp_path / "pixels"), "--model",
+         str(tiny_model_dir), "--max-gb", "1e-9", "--output", str(output)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 1
+    size = float(re.search(r"would take (\S+) GB", result.stderr).group(1))
+    # The last line of stderr (transformers' weight-loading progress bar comes before it), and the only error.
+    assert result.stderr.count("error: ") == 1 and result.stderr.splitlines()[-1] == (
+        f"error: vision_cache_max_gb: the vision cache {output} would take {size:.3g} GB, more than the 1e-09 GB "
+        "it allows; raise vision_cache_max_gb or set vision_cache: false for the experiments that use it"
+    )
+    assert not output.exists()
 
 
 def test_init_from_cycle():

@@ -81,24 +81,31 @@ def _known_keys() -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
+UNKNOWN_KEY_VALIDATORS = ("additionalProperties", "unevaluatedProperties")
+
+
 def _sentence(error) -> str:
     where = _key_path(error.absolute_path)
-    unexpected = re.findall(r"'([^']+)'", error.message) if error.validator in (
-        "additionalProperties", "unevaluatedProperties") else []
-    if unexpected:
-        name = unexpected[0]
-        close = difflib.get_close_matches(name, _known_keys(), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return f"{where}: unknown key '{name}'{hint}"
+    if error.validator in UNKNOWN_KEY_VALIDATORS:
+        unknown = [name for name in re.findall(r"'([^']+)'", error.message) if name not in _known_keys()]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], _known_keys(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return f"{where}: unknown key '{unknown[0]}'{hint}"
     if error.validator == "required":
-        return f"{where}: {error.message.replace('is a required property', 'is required')}"
+        missing = re.match(r"'([^']+)'", error.message).group(1)
+        return f"{_key_path([*error.absolute_path, missing])}: required, but the config does not set it"
     return f"{where}: {error.message}"
 
 
 def resolve_config(config: dict) -> dict:
     """The config checked against the schema, with the schema's defaults for every section it leaves
     out; raises ConfigError with one sentence naming the key."""
-    error = best_match(Draft202012Validator(load_schema()).iter_errors(config))
+    errors = list(Draft202012Validator(load_schema()).iter_errors(config))
+    # A stage key of the wrong type also makes its section report every key as unevaluated (the
+    # failed part of the schema evaluates nothing): the key itself is the error to name.
+    specific = [e for e in errors if e.validator not in UNKNOWN_KEY_VALIDATORS]
+    error = best_match(specific or errors)
     if error is not None:
         raise ConfigError(_sentence(error))
     resolved = copy.deepcopy(config)

@@ -41,8 +41,9 @@ def estimate_bytes(pixel_cache: ImageCache, model_config, dtype: torch.dtype) ->
 def check_budget(estimated: int, max_gb: float, output_dir) -> None:
     if estimated > max_gb * 1e9:
         raise ConfigError(
-            f"vision_cache_max_gb: the vision cache {output_dir} would take {estimated / 1e9:.1f} GB, more than the budget of "
-            f"{max_gb:g} GB; raise vision_cache_max_gb or set vision_cache: false for this experiment",
+            f"vision_cache_max_gb: the vision cache {output_dir} would take {estimated / 1e9:.3g} GB, more than the "
+            f"{max_gb:g} GB it allows; raise vision_cache_max_gb or set vision_cache: false for the experiments "
+            "that use it"
         )
 
 
