@@ -46,8 +46,31 @@ def planned_outputs(workdir: Path, *args: str) -> set[str]:
     }
 
 
+# Two layouts of one computation in float64 (u = 2^-53, about 1.1e-16) differ only in the order
+# of their sums, and a sum of n terms in any order is within n * u of its terms' magnitude. The
+# longest sums in these tests are under 10^4 terms (a token's attention, the head over a batch's
+# answers, a gradient over every token), and a tiny model of 2 layers, trained for at most a few
+# hundred steps, amplifies such differences by far less than 10^4: so they stay below
+# 10^4 * 10^4 * u, about 1e-8. A real difference (one sample attending to another, a token lost, a
+# step resumed from the wrong state) shows at 1e-4 or more.
+FLOAT64_RTOL = 1e-8
+
+
+def assert_close_normwise(got, want, rtol: float, msg: str = "") -> None:
+    """|got - want| <= rtol * |want| over the whole tensor: an element that cancels to near zero
+    carries the rounding of its terms, not of itself, so elementwise relative error says nothing there."""
+    import torch
+
+    got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    assert got.shape == want.shape, msg
+    error, scale = (got - want).norm().item(), want.norm().item()
+    assert error <= rtol * scale, f"{msg}: relative error {error / scale:.2e} > {rtol:.0e}"
+
+
 # The README's quick start, after its install: the whole demo pipeline.
 DEMO_COMMAND = "snakemake --cores all"
+# The threads each job of it gets: the rules ask for 8, `--cores all` caps them at the machine's.
+DEMO_THREADS = min(8, os.cpu_count())
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +113,13 @@ def slurm_cluster():
 
 def site_profile(directory: Path, **extra) -> Path:
     """A site's own small profile, given after profiles/slurm: the account and partition of the
-    cluster from scripts/slurm_cluster.sh, threads capped to its CPUs, quick first status check."""
+    cluster from scripts/slurm_cluster.sh, the local demo's threads (within the CPUs it offers, at
+    least 4), quick first status check."""
     import yaml
 
     settings = {
         "default-resources": {"slurm_account": "demo", "slurm_partition": "debug"},
-        "max-threads": 2,
+        "max-threads": DEMO_THREADS,
         "slurm-init-seconds-before-status-checks": 2,
         **extra,
     }

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from transformers.image_utils import load_image
 
-from conftest import REPO
+from conftest import FLOAT64_RTOL, REPO, assert_close_normwise
 from vlft.config import resolve_config
 from vlft.files import read_jsonl
 from vlft.answers import final_answer, is_correct, normalize
@@ -155,7 +155,8 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
 
     def run(name, stop=None):
         out = tmp_path / name
-        return train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 2, stop), out
+        return train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 2, stop,
+                           dtype=torch.float64), out
 
     _, whole = run("whole")
     with pytest.raises(Preempted, match="after step 3"):
@@ -169,4 +170,4 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     b = load_file(split / "adapter/adapter_model.safetensors")
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+        assert_close_normwise(a[key], b[key], FLOAT64_RTOL, key)

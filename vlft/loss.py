@@ -22,16 +22,21 @@ except ImportError:  # optional: the fallback below computes the same sum
 CHUNK_ROWS = 1024
 
 
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16 and float32 models; float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
-    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    logits = hidden @ weight.t()
+    return torch.nn.functional.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="sum")
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """sum(cross_entropy(hidden @ weight.T, targets)) over rows, computed in float32."""
+    """sum(cross_entropy(hidden @ weight.T, targets)) over rows, computed in float32 (or wider)."""
     if LigerFusedLinearCrossEntropyLoss is not None and hidden.is_cuda:
         return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, targets)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=_loss_dtype(hidden.dtype))
     for start in range(0, hidden.shape[0], CHUNK_ROWS):
         rows = slice(start, start + CHUNK_ROWS)
         total = total + checkpoint(_chunk_loss_sum, hidden[rows], weight, targets[rows], use_reentrant=False)

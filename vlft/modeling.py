@@ -86,9 +86,9 @@ def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
     LoRA layer to float32 first: a float32 copy of each activation, kept for the backward pass, and
     float32 matmuls. Under autocast the float32 weights are used in bf16 instead and the inputs
     stay as they are, the way transformers' Trainer runs LoRA with bf16=True; gradients and
-    optimizer state stay float32. A float32 model needs none of this.
+    optimizer state stay float32. A float32 or float64 model needs none of this.
     """
-    if dtype == torch.float32:
+    if dtype in (torch.float32, torch.float64):
         return nullcontext()
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):

@@ -109,9 +109,13 @@ def train_stage(
     checkpoint_root: str | Path,
     checkpoint_every: int,
     stop: StopSignal | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict:
+    """`dtype`: the model's, by default the device's (bf16 on a GPU, float32 on the CPU); tests
+    train in float64 to compare two layouts of the same computation beyond float32 rounding."""
     started = time.time()
-    device, dtype = pick_device()
+    device, device_dtype = pick_device()
+    dtype = dtype or device_dtype
     torch.manual_seed(settings["seed"])
 
     # Data: tokenized once; pixels are read from the cache per batch.
@@ -180,7 +184,7 @@ def train_stage(
             n_targets = sum(len(b["answer_targets"]) for b in micro_batches)
             # The loss stays on the device until the step ends: no sync between micro-batches, so
             # the host queues the next one while the GPU still works on this one.
-            loss_total = torch.zeros((), device=device)
+            loss_total = torch.zeros((), device=device, dtype=torch.promote_types(dtype, torch.float32))
             for host_batch in micro_batches:
                 with forward_context:
                     loss_sum, _ = answer_loss_sum(model, to_device(host_batch, device, dtype))
