@@ -4,6 +4,9 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
+report: "workflow/report/workflow.rst"
+
+
 # The demo, unless a config file is given: a user's --configfile is the whole config, never merged
 # into the demo's. It is checked against workflow/schemas/config.schema.yaml, and keys it leaves out
 # take the defaults documented there (workflow/rules/common.smk, through vlft.config).
@@ -26,6 +29,6 @@ if "demo" in config:
 
 
 rule all:
-    input:
-        get_report_outputs(),
     default_target: True
+    input:
+        report_path("index.html"),

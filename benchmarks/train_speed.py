@@ -72,8 +72,14 @@ def make_workload(root: Path, n: int, tokenizer, seed: int = 0) -> Path:
         text = []
         while len(tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]) < target - 6:
             text.append(words.choice(WORDS))
-        rows.append({"id": str(i), "image": f"{i}.jpg", "question": "Describe the image step by step.",
-                     "answer": " ".join(text) + ". Final answer: three"})
+        rows.append(
+            {
+                "id": str(i),
+                "image": f"{i}.jpg",
+                "question": "Describe the image step by step.",
+                "answer": " ".join(text) + ". Final answer: three",
+            }
+        )
     raw = root / "raw.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return raw
@@ -152,10 +158,15 @@ class ReferenceCollator:
             input_ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
             labels[row, : len(s.labels)] = torch.tensor(s.labels)
             attention[row, : len(s.input_ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
-                "mm_token_type_ids": self.builder.mm_token_type_ids(input_ids),
-                "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
-                "n_tokens": attention.sum()}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "labels": labels,
+            "mm_token_type_ids": self.builder.mm_token_type_ids(input_ids),
+            "pixel_values": vision["pixel_values"],
+            "image_grid_thw": vision["image_grid_thw"],
+            "n_tokens": attention.sum(),
+        }
 
 
 def run_reference(model, records, image_processor, builder, pad_id, steps, warmup, work: Path) -> dict:
@@ -182,14 +193,32 @@ def run_reference(model, records, image_processor, builder, pad_id, steps, warmu
             return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
 
     args = TrainingArguments(
-        output_dir=str(work / "reference"), per_device_train_batch_size=4, gradient_accumulation_steps=4,
-        max_steps=steps, learning_rate=1e-4, bf16=True, tf32=True, optim="adamw_torch_fused",
-        gradient_checkpointing=False, dataloader_num_workers=4, dataloader_pin_memory=True,
-        dataloader_prefetch_factor=2, remove_unused_columns=False, save_strategy="no", report_to=[],
-        logging_steps=1000, disable_tqdm=True, seed=0,
+        output_dir=str(work / "reference"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_steps=steps,
+        learning_rate=1e-4,
+        bf16=True,
+        tf32=True,
+        optim="adamw_torch_fused",
+        gradient_checkpointing=False,
+        dataloader_num_workers=4,
+        dataloader_pin_memory=True,
+        dataloader_prefetch_factor=2,
+        remove_unused_columns=False,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1000,
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = CountingTrainer(model=model, args=args, train_dataset=ReferenceDataset(records),
-                              data_collator=ReferenceCollator(image_processor, builder, pad_id), callbacks=[StepTimer()])
+    trainer = CountingTrainer(
+        model=model,
+        args=args,
+        train_dataset=ReferenceDataset(records),
+        data_collator=ReferenceCollator(image_processor, builder, pad_id),
+        callbacks=[StepTimer()],
+    )
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     measured = timings[warmup:]
@@ -201,25 +230,41 @@ def run_reference(model, records, image_processor, builder, pad_id, steps, warmu
 # ---------------------------------------------------------------- (b) ours
 
 
-def run_ours(model_dir: Path, prepared: Path, cache: Path, steps: int, warmup: int, settings: dict, work: Path,
-             profile: bool = False) -> dict:
+def run_ours(
+    model_dir: Path,
+    prepared: Path,
+    cache: Path,
+    steps: int,
+    warmup: int,
+    settings: dict,
+    work: Path,
+    profile: bool = False,
+) -> dict:
     from vlft.train import StageInputs, train_stage
 
     torch.cuda.reset_peak_memory_stats()
     out = work / "ours"
     inputs = StageInputs(str(model_dir), [str(prepared)], [str(cache)], None)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else nullcontext() as prof:
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else nullcontext()
+    ) as prof:
         train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 10**6)
     if profile:
         print_kernel_time(prof, work)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
-    return {"step_s": [SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
-            "tokens": [row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "step_s": [SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
+        "tokens": [row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
-KERNEL_KINDS = [("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("attention", ("flash", "fmha", "attention")),
-                ("fused by torch.compile", ("triton_",)), ("liger / loss", ("liger", "_kernel"))]
+KERNEL_KINDS = [
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("fused by torch.compile", ("triton_",)),
+    ("liger / loss", ("liger", "_kernel")),
+]
 
 
 def print_kernel_time(prof, work: Path) -> None:
@@ -230,7 +275,10 @@ def print_kernel_time(prof, work: Path) -> None:
     for e in events:
         kind = next((k for k, marks in KERNEL_KINDS if any(m in e.key.lower() for m in marks)), "other")
         by_kind[kind] = by_kind.get(kind, 0) + e.self_device_time_total
-    print(f"GPU kernel time {total / 1e6:.1f} s: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    print(
+        f"GPU kernel time {total / 1e6:.1f} s: "
+        + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"  {e.self_device_time_total / total:6.1%} {e.count:7d}x  {e.key[:110]}")
     (work / "kernels.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80))
@@ -242,9 +290,13 @@ def print_kernel_time(prof, work: Path) -> None:
 def summarize(run: dict, flops_per_token: float, peak_tflops: float) -> dict:
     seconds, tokens = sum(run["step_s"]), sum(run["tokens"])
     samples = SAMPLES_PER_STEP * len(run["step_s"])
-    return {"samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
-            "mfu": flops_per_token * tokens / seconds / (peak_tflops * 1e12), "peak_gib": run["peak_gib"],
-            "steps_measured": len(run["step_s"])}
+    return {
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": flops_per_token * tokens / seconds / (peak_tflops * 1e12),
+        "peak_gib": run["peak_gib"],
+        "steps_measured": len(run["step_s"]),
+    }
 
 
 def main():
@@ -255,12 +307,23 @@ def main():
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[8192],
-                        help="token budgets of our micro-batches: one run of ours for each")
-    parser.add_argument("--grouped", action="store_true",
-                        help="also run ours with packing off (padded micro-batches of similar length), for comparison")
-    parser.add_argument("--profile", action="store_true",
-                        help="record our runs' GPU kernels and print where the time goes (slows them down)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        nargs="+",
+        default=[8192],
+        help="token budgets of our micro-batches: one run of ours for each",
+    )
+    parser.add_argument(
+        "--grouped",
+        action="store_true",
+        help="also run ours with packing off (padded micro-batches of similar length), for comparison",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record our runs' GPU kernels and print where the time goes (slows them down)",
+    )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     parser.add_argument("--skip", choices=["reference", "ours"], help="run one side only")
     args = parser.parse_args()
@@ -282,14 +345,20 @@ def main():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     vision = model.config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                               temporal_patch_size=vision.temporal_patch_size,
-                                               min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
     results = {}
 
     if args.skip != "reference":
-        ref, model = run_reference(model, records, image_processor, builder, tokenizer.pad_token_id, args.steps, args.warmup, work)
+        ref, model = run_reference(
+            model, records, image_processor, builder, tokenizer.pad_token_id, args.steps, args.warmup, work
+        )
         results["reference"] = summarize(ref, flops_per_token, peak)
         torch.cuda.empty_cache()
 
@@ -300,7 +369,12 @@ def main():
         tokenizer.save_pretrained(model_dir)
         image_processor.save_pretrained(model_dir)
         started = time.time()
-        build_image_cache(work / "prepared.jsonl", work / "pixels", PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS), threads=16)
+        build_image_cache(
+            work / "prepared.jsonl",
+            work / "pixels",
+            PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
+            threads=16,
+        )
         pixel_cache_s = time.time() - started
         from vlft.vision_cache import build_vision_cache
 
@@ -310,19 +384,41 @@ def main():
         del model
         torch.cuda.empty_cache()
         settings = {k: v for k, v in stage_defaults().items() if k not in ("resources", "checkpoint_every")}
-        settings.update(answer_format="cot", lora_r=16, lora_alpha=32, lora_dropout=0.0, learning_rate=1e-4,
-                        micro_batch=SAMPLES_PER_STEP, grad_accum=1, max_steps=args.steps, max_seq_len=8192,
-                        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, vision_cache=True, compile=True, order="given")
+        settings.update(
+            answer_format="cot",
+            lora_r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            learning_rate=1e-4,
+            micro_batch=SAMPLES_PER_STEP,
+            grad_accum=1,
+            max_steps=args.steps,
+            max_seq_len=8192,
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            vision_cache=True,
+            compile=True,
+            order="given",
+        )
         runs = [(f"ours@{budget}", budget, True) for budget in args.max_batch_tokens]
         if args.grouped:
             runs += [(f"ours grouped@{budget}", budget, False) for budget in args.max_batch_tokens]
         for name, budget, packing in runs:
             try:
-                ours = run_ours(model_dir, work / "prepared.jsonl", work / "vision", args.steps, args.warmup,
-                                dict(settings, max_batch_tokens=budget, packing=packing), work / name.replace(" ", "-"),
-                                args.profile)
-                results[name] = summarize(ours, flops_per_token, peak) | {"pixel_cache_s": pixel_cache_s,
-                                                                           "vision_cache_s": vision_cache_s}
+                ours = run_ours(
+                    model_dir,
+                    work / "prepared.jsonl",
+                    work / "vision",
+                    args.steps,
+                    args.warmup,
+                    dict(settings, max_batch_tokens=budget, packing=packing),
+                    work / name.replace(" ", "-"),
+                    args.profile,
+                )
+                results[name] = summarize(ours, flops_per_token, peak) | {
+                    "pixel_cache_s": pixel_cache_s,
+                    "vision_cache_s": vision_cache_s,
+                }
             except torch.OutOfMemoryError as error:
                 results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
             import gc
@@ -331,19 +427,32 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
 
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    )
     report = {
-        "arch": args.arch, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown", "command": " ".join(sys.argv), "images": args.images,
-        "matmul_peak_tflops": peak, "language_params": language_params, "vision_params": vision_params,
-        "liger_kernel": _installed("liger_kernel"), "flash_attn": _installed("flash_attn"),
-        "torch": torch.__version__, **results,
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "command": " ".join(sys.argv),
+        "images": args.images,
+        "matmul_peak_tflops": peak,
+        "language_params": language_params,
+        "vision_params": vision_params,
+        "liger_kernel": _installed("liger_kernel"),
+        "flash_attn": _installed("flash_attn"),
+        "torch": torch.__version__,
+        **results,
     }
     if "reference" in results:
         report["ratio"] = {
             name: {k: r[k] / results["reference"][k] for k in ("samples_per_s", "tokens_per_s", "mfu", "peak_gib")}
-            for name, r in results.items() if name != "reference" and "error" not in r
+            for name, r in results.items()
+            if name != "reference" and "error" not in r
         }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
@@ -355,7 +464,9 @@ def main():
             print(f"{side:22} {r['error'][:60]}")
             continue
         ratio = report.get("ratio", {}).get(side, {}).get("samples_per_s", float("nan"))
-        print(f"{side:22} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}")
+        print(
+            f"{side:22} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}"
+        )
     print(json.dumps(report))
 
 

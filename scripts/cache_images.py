@@ -17,9 +17,11 @@ def main():
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--output", required=True, help="cache directory to create")
     args = parser.parse_args()
-    processor = load_image_processor(args.model, args.trust_remote_code)
-    settings = PixelSettings.from_processor(processor, args.min_pixels, args.max_pixels)
-    count = build_image_cache(args.records, args.output, settings, threads=args.threads)
+    processor = load_image_processor(args.model, trust_remote_code=args.trust_remote_code)
+    settings = PixelSettings.from_processor(processor, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    count = build_image_cache(
+        prepared_jsonl=args.records, output_dir=args.output, settings=settings, threads=args.threads
+    )
     print(f"cached {count} images in {args.output}")
 
 

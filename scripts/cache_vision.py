@@ -16,8 +16,10 @@ def main():
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     device, dtype = pick_device()
-    model = load_base_model(args.model, device, dtype, args.trust_remote_code)
-    count = build_vision_cache(args.pixels, model, args.output, args.max_gb, device)
+    model = load_base_model(args.model, device, dtype, trust_remote_code=args.trust_remote_code)
+    count = build_vision_cache(
+        pixel_cache_dir=args.pixels, model=model, output_dir=args.output, max_gb=args.max_gb, device=device
+    )
     print(f"cached the vision outputs of {count} images in {args.output}")
 
 

@@ -21,14 +21,14 @@ def main():
     args = parser.parse_args()
     set_cpu_threads(args.threads)
     metrics = evaluate_split(
-        args.model,
-        args.adapter,
-        args.prepared,
-        args.cache,
-        json.loads(args.settings),
-        args.predictions,
-        args.metrics,
-        args.trust_remote_code,
+        model_dir=args.model,
+        adapter=args.adapter,
+        prepared=args.prepared,
+        cache=args.cache,
+        settings=json.loads(args.settings),
+        predictions_out=args.predictions,
+        metrics_out=args.metrics,
+        trust_remote_code=args.trust_remote_code,
     )
     print(json.dumps(metrics))
 

@@ -15,7 +15,7 @@ def main():
     args = parser.parse_args()
     sizes = {name: int(count) for name, count in (item.split("=") for item in args.sizes)}
     records = dict(item.split("=", 1) for item in args.records)
-    make_dataset(records, args.image_root, sizes, args.seed)
+    make_dataset(splits=records, image_root=args.image_root, sizes=sizes, seed=args.seed)
     print(f"made {sizes} records, images in {args.image_root}")
 
 

@@ -13,7 +13,7 @@ def main():
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    make_tiny_model(args.output, args.seed, args.hidden_size, args.layers)
+    make_tiny_model(output_dir=args.output, seed=args.seed, hidden_size=args.hidden_size, layers=args.layers)
     print(f"made a tiny Qwen3-VL in {args.output}")
 
 

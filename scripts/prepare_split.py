@@ -13,7 +13,7 @@ def main():
     parser.add_argument("--output", required=True, help="normalized JSONL to write")
     parser.add_argument("--threads", type=int, default=8)
     args = parser.parse_args()
-    count = prepare_split(args.records, args.image_root, args.output, args.threads)
+    count = prepare_split(raw_jsonl=args.records, image_root=args.image_root, output=args.output, threads=args.threads)
     print(f"{args.records}: {count} records and their images are valid")
 
 

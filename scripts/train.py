@@ -28,10 +28,23 @@ def main():
     args = parser.parse_args()
     stop = StopSignal()  # before anything slow: a signal during loading must not kill us unsaved
     set_cpu_threads(args.threads)
-    inputs = StageInputs(args.model, args.prepared, args.caches, args.init_adapter, args.trust_remote_code)
+    inputs = StageInputs(
+        model_dir=args.model,
+        prepared=args.prepared,
+        caches=args.caches,
+        init_adapter=args.init_adapter,
+        trust_remote_code=args.trust_remote_code,
+    )
     try:
         summary = train_stage(
-            inputs, json.loads(args.settings), args.adapter, args.log, args.summary, args.checkpoints, args.checkpoint_every, stop
+            inputs=inputs,
+            settings=json.loads(args.settings),
+            adapter_out=args.adapter,
+            log_out=args.log,
+            summary_out=args.summary,
+            checkpoint_root=args.checkpoints,
+            checkpoint_every=args.checkpoint_every,
+            stop=stop,
         )
     except Preempted as stopped:
         print(f"stopped: {stopped}", file=sys.stderr, flush=True)

@@ -26,7 +26,9 @@ def copy_workflow(target: Path) -> Path:
     return target
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float | None = None
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True, timeout=timeout
     )
@@ -88,6 +90,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("model") / "tiny"
     make_tiny_model(path)
     return path
+
+
+def need(program: str) -> None:
+    """A program a test drives (graphviz's dot, Chromium): where CI runs, it must be there."""
+    if shutil.which(program) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{program} is not installed, and CI must run this test (.ci/run installs it)")
+        pytest.skip(f"{program} is not installed")
 
 
 def slurm_problem() -> str | None:

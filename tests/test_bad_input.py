@@ -31,9 +31,18 @@ def split(tmp_path):
 def prepare(split_path):
     output = split_path.parent / "prepared" / "train.jsonl"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_split.py"), "--records", str(split_path),
-         "--image-root", str(split_path.parent), "--output", str(output)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            str(REPO / "scripts/prepare_split.py"),
+            "--records",
+            str(split_path),
+            "--image-root",
+            str(split_path.parent),
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
     )
     return result, output
 
@@ -72,8 +81,13 @@ def test_truncated_image(split):
 
 def test_image_beyond_the_processors_aspect_ratio_limit(split):
     Image.new("RGB", (3000, 10)).save(split.parent / "1.png")
-    assert_one_error(*prepare(split), f"{split}:2", "field 'image'", "3000x10 pixels",
-                     "aspect ratio must be smaller than 200, got 300")
+    assert_one_error(
+        *prepare(split),
+        f"{split}:2",
+        "field 'image'",
+        "3000x10 pixels",
+        "aspect ratio must be smaller than 200, got 300",
+    )
 
 
 def test_malformed_line(split):
@@ -92,6 +106,7 @@ def test_record_without_question_or_answer(split, field):
 
 
 # Config errors surface when Snakemake parses the workflow, before any job runs.
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -115,24 +130,47 @@ def stage(config, experiment, index):
     return config["experiments"][experiment]["stages"][index]
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: stage(c, "exp1", 0).update(learnin_rate=0.1),
-     "experiments.exp1.stages[0]: unknown key 'learnin_rate' (did you mean 'learning_rate'?)"),
-    (lambda c: c["defaults"].update(epoch=3), "defaults: unknown key 'epoch' (did you mean 'epochs'?)"),
-    (lambda c: c.update(evaluaton={}), "the config: unknown key 'evaluaton' (did you mean 'evaluation'?)"),
-    (lambda c: c["defaults"].update(micro_batch="four"), "defaults.micro_batch: 'four' is not of type 'integer'"),
-    (lambda c: c["defaults"].update(order="randm"),
-     "defaults.order: 'randm' is not one of ['random', 'given', 'by_field']"),
-    (lambda c: c.pop("model"), "model: required, but the config does not set it"),
-    (lambda c: stage(c, "exp2", 0).update(dataset="kvasir"),
-     "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: shapes)"),
-    (lambda c: stage(c, "exp3", 1).update(eval_splits=["dev"]),
-     "experiments.exp3.stages[1].eval_splits: unknown split 'dev' of dataset 'shapes' (it has: test, train, val)"),
-    (lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
-     "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: exp1/main, exp2/main, "
-     "exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)"),
-], ids=["typo-in-stage", "typo-in-defaults", "typo-at-top", "wrong-type", "not-an-option", "missing-key",
-        "unknown-dataset", "unknown-split", "init-from-missing-stage"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda c: stage(c, "exp1", 0).update(learnin_rate=0.1),
+            "experiments.exp1.stages[0]: unknown key 'learnin_rate' (did you mean 'learning_rate'?)",
+        ),
+        (lambda c: c["defaults"].update(epoch=3), "defaults: unknown key 'epoch' (did you mean 'epochs'?)"),
+        (lambda c: c.update(evaluaton={}), "the config: unknown key 'evaluaton' (did you mean 'evaluation'?)"),
+        (lambda c: c["defaults"].update(micro_batch="four"), "defaults.micro_batch: 'four' is not of type 'integer'"),
+        (
+            lambda c: c["defaults"].update(order="randm"),
+            "defaults.order: 'randm' is not one of ['random', 'given', 'by_field']",
+        ),
+        (lambda c: c.pop("model"), "model: required, but the config does not set it"),
+        (
+            lambda c: stage(c, "exp2", 0).update(dataset="kvasir"),
+            "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: shapes)",
+        ),
+        (
+            lambda c: stage(c, "exp3", 1).update(eval_splits=["dev"]),
+            "experiments.exp3.stages[1].eval_splits: unknown split 'dev' of dataset 'shapes' (it has: test, train, val)",
+        ),
+        (
+            lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
+            "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: exp1/main, exp2/main, "
+            "exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)",
+        ),
+    ],
+    ids=[
+        "typo-in-stage",
+        "typo-in-defaults",
+        "typo-at-top",
+        "wrong-type",
+        "not-an-option",
+        "missing-key",
+        "unknown-dataset",
+        "unknown-split",
+        "init-from-missing-stage",
+    ],
+)
 def test_config_error_is_one_sentence_naming_the_key(workdir, edit, message):
     assert config_error(workdir, edit) == message
 
@@ -150,9 +188,20 @@ def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
     build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "pixels", settings)
     output = tmp_path / "vision"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts/cache_vision.py"), "--pixels", str(tmp_path / "pixels"), "--model",
-         str(tiny_model_dir), "--max-gb", "1e-9", "--output", str(output)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            str(REPO / "scripts/cache_vision.py"),
+            "--pixels",
+            str(tmp_path / "pixels"),
+            "--model",
+            str(tiny_model_dir),
+            "--max-gb",
+            "1e-9",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     size = float(re.search(r"would take (\S+) GB", result.stderr).group(1))

@@ -45,7 +45,7 @@ def test_adapter_loads_with_peft_and_log_has_every_field(demo_workdir):
     assert any("lora_A" in name for name, _ in model.named_parameters())
     log = [json.loads(line) for line in (adapter.parent / "log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == list(range(1, len(log) + 1))
-    for field in ("loss", "learning_rate", "grad_norm", "samples_per_s", "tokens_per_s", "memory_gb"):
+    for field in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "memory_gb"):
         assert all(isinstance(row[field], float) for row in log), field
     assert log[-1]["loss"] < log[0]["loss"] / 3
     # Checkpoints served their purpose and are gone; they were never declared outputs.
@@ -63,7 +63,8 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
     page = (report / "index.html").read_text()
     for experiment, stage in EXPERIMENT_STAGES:
         assert f"<td>{experiment}</td>" in page and f"<td>{stage}</td>" in page
-    assert page.count("data:image/png;base64,") >= 3  # loss curves and a per-category chart per split
+    assert page.count("data:image/png;base64,") == 2  # loss curves, accuracy by category (a panel per split)
+    assert all((report / name).stat().st_size > 0 for name in ("loss_curves.png", "accuracy_by_category.png"))
     assert "<script" not in page and 'src="http' not in page  # self-contained: images inline
     results = (report / "results.csv").read_text().splitlines()
     assert results[0].startswith("experiment,stage,split,accuracy,loss")

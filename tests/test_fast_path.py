@@ -27,8 +27,12 @@ from vlft.demo.tiny_model import FAMILIES, make_tiny_model
 from conftest import FLOAT64_RTOL, assert_close_normwise
 
 FLOAT64 = torch.float64
-LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA = {
+    "lora_r": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -59,8 +63,12 @@ def samples_and_images(root, cache):
     model_config = load_base_model(root / "model", torch.device("cpu"), torch.float32).config
     builder = PromptBuilder(tokenizer, model_config.image_token_id)
     records = read_jsonl(root / "prepared.jsonl")
-    samples = [builder.sample(r["id"], r["question"], r["answer"] + " because" * (3 * i), cache.num_image_tokens(r["id"]), 1024)
-               for i, r in enumerate(records)]
+    samples = [
+        builder.sample(
+            r["id"], r["question"], r["answer"] + " because" * (3 * i), cache.num_image_tokens(r["id"]), 1024
+        )
+        for i, r in enumerate(records)
+    ]
     return samples, {r["id"]: (cache, r["id"]) for r in records}, builder, tokenizer.pad_token_id
 
 
@@ -174,7 +182,9 @@ def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(fam
     with pytest.raises(ConfigError, match="vision_cache_max_gb"):
         build_vision_cache(root / "pixels", model, tmp_path / "vision", max_gb=size / 2e9, device=torch.device("cpu"))
     assert not (tmp_path / "vision").exists()
-    build_vision_cache(root / "pixels", model, tmp_path / "vision", max_gb=size * 1.01 / 1e9, device=torch.device("cpu"))
+    build_vision_cache(
+        root / "pixels", model, tmp_path / "vision", max_gb=size * 1.01 / 1e9, device=torch.device("cpu")
+    )
     on_disk = sum(p.stat().st_size for p in (tmp_path / "vision").glob("*.safetensors"))
     assert size <= on_disk < size * 1.05
 
@@ -182,8 +192,12 @@ def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(fam
 def demo_stage_inputs(demo_workdir, cache: str) -> "StageInputs":
     from vlft.train import StageInputs
 
-    return StageInputs(str(demo_workdir / "results/demo/tiny-qwen3-vl"),
-                       [str(demo_workdir / "results/prepared/shapes/train.jsonl")], [cache], None)
+    return StageInputs(
+        str(demo_workdir / "results/demo/tiny-qwen3-vl"),
+        [str(demo_workdir / "results/prepared/shapes/train.jsonl")],
+        [cache],
+        None,
+    )
 
 
 def demo_stage_losses(demo_workdir, out, inputs, **overrides) -> list[float]:
@@ -193,8 +207,16 @@ def demo_stage_losses(demo_workdir, out, inputs, **overrides) -> list[float]:
 
     plan = build_plan(yaml.safe_load((demo_workdir / "config/config.yaml").read_text()))
     settings = dict(plan.stage("exp1", "main").train_params(), **overrides)
-    train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "checkpoints", 1000,
-                dtype=FLOAT64)
+    train_stage(
+        inputs,
+        settings,
+        out / "adapter",
+        out / "log.jsonl",
+        out / "summary.json",
+        out / "checkpoints",
+        1000,
+        dtype=FLOAT64,
+    )
     return [row["loss"] for row in read_jsonl(out / "log.jsonl")]
 
 
@@ -214,8 +236,10 @@ def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_cu
     planned = planned_outputs(workdir, "--cores", "2", "results/train/exp1/main/log.jsonl")
     assert planned == {"results/cache/vision/shapes/train/4096-16384", "results/train/exp1/main/adapter"}
     snakemake(workdir, "--cores", "2", "results/train/exp1/main/log.jsonl")
-    from_pixels, from_vision_cache = ([row["loss"] for row in read_jsonl(root / "results/train/exp1/main/log.jsonl")]
-                                      for root in (demo_workdir, workdir))
+    from_pixels, from_vision_cache = (
+        [row["loss"] for row in read_jsonl(root / "results/train/exp1/main/log.jsonl")]
+        for root in (demo_workdir, workdir)
+    )
     assert len(from_pixels) == len(from_vision_cache) > 100
     assert from_vision_cache[-1] < from_vision_cache[0] / 3 and from_pixels[-1] < from_pixels[0] / 3
 
@@ -225,8 +249,9 @@ def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_cu
     build_vision_cache(pixels, model, tmp_path / "vision", max_gb=1, device=torch.device("cpu"))
     steps = dict(max_steps=12)
     from_pixels = demo_stage_losses(demo_workdir, tmp_path / "pixels", demo_stage_inputs(demo_workdir, pixels), **steps)
-    from_vision_cache = demo_stage_losses(demo_workdir, tmp_path / "cached",
-                                          demo_stage_inputs(demo_workdir, str(tmp_path / "vision")), **steps)
+    from_vision_cache = demo_stage_losses(
+        demo_workdir, tmp_path / "cached", demo_stage_inputs(demo_workdir, str(tmp_path / "vision")), **steps
+    )
     assert len(from_pixels) == 12
     assert from_vision_cache == pytest.approx(from_pixels, rel=FLOAT64_RTOL)
 
@@ -298,15 +323,17 @@ def test_packed_attention_attends_within_each_sample_only(device):
     query = torch.randn(1, 8, total, 64, device=device, dtype=dtype, requires_grad=True)
     key, value = (torch.randn(1, 2, total, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     cu_seqlens = torch.tensor([0] + lengths, device=device).cumsum(0, dtype=torch.int32)
-    packed, _ = packed_attention(None, query, key, value, None, scaling=0.125, packed_cu_seqlens=cu_seqlens,
-                                 packed_max_seqlen=max(lengths))
+    packed, _ = packed_attention(
+        None, query, key, value, None, scaling=0.125, packed_cu_seqlens=cu_seqlens, packed_max_seqlen=max(lengths)
+    )
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
     reference = torch.float32 if dtype == torch.bfloat16 else dtype  # the bf16 values, computed exactly enough
     mask = causal & (sample[:, None] == sample[None, :])
     expected = torch.nn.functional.scaled_dot_product_attention(
         *(x.to(reference).repeat_interleave(1 if x is query else 4, dim=1) for x in (query, key, value)),
-        attn_mask=mask, scale=0.125,
+        attn_mask=mask,
+        scale=0.125,
     ).transpose(1, 2)
     assert packed.shape == (1, total, 8, 64)
     gradients = torch.autograd.grad(packed.to(reference).square().sum(), (query, key, value))
@@ -328,7 +355,9 @@ def test_training_on_packed_rows_follows_the_padded_loss_curve(demo_workdir, tmp
     # Demo samples are 27 to 29 tokens: 8 a step, in 3 micro-batches either way.
     settings = dict(max_steps=12, micro_batch=4, grad_accum=2, max_batch_tokens=100)
     inputs = demo_stage_inputs(demo_workdir, str(demo_workdir / "results/cache/images/shapes/train/4096-16384"))
-    packed, padded = (demo_stage_losses(demo_workdir, tmp_path / f"packing-{packing}", inputs, packing=packing,
-                                        **settings) for packing in (True, False))
+    packed, padded = (
+        demo_stage_losses(demo_workdir, tmp_path / f"packing-{packing}", inputs, packing=packing, **settings)
+        for packing in (True, False)
+    )
     assert len(packed) == 12
     assert packed == pytest.approx(padded, rel=FLOAT64_RTOL)

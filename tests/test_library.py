@@ -120,11 +120,12 @@ def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_
     assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) > 1
     for name in sizes:
         expected = processor(
-            images=[load_image(str(tmp_path / name))], size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+            images=[load_image(str(tmp_path / name))],
+            size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
             return_tensors="pt",
         )
         assert cache.grid_thw(name) == expected["image_grid_thw"][0].tolist(), name
-        assert torch.equal(to_patches(cache.pixels(name), cache.settings), expected["pixel_values"]), name
+        assert torch.equal(to_patches(cache.tensor(name), cache.settings), expected["pixel_values"]), name
     # The rotated photo is cached upright: taller than wide, as a person and the processor see it.
     _, grid_h, grid_w = cache.grid_thw("exif-rotated.jpg")
     assert grid_h > grid_w
@@ -150,13 +151,29 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     settings_px = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
     build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", settings_px)
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    settings = build_plan(config).stage("exp1", "main").train_params() | {"max_steps": 6, "micro_batch": 8, "lora_dropout": 0.1}
+    settings = build_plan(config).stage("exp1", "main").train_params() | {
+        "max_steps": 6,
+        "micro_batch": 8,
+        "lora_dropout": 0.1,
+    }
     inputs = StageInputs(str(tiny_model_dir), [str(tmp_path / "prepared.jsonl")], [str(tmp_path / "cache")], None)
 
     def run(name, stop=None):
         out = tmp_path / name
-        return train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 2, stop,
-                           dtype=torch.float64), out
+        return (
+            train_stage(
+                inputs,
+                settings,
+                out / "adapter",
+                out / "log.jsonl",
+                out / "summary.json",
+                out / "ckpt",
+                2,
+                stop,
+                dtype=torch.float64,
+            ),
+            out,
+        )
 
     _, whole = run("whole")
     with pytest.raises(Preempted, match="after step 3"):

@@ -76,7 +76,16 @@ def test_changed_dataset_content_reruns_that_split_and_everything_downstream(dem
         planned = planned_outputs(demo_workdir)
     finally:
         records.write_text(original)
-    trained = ["exp1/main", "exp2/main", "exp3/stage1", "exp3/stage2", "exp3/stage3", "exp4/stage1", "exp4/stage2", "exp5/main"]
+    trained = [
+        "exp1/main",
+        "exp2/main",
+        "exp3/stage1",
+        "exp3/stage2",
+        "exp3/stage3",
+        "exp4/stage1",
+        "exp4/stage2",
+        "exp5/main",
+    ]
     assert planned == {
         f"{R}/prepared/shapes/train.jsonl",
         f"{R}/cache/images/shapes/train/4096-16384",

@@ -40,7 +40,10 @@ def placement(log_file):
 
 def sacct_states(job_ids):
     out = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], capture_output=True, text=True, check=True
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return dict(line.split("|", 1) for line in out.split())
 
@@ -60,7 +63,9 @@ def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workd
     # The same jobs on the same machine with the same threads (site_profile): the same float
     # operations in the same order, so the same results to the last bit.
     for path in local:
-        ours, theirs = (result_fields(json.loads((workdir / path).read_text())) for workdir in (slurm_demo, demo_workdir))
+        ours, theirs = (
+            result_fields(json.loads((workdir / path).read_text())) for workdir in (slurm_demo, demo_workdir)
+        )
         assert ours == theirs, path
     assert (slurm_demo / "results/report/index.html").exists()
 
@@ -75,7 +80,9 @@ def result_fields(metrics: dict) -> dict:
 def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
     logs = slurm_demo / "results/logs"
     gpu_jobs = list(logs.glob("train/*/*.log")) + list(logs.glob("evaluate/*/*/*.log"))
-    cpu_jobs = list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
+    cpu_jobs = (
+        list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
+    )
     assert len(gpu_jobs) == 8 + 2 * 9 and len(cpu_jobs) == 3 + 3 + 1
     placements = {log: placement(log) for log in gpu_jobs + cpu_jobs}
     for log in gpu_jobs:

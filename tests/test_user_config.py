@@ -28,8 +28,12 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     from vlft.demo.shapes import make_dataset
 
     workdir = copy_workflow(tmp_path / "clone")
-    make_dataset({"train": workdir / "my/train.jsonl", "val": workdir / "my/val.jsonl"}, workdir / "my/images",
-                 {"train": 4, "val": 2}, seed=0)
+    make_dataset(
+        {"train": workdir / "my/train.jsonl", "val": workdir / "my/val.jsonl"},
+        workdir / "my/images",
+        {"train": 4, "val": 2},
+        seed=0,
+    )
     (workdir / "my/model").symlink_to(tiny_model_dir)
     (workdir / "my.yaml").write_text(MINIMAL)
 
@@ -53,8 +57,11 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     # that the demo sets otherwise (the demo has 2e-3, 4 epochs, 256 tokens, micro-batches of 16).
     stage_schema = load_schema()["$defs"]["stage_settings"]["properties"]
     documented = {key: prop["default"] for key, prop in stage_schema.items() if "default" in prop}
-    assert train == {**{k: v for k, v in documented.items() if k not in ("resources", "checkpoint_every")},
-                     "dataset": "mine", "eval_splits": ["val"]}
+    assert train == {
+        **{k: v for k, v in documented.items() if k not in ("resources", "checkpoint_every")},
+        "dataset": "mine",
+        "eval_splits": ["val"],
+    }
     assert (train["learning_rate"], train["epochs"], train["max_seq_len"], train["micro_batch"]) == (2e-4, 1, 4096, 4)
     evaluation = load_schema()["properties"]["evaluation"]["properties"]
     assert evaluate["max_new_tokens"] == evaluation["max_new_tokens"]["default"] == 512

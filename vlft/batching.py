@@ -21,6 +21,9 @@ from vlft.prompts import PromptBuilder, Sample
 
 T = TypeVar("T")
 
+# What a batch carries for the loss rather than for the model's forward pass.
+NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets")
+
 
 def collate(
     samples: list[Sample],
@@ -87,8 +90,11 @@ def pinned(batch: dict) -> dict:
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory."""
-    moved = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-             for key, value in batch.items() if key != "images"}
+    moved = {
+        key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+        if key != "images"
+    }
     moved["pixel_values"] = torch.cat(
         [cache.device_input(tensor.to(device, non_blocking=True), dtype) for cache, tensor in batch["images"]]
     )

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from vlft.answers import final_answer, is_correct
-from vlft.batching import collate, to_device
-from vlft.loss import NOT_MODEL_INPUTS, answer_loss_sum
+from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
+from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.prompts import PromptBuilder
@@ -37,7 +37,14 @@ def evaluate_split(
         model = with_adapter(model, adapter, trainable=False).merge_and_unload()
     model.eval()
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
-    data = load_stage_data([prepared], [cache], builder, {**settings, "filter": {}})
+    data = load_stage_data(
+        [prepared],
+        [cache],
+        builder,
+        filters={},
+        answer_format=settings["answer_format"],
+        max_seq_len=settings["max_seq_len"],
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
     predictions, loss_sum, loss_tokens = [], 0.0, 0

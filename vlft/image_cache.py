@@ -3,27 +3,22 @@
 Training and evaluation read these tensors and never decode a JPEG. Pixels are stored resized
 but not normalized (uint8 is 4x smaller than float32 patches); `to_patches` turns them into
 exactly the flat patches the model's image processor would have produced, on whatever device
-the model runs on. The JSON index is written last and the directory is renamed into place, so a
-cache that exists is complete.
+the model runs on. Shards and index as vlft.shards writes them: a cache that exists is complete.
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers.image_utils import load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlft.files import atomic_path, read_jsonl
-
-INDEX = "index.json"
+from vlft.shards import ShardedCache, ShardWriter, finish_cache
 
 
 @dataclass(frozen=True)
@@ -55,7 +50,11 @@ class PixelSettings:
     def target_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after the processor's resize: multiples of patch x merge, within the pixel range."""
         h, w = smart_resize(
-            height, width, factor=self.patch_size * self.merge_size, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+            height,
+            width,
+            factor=self.patch_size * self.merge_size,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
         )
         return w, h
 
@@ -88,72 +87,13 @@ def build_image_cache(
                 height, width = pixels.shape[:2]
                 grid = [1, height // settings.patch_size, width // settings.patch_size]
                 writer.add({"id": record["id"], "grid_thw": grid}, torch.from_numpy(pixels.copy()))
-        writer.flush()
-        index = {"format": 1, "settings": asdict(settings), "shards": writer.shards, "records": writer.entries}
-        (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
-    return len(writer.entries)
-
-
-class ShardWriter:
-    """Tensors, in order, into safetensors shards of about `shard_bytes`; each entry notes its shard and key."""
-
-    def __init__(self, directory: Path, shard_bytes: int):
-        self.directory, self.shard_bytes = directory, shard_bytes
-        self.shards, self.entries = [], []
-        self._shard, self._size = {}, 0
-
-    def add(self, entry: dict, tensor: torch.Tensor) -> None:
-        key = str(len(self.entries))
-        self._shard[key] = tensor
-        self._size += tensor.nbytes
-        self.entries.append(dict(entry, shard=f"shard-{len(self.shards):05d}.safetensors", key=key))
-        if self._size >= self.shard_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._shard:
-            name = f"shard-{len(self.shards):05d}.safetensors"
-            save_file(self._shard, self.directory / name)
-            self.shards.append(name)
-            self._shard, self._size = {}, 0
-
-
-class ShardedCache:
-    """Read access to a cache directory: its index, and per image a tensor in a safetensors shard
-    and the image's grid. The pixel cache and the vision cache both have this shape."""
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        self.index = json.loads((self.directory / INDEX).read_text())
-        self.entries = {entry["id"]: entry for entry in self.index["records"]}
-        self._shards = {}
-
-    def __contains__(self, record_id: str) -> bool:
-        return record_id in self.entries
-
-    def grid_thw(self, record_id: str) -> list[int]:
-        return self.entries[record_id]["grid_thw"]
-
-    def num_image_tokens(self, record_id: str) -> int:
-        t, h, w = self.grid_thw(record_id)
-        return t * h * w // self.merge_size**2
-
-    def tensor(self, record_id: str) -> torch.Tensor:
-        entry = self.entries[record_id]
-        if entry["shard"] not in self._shards:
-            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
-        return self._shards[entry["shard"]].get_tensor(entry["key"])
-
-    def device_input(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """What the model takes for an image, from its cached tensor already on the device."""
-        raise NotImplementedError
-
-    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self.device_input(self.tensor(record_id).to(device), dtype)
+        return finish_cache(tmp, writer, ImageCache.KIND, settings=asdict(settings))
 
 
 class ImageCache(ShardedCache):
     """The pixel cache of one split: resized uint8 pixels and grid sizes by record id."""
+
+    KIND = "pixels"
 
     def __init__(self, directory: str | Path):
         super().__init__(directory)
@@ -164,9 +104,6 @@ class ImageCache(ShardedCache):
     def device_input(self, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The image as the vision tower takes it: flat patches, made wherever the pixels are."""
         return to_patches(pixels, self.settings, dtype)
-
-    def pixels(self, record_id: str) -> torch.Tensor:
-        return self.tensor(record_id)
 
 
 def to_patches(pixels: torch.Tensor, settings: PixelSettings, dtype=torch.float32) -> torch.Tensor:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from vlft.batching import NOT_MODEL_INPUTS
+from vlft.modeling import unwrapped
+
 try:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 except ImportError:  # optional: the fallback below computes the same sum
@@ -43,9 +46,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     return total
 
 
-NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets")
-
-
 def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over the answer tokens of a batch (vlft.batching.to_device's
     output), and how many there were.
@@ -53,7 +53,7 @@ def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
     `model` is a Qwen-VL ForConditionalGeneration, or a PEFT model around one: its backbone gives the
     hidden states, and its (frozen) head is applied to the answer positions only.
     """
-    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    outer = unwrapped(model)
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
     # No KV cache: nothing is generated, and filling one costs memory and time (and torch.compile
     # recompiles on its state).

@@ -31,17 +31,24 @@ def attention_implementation(device: torch.device) -> str:
 def load_base_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
     """The base model with every weight frozen; only adapters added later train."""
     model = AutoModelForImageTextToText.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention_implementation(device), trust_remote_code=trust_remote_code
+        model_dir,
+        dtype=dtype,
+        attn_implementation=attention_implementation(device),
+        trust_remote_code=trust_remote_code,
     )
     model.requires_grad_(False)
     return model.to(device)
 
 
+def unwrapped(model):
+    """The Qwen-VL model itself, whether or not PEFT wraps it."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def rope_index(model):
     """The model's M-RoPE position function (text and image token positions from the ids and the
     image grids), for collate to run on the host."""
-    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return outer.model.get_rope_index
+    return unwrapped(model).model.get_rope_index
 
 
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):

@@ -21,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 
 from vlft.batching import collate, pinned
+from vlft.modeling import unwrapped
 from vlft.prompts import PromptBuilder, Sample
 
 try:
@@ -93,8 +94,18 @@ def _varlen_kernel() -> Callable | None:
 VARLEN_KERNEL = _varlen_kernel()
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_cu_seqlens=None,
-                     packed_max_seqlen=None, **kwargs):
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    packed_cu_seqlens=None,
+    packed_max_seqlen=None,
+    **kwargs,
+):
     """Attention over a packed row: causal within each sample, none across samples.
 
     Takes and returns transformers' attention-interface shapes (query (1, heads, tokens, dim),
@@ -110,8 +121,12 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         piece = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1],
         )
         pieces.append(piece)
     return torch.cat(pieces, dim=2).transpose(1, 2), None
@@ -124,5 +139,4 @@ def use_packed_attention(model) -> None:
     """The language model's attention layers take packed rows, and only those. For an attention
     implementation of this name transformers builds no attention mask, which a packed row must
     not get; the vision tower keeps its own attention."""
-    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
-    outer.set_attn_implementation({"text_config": PACKED_ATTENTION})
+    unwrapped(model).set_attn_implementation({"text_config": PACKED_ATTENTION})

@@ -111,7 +111,9 @@ def build_plan(config: dict) -> Plan:
     if "dataset" not in defaults:
         if len(datasets) != 1:
             # The untrained base model is evaluated on the defaults' dataset.
-            raise ConfigError(f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})")
+            raise ConfigError(
+                f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})"
+            )
         defaults["dataset"] = next(iter(datasets))
     plan = Plan(defaults=defaults)
 
@@ -149,9 +151,7 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         for split in settings[field_name]:
             if split not in splits:
                 known = ", ".join(sorted(splits))
-                raise ConfigError(
-                    f"{key}.{field_name}: unknown split '{split}' of dataset '{name}' (it has: {known})"
-                )
+                raise ConfigError(f"{key}.{field_name}: unknown split '{split}' of dataset '{name}' (it has: {known})")
     if settings["order"] == "by_field" and not settings["order_field"]:
         raise ConfigError(f"{key}.order_field: order 'by_field' needs the field to sort by")
     if settings["min_pixels"] > settings["max_pixels"]:

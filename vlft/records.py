@@ -130,7 +130,9 @@ def select_records(records: list[dict], filters: dict, where: str) -> list[dict]
     return selected
 
 
-def order_records(records: list[dict], order: str, field: str | None, descending: bool, seed: int, epoch: int) -> list[dict]:
+def order_records(
+    records: list[dict], order: str, field: str | None, descending: bool, seed: int, epoch: int
+) -> list[dict]:
     """One epoch's order: shuffled with the seed, as given, or sorted by a field (a curriculum)."""
     if order == "given":
         return list(records)

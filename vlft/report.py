@@ -6,6 +6,7 @@ import base64
 import html
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -18,16 +19,29 @@ from vlft.files import atomic_path, read_jsonl  # noqa: E402
 from vlft.plan import BASE_EXPERIMENT  # noqa: E402
 
 
-def _job_of(path: str, depth: int) -> list[str]:
-    """The path parts naming the job: results/eval/<exp>/<stage>/<split>/metrics.json -> [exp, stage, split]."""
-    return list(Path(path).parts[-depth - 1 : -1])
+@dataclass(frozen=True)
+class Evaluation:
+    experiment: str
+    stage: str
+    split: str
+    metrics: str  # its metrics.json
 
 
-def collect(metrics_files: list[str], summary_files: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+@dataclass(frozen=True)
+class TrainedStage:
+    experiment: str
+    stage: str
+    summary: str  # its summary.json
+    log: str  # its per-step log.jsonl
+
+
+def collect(
+    evaluations: list[Evaluation], stages: list[TrainedStage]
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     rows, category_rows = [], []
-    for path in metrics_files:
-        experiment, stage, split = _job_of(path, 3)
-        metrics = json.loads(Path(path).read_text())
+    for evaluation in evaluations:
+        experiment, stage, split = evaluation.experiment, evaluation.stage, evaluation.split
+        metrics = json.loads(Path(evaluation.metrics).read_text())
         rows.append(
             {
                 "experiment": experiment,
@@ -41,63 +55,77 @@ def collect(metrics_files: list[str], summary_files: list[str]) -> tuple[pd.Data
             }
         )
         for category, accuracy in metrics["accuracy_by_category"].items():
-            category_rows.append({"experiment": experiment, "stage": stage, "split": split, "category": category, "accuracy": accuracy})
+            category_rows.append(
+                {"experiment": experiment, "stage": stage, "split": split, "category": category, "accuracy": accuracy}
+            )
     results = pd.DataFrame(rows)
     base = results[results.experiment == BASE_EXPERIMENT].set_index("split")["accuracy"]
     results["base_accuracy"] = results["split"].map(base)
     results["gain_over_base"] = results["accuracy"] - results["base_accuracy"]
     results = results.sort_values(["experiment", "stage", "split"]).reset_index(drop=True)
-    categories = pd.DataFrame(category_rows).pivot_table(
-        index=["experiment", "stage", "split"], columns="category", values="accuracy"
-    ).reset_index()
+    categories = (
+        pd.DataFrame(category_rows)
+        .pivot_table(index=["experiment", "stage", "split"], columns="category", values="accuracy")
+        .reset_index()
+    )
 
     job_rows = []
-    for path in summary_files:
-        experiment, stage = _job_of(path, 2)
-        summary = json.loads(Path(path).read_text())
-        job_rows.append({"experiment": experiment, "stage": stage, **summary})
+    for trained in stages:
+        summary = json.loads(Path(trained.summary).read_text())
+        job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})
     jobs = pd.DataFrame(job_rows).sort_values(["experiment", "stage"]).reset_index(drop=True)
     return results, categories, jobs
 
 
-def _png(fig) -> str:
+def _save_png(fig, path: Path) -> str:
+    """Write the figure as a PNG file (for Snakemake's report) and return it base64-encoded (for the
+    self-contained page)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(buffer.getvalue())
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def loss_curves(summary_files: list[str]) -> str:
+def loss_curves(stages: list[TrainedStage], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for path in summary_files:
-        experiment, stage = _job_of(path, 2)
-        log = read_jsonl(Path(path).with_name("log.jsonl"))
-        ax.plot([r["step"] for r in log], [r["loss"] for r in log], label=f"{experiment}/{stage}", linewidth=1.2)
+    for trained in stages:
+        log = read_jsonl(trained.log)
+        ax.plot(
+            [r["step"] for r in log],
+            [r["loss"] for r in log],
+            label=f"{trained.experiment}/{trained.stage}",
+            linewidth=1.2,
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (per answer token)")
     ax.set_yscale("log")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return _save_png(fig, path)
 
 
-def category_chart(categories: pd.DataFrame, split: str) -> str:
-    table = categories[categories.split == split].copy()
-    table.index = table.experiment + "/" + table.stage
-    table = table.drop(columns=["experiment", "stage", "split"])
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    table.plot.bar(ax=ax, width=0.8)
-    ax.set_ylabel(f"accuracy on {split}")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8, title="category")
-    ax.grid(axis="y", alpha=0.3)
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    return _png(fig)
+def category_chart(categories: pd.DataFrame, path: Path) -> str:
+    """Accuracy by category of every job, one panel per evaluated split."""
+    splits = sorted(categories.split.unique())
+    fig, axes = plt.subplots(len(splits), 1, figsize=(9, 4.5 * len(splits)), squeeze=False)
+    for split, ax in zip(splits, axes[:, 0]):
+        table = categories[categories.split == split].copy()
+        table.index = table.experiment + "/" + table.stage
+        table.drop(columns=["experiment", "stage", "split"]).plot.bar(ax=ax, width=0.8)
+        ax.set_ylabel(f"accuracy on {split}")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8, title="category")
+        ax.grid(axis="y", alpha=0.3)
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    return _save_png(fig, path)
 
 
-def write_report(metrics_files: list[str], summary_files: list[str], output_dir: str | Path) -> None:
+def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
-    results, categories, jobs = collect(metrics_files, summary_files)
+    results, categories, jobs = collect(evaluations, stages)
     for name, table in (("results.csv", results), ("accuracy_by_category.csv", categories), ("jobs.csv", jobs)):
         with atomic_path(output_dir / name) as tmp:
             table.to_csv(tmp, index=False, float_format="%.4f")
@@ -105,11 +133,25 @@ def write_report(metrics_files: list[str], summary_files: list[str], output_dir:
     def table_html(frame: pd.DataFrame) -> str:
         return frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0)
 
-    charts = "".join(
-        f'<h3>{html.escape(split)}</h3><img alt="accuracy by category on {html.escape(split)}" src="data:image/png;base64,{category_chart(categories, split)}">'
-        for split in sorted(categories.split.unique())
-    )
-    job_columns = [c for c in ("experiment", "stage", "steps", "samples", "wall_time_s", "samples_per_s", "tokens_per_s", "peak_memory_gb", "final_loss", "resumed_from_step", "device") if c in jobs]
+    charts = category_chart(categories, output_dir / "accuracy_by_category.png")
+    losses = loss_curves(stages, output_dir / "loss_curves.png")
+    job_columns = [
+        c
+        for c in (
+            "experiment",
+            "stage",
+            "steps",
+            "samples",
+            "wall_time_s",
+            "samples_per_s",
+            "tokens_per_s",
+            "peak_memory_gb",
+            "final_loss",
+            "resumed_from_step",
+            "device",
+        )
+        if c in jobs
+    ]
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 <style>
@@ -123,8 +165,9 @@ img {{ max-width: 100%; }}
 <p>Every trained stage on every evaluated split, beside the untrained base model (experiment <code>{BASE_EXPERIMENT}</code>) on the same split.
 Accuracy compares the final answer parsed out of each generated answer with the reference's.</p>
 <h2>Results</h2>{table_html(results)}
-<h2>Accuracy by category</h2>{table_html(categories)}{charts}
-<h2>Training loss</h2><img alt="training loss curves" src="data:image/png;base64,{loss_curves(summary_files)}">
+<h2>Accuracy by category</h2>{table_html(categories)}
+<img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">
+<h2>Training loss</h2><img alt="training loss curves" src="data:image/png;base64,{losses}">
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 </body></html>
 """

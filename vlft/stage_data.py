@@ -8,7 +8,8 @@ from vlft.answers import target_text
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.image_cache import ImageCache
-from vlft.vision_cache import VisionCache, is_vision_cache
+from vlft.shards import read_index
+from vlft.vision_cache import VisionCache
 from vlft.prompts import PromptBuilder, Sample
 from vlft.records import select_records
 
@@ -16,16 +17,34 @@ from vlft.records import select_records
 @dataclass
 class StageData:
     records: list[dict]  # each with "key": unique across the splits joined here
-    images: dict[str, tuple[ImageCache | VisionCache, str]]  # by record key: the cache holding its image, and its id there
+    images: dict[
+        str, tuple[ImageCache | VisionCache, str]
+    ]  # by record key: the cache holding its image, and its id there
     samples: dict[str, Sample]  # by record key
 
 
-def load_stage_data(prepared: list[str], cache_dirs: list[str], builder: PromptBuilder, settings: dict) -> StageData:
+CACHE_KINDS = {cls.KIND: cls for cls in (ImageCache, VisionCache)}
+
+
+def open_cache(directory: str) -> ImageCache | VisionCache:
+    """A pixel or vision cache, as its index says it is."""
+    return CACHE_KINDS[read_index(directory)["kind"]](directory)
+
+
+def load_stage_data(
+    prepared: list[str],
+    cache_dirs: list[str],
+    builder: PromptBuilder,
+    filters: dict,
+    answer_format: str,
+    max_seq_len: int,
+) -> StageData:
+    """The records of the prepared splits that pass `filters`, each encoded as a sample in
+    `answer_format` of at most `max_seq_len` tokens, with the cache holding its image."""
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
-        cache = VisionCache(cache_dir) if is_vision_cache(cache_dir) else ImageCache(cache_dir)
-        split_records = read_jsonl(split_path)
-        split_records = select_records(split_records, settings.get("filter") or {}, split_path)
+        cache = open_cache(cache_dir)
+        split_records = select_records(read_jsonl(split_path), filters, split_path)
         for record in split_records:
             if record["id"] not in cache:
                 raise InputError(cache_dir, f"record {record['id']} of {split_path} is not in the image cache")
@@ -36,9 +55,9 @@ def load_stage_data(prepared: list[str], cache_dirs: list[str], builder: PromptB
         r["key"]: builder.sample(
             r["key"],
             r["question"],
-            target_text(r["answer"], settings["answer_format"]),
+            target_text(r["answer"], answer_format),
             cache_of(images, r["key"]).num_image_tokens(r["id"]),
-            settings["max_seq_len"],
+            max_seq_len,
         )
         for r in records
     }

@@ -34,12 +34,14 @@ from vlft.modeling import (
     load_tokenizer,
     pick_device,
     rope_index,
+    unwrapped,
     with_adapter,
     with_new_adapter,
 )
 from vlft.packing import pack, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
+from vlft.shards import INDEX
 from vlft.stage_data import load_stage_data, uses_vision_cache
 from vlft.vision_cache import use_vision_cache
 
@@ -89,8 +91,7 @@ def plan_steps(records: list[dict], settings: dict) -> list[list[list[str]]]:
 def compile_decoder_layers(model) -> None:
     """torch.compile each decoder layer of the language model: fused elementwise work around the
     matmuls, one graph reused by every layer; dynamic shapes, as batch widths vary."""
-    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for layer in outer.model.language_model.layers:
+    for layer in unwrapped(model).model.language_model.layers:
         layer.compile(dynamic=True)
 
 
@@ -122,45 +123,26 @@ def train_stage(
     tokenizer = load_tokenizer(inputs.model_dir, inputs.trust_remote_code)
     model = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code)
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
-    data = load_stage_data(inputs.prepared, inputs.caches, builder, settings)
+    data = load_stage_data(
+        inputs.prepared,
+        inputs.caches,
+        builder,
+        filters=settings["filter"],
+        answer_format=settings["answer_format"],
+        max_seq_len=settings["max_seq_len"],
+    )
     steps = plan_steps(data.records, settings)
 
-    # Model: a fresh adapter, or the adapter of the stage this one starts from.
-    if inputs.init_adapter:
-        model = with_adapter(model, inputs.init_adapter, trainable=True)
-    else:
-        model = with_new_adapter(model, settings)
-    if uses_vision_cache(data):
-        use_vision_cache(model)  # the frozen tower's outputs come from the cache
-    if settings["packing"]:
-        use_packed_attention(model)
+    # Model: the adapter to train, on the base model as the stage's data and settings want it.
+    model = _setup_model(model, inputs.init_adapter, settings, uses_vision_cache(data), device)
     forward_context = adapter_autocast(model, device, dtype)
-    if settings["compile"] and device.type == "cuda":
-        compile_decoder_layers(model)
-    model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=settings["learning_rate"], weight_decay=settings["weight_decay"], fused=device.type == "cuda"
-    )
-    scheduler = get_scheduler(
-        settings["lr_schedule"],
-        optimizer,
-        num_warmup_steps=math.ceil(settings["warmup_ratio"] * len(steps)),
-        num_training_steps=len(steps),
-    )
+    optimizer, scheduler = _setup_optimizer(trainable, settings, len(steps), device)
 
     # Resume from the newest complete checkpoint of this exact stage, if any.
-    fingerprinted = inputs.prepared + [Path(c) / "index.json" for c in inputs.caches]
-    if inputs.init_adapter:
-        fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
-    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = _run_dir(checkpoint_root, inputs, settings)
     running_log = run_dir / "log.jsonl"
-    first_step = 0
-    if (checkpoint := checkpoints.latest(run_dir)) is not None:
-        first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
-        print(f"resuming from step {first_step} ({checkpoint})", flush=True)
-    _truncate_log(running_log, first_step)
+    first_step = _resume(run_dir, running_log, model, optimizer, scheduler)
 
     # Loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
@@ -197,30 +179,21 @@ def train_stage(
             optimizer.zero_grad(set_to_none=True)
 
             elapsed, step_start = time.time() - step_start, time.time()
-            n_samples = sum(len(keys) for keys in steps[step])
-            n_tokens = sum(len(data.samples[key].input_ids) for keys in steps[step] for key in keys)
-            log.write(
-                json.dumps(
-                    {
-                        "step": step + 1,
-                        "loss": loss_total / n_targets,
-                        "learning_rate": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm),
-                        "samples_per_s": n_samples / elapsed,
-                        "tokens_per_s": n_tokens / elapsed,
-                        "memory_gb": memory_gb(device),
-                        "time": time.time(),
-                    }
-                )
-                + "\n"
+            samples = [data.samples[key] for keys in steps[step] for key in keys]
+            record = _log_record(
+                step + 1, loss_total / n_targets, scheduler.get_last_lr()[0], float(grad_norm), samples, elapsed, device
             )
+            log.write(json.dumps(record) + "\n")
             log.flush()
+            # Redrawn by update() at most every `mininterval` seconds, so SLURM logs stay small.
+            progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_total / n_targets:.3f}")
             done = step + 1
             if stop is not None and stop.received:
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
-                raise Preempted(f"{stop.received} received: saved a checkpoint after step {done}; a rerun resumes there")
+                raise Preempted(
+                    f"{stop.received} received: saved a checkpoint after step {done}; a rerun resumes there"
+                )
             if done % checkpoint_every == 0 and done < len(steps):
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
     progress.close()
@@ -228,24 +201,92 @@ def train_stage(
     # Save: the adapter directory appears complete or not at all.
     with atomic_path(adapter_out) as tmp:
         model.save_pretrained(tmp)
-    rows = [json.loads(line) for line in running_log.read_text().splitlines()]
     with atomic_path(log_out) as tmp:
         shutil.copyfile(running_log, tmp)
+    rows = [json.loads(line) for line in running_log.read_text().splitlines()]
     summary = {
         "steps": len(steps),
         "resumed_from_step": first_step,
         "samples": len(data.records),
         "wall_time_s": time.time() - started,
-        "samples_per_s": sum(r["samples_per_s"] for r in rows) / len(rows),
-        "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
-        "peak_memory_gb": max(r["memory_gb"] for r in rows),
-        "final_loss": rows[-1]["loss"],
+        **_throughput(rows),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
     write_json(summary_out, summary)
     shutil.rmtree(run_dir, ignore_errors=True)  # the adapter is out; the checkpoints have served
     return summary
+
+
+def _setup_model(model, init_adapter: str | None, settings: dict, vision_cache: bool, device: torch.device):
+    """A fresh adapter, or the adapter of the stage this one starts from; the frozen tower replaced
+    by the vision cache's outputs, packed attention, compiled layers, as the settings ask."""
+    model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
+    if vision_cache:
+        use_vision_cache(model)
+    if settings["packing"]:
+        use_packed_attention(model)
+    if settings["compile"] and device.type == "cuda":
+        compile_decoder_layers(model)
+    model.train()
+    return model
+
+
+def _setup_optimizer(trainable: list, settings: dict, n_steps: int, device: torch.device):
+    optimizer = torch.optim.AdamW(
+        trainable, lr=settings["learning_rate"], weight_decay=settings["weight_decay"], fused=device.type == "cuda"
+    )
+    scheduler = get_scheduler(
+        settings["lr_schedule"],
+        optimizer,
+        num_warmup_steps=math.ceil(settings["warmup_ratio"] * n_steps),
+        num_training_steps=n_steps,
+    )
+    return optimizer, scheduler
+
+
+def _throughput(rows: list[dict]) -> dict:
+    """The stage's speed and memory, from its per-step log."""
+    return {
+        "samples_per_s": sum(r["samples_per_s"] for r in rows) / len(rows),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
+        "peak_memory_gb": max(r["memory_gb"] for r in rows),
+        "final_loss": rows[-1]["loss"],
+    }
+
+
+def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict) -> Path:
+    """This exact stage's checkpoint directory: its settings and the content of its inputs."""
+    fingerprinted = inputs.prepared + [Path(c) / INDEX for c in inputs.caches]
+    if inputs.init_adapter:
+        fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
+    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _resume(run_dir: Path, running_log: Path, model, optimizer, scheduler) -> int:
+    """Restore the newest complete checkpoint, if any; the step it was saved after (0 for none)."""
+    first_step = 0
+    if (checkpoint := checkpoints.latest(run_dir)) is not None:
+        first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
+        print(f"resuming from step {first_step} ({checkpoint})", flush=True)
+    _truncate_log(running_log, first_step)
+    return first_step
+
+
+def _log_record(step: int, loss: float, lr: float, grad_norm: float, samples: list, elapsed: float, device) -> dict:
+    """One line of the per-step log; `lr` is the scheduled learning rate of the step."""
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "samples_per_s": len(samples) / elapsed,
+        "tokens_per_s": sum(len(s.input_ids) for s in samples) / elapsed,
+        "memory_gb": memory_gb(device),
+        "time": time.time(),
+    }
 
 
 def _truncate_log(path: Path, last_step: int) -> None:

@@ -11,7 +11,6 @@ renamed into place, so a cache is complete or absent.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,9 +18,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlft.errors import ConfigError
 from vlft.files import atomic_path
-from vlft.image_cache import ImageCache, ShardedCache, ShardWriter
-
-INDEX = "index.json"
+from vlft.image_cache import ImageCache
+from vlft.modeling import unwrapped
+from vlft.shards import ShardedCache, ShardWriter, finish_cache
 
 
 def feature_layout(model_config) -> tuple[int, int]:
@@ -86,20 +85,17 @@ def build_vision_cache(
             levels = [per_image(level) for level in getattr(out, "deepstack_features", None) or []]
             for n, image_id in enumerate(batch):
                 features = [embeds[n]] + [level[n] for level in levels]
-                writer.add({"id": image_id, "grid_thw": pixels.grid_thw(image_id)}, torch.stack(features, dim=1).cpu().contiguous())
-        writer.flush()
-        index = {"format": 1, "merge_size": pixels.settings.merge_size, "levels": len(levels), "shards": writer.shards,
-                 "records": writer.entries}
-        (tmp / INDEX).write_text(json.dumps(index))  # last: the index marks the cache complete
-    return len(writer.entries)
-
-
-def is_vision_cache(directory: str | Path) -> bool:
-    return "levels" in json.loads((Path(directory) / INDEX).read_text())
+                writer.add(
+                    {"id": image_id, "grid_thw": pixels.grid_thw(image_id)},
+                    torch.stack(features, dim=1).cpu().contiguous(),
+                )
+        return finish_cache(tmp, writer, VisionCache.KIND, merge_size=pixels.settings.merge_size, levels=len(levels))
 
 
 class VisionCache(ShardedCache):
     """The vision cache of one split; the same questions as ImageCache, other answers."""
+
+    KIND = "vision"
 
     def __init__(self, directory: str | Path):
         super().__init__(directory)
@@ -134,5 +130,5 @@ class CachedVision(torch.nn.Module):
 
 def use_vision_cache(model) -> None:
     """Replace the vision tower of a Qwen-VL model (or a PEFT model around one) by CachedVision, freeing its weights."""
-    outer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    outer = unwrapped(model)
     outer.model.visual = CachedVision(outer.model.visual)

@@ -84,15 +84,33 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         "pad_token_id": token("<|endoftext|>"),
         "eos_token_id": token("<|im_end|>"),
     }
-    vision_common = {"depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision_common = {
+        "depth": 2,
+        "num_heads": 2,
+        "patch_size": PATCH_SIZE[family],
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
     if family == "qwen3_vl":
         config_class = Qwen3VLConfig
-        vision = {**vision_common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": hidden_size,
-                  "num_position_embeddings": 256, "deepstack_visual_indexes": [1]}
+        vision = {
+            **vision_common,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "out_hidden_size": hidden_size,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [1],
+        }
     elif family == "qwen2_5_vl":
         config_class = Qwen2_5_VLConfig
-        vision = {**vision_common, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": hidden_size,
-                  "window_size": 56, "fullatt_block_indexes": [1]}
+        vision = {
+            **vision_common,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "out_hidden_size": hidden_size,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        }
     elif family == "qwen2_vl":
         config_class = Qwen2VLConfig
         vision = {**vision_common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}

@@ -7,15 +7,16 @@ rule cache_images:
         directory(cache_path("{dataset}", "{split}", "{pixels}")),
     log:
         f"{RESULTS}/logs/cache_images/{{dataset}}/{{split}}/{{pixels}}.log",
-    params:
-        min_pixels=lambda wildcards: wildcards.pixels.split("-")[0],
-        max_pixels=lambda wildcards: wildcards.pixels.split("-")[1],
     threads: 8
     resources:
         mem_mb=8000,
         runtime=120,
+    params:
+        trust_remote_code=TRUST_REMOTE_CODE,
+        min_pixels=lambda wildcards: wildcards.pixels.split("-")[0],
+        max_pixels=lambda wildcards: wildcards.pixels.split("-")[1],
     shell:
-        "python scripts/cache_images.py --records {input.records:q} --model {input.model:q} {TRUST_REMOTE_CODE} "
+        "python scripts/cache_images.py --records {input.records:q} --model {input.model:q} {params.trust_remote_code} "
         "--min-pixels {params.min_pixels} --max-pixels {params.max_pixels} --threads {threads} "
         "--output {output:q} 2>&1 | tee {log:q}"
 
@@ -30,13 +31,14 @@ rule cache_vision:
         directory(vision_cache_path("{dataset}", "{split}", "{pixels}")),
     log:
         f"{RESULTS}/logs/cache_vision/{{dataset}}/{{split}}/{{pixels}}.log",
-    params:
-        max_gb=config["vision_cache_max_gb"],
     threads: 8
     resources:
         runtime=get_stage_resource("runtime", default=True),
         mem_mb=get_stage_resource("mem_mb", default=True),
         gpu=get_stage_resource("gpus", default=True),
+    params:
+        trust_remote_code=TRUST_REMOTE_CODE,
+        max_gb=config["vision_cache_max_gb"],
     shell:
-        "python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {TRUST_REMOTE_CODE} "
+        "python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} "
         "--max-gb {params.max_gb} --output {output:q} 2>&1 | tee {log:q}"

@@ -1,5 +1,6 @@
 # Config -> plan, output paths, and the get_* input functions of every rule.
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -48,12 +49,23 @@ def vision_cache_path(dataset, split, pixels):
     return f"{RESULTS}/cache/vision/{dataset}/{split}/{pixels}"
 
 
+def stage_path(experiment, stage, name):
+    """A trained stage's outputs: adapter (directory), log.jsonl, summary.json."""
+    return f"{RESULTS}/train/{experiment}/{stage}/{name}"
+
+
 def adapter_path(experiment, stage):
-    return f"{RESULTS}/train/{experiment}/{stage}/adapter"
+    return stage_path(experiment, stage, "adapter")
 
 
-def metrics_path(experiment, stage, split):
-    return f"{RESULTS}/eval/{experiment}/{stage}/{split}/metrics.json"
+def eval_path(experiment, stage, split, name):
+    """An evaluation's outputs: predictions.jsonl, metrics.json."""
+    return f"{RESULTS}/eval/{experiment}/{stage}/{split}/{name}"
+
+
+def report_path(name):
+    """The report's outputs: index.html and its CSV tables."""
+    return f"{RESULTS}/report/{name}"
 
 
 def get_raw_split(wildcards):
@@ -133,13 +145,18 @@ def get_init_adapter_arg(wildcards, input):
 
 
 def get_report_inputs(wildcards):
+    """Each evaluation's metrics and each stage's summary and log, in the order of the labels below."""
     stages = PLAN.stages.values()
     return {
-        "metrics": [metrics_path(*job) for job in PLAN.evaluations()],
-        "summaries": [f"{RESULTS}/train/{s.experiment}/{s.name}/summary.json" for s in stages],
-        "logs": [f"{RESULTS}/train/{s.experiment}/{s.name}/log.jsonl" for s in stages],
+        "metrics": [eval_path(*job, "metrics.json") for job in PLAN.evaluations()],
+        "summaries": [stage_path(s.experiment, s.name, "summary.json") for s in stages],
+        "logs": [stage_path(s.experiment, s.name, "log.jsonl") for s in stages],
     }
 
 
-def get_report_outputs():
-    return [f"{RESULTS}/report/index.html"]
+def get_report_labels(wildcards):
+    """What the report's inputs are of: experiment/stage/split per evaluation, experiment/stage per stage."""
+    return {
+        "evaluations": " ".join("/".join(job) for job in PLAN.evaluations()),
+        "stages": " ".join(PLAN.stages),
+    }

@@ -7,14 +7,14 @@ rule make_demo_dataset:
         images=directory(config["datasets"][DEMO_DATASET]["image_root"]),
     log:
         f"{RESULTS}/logs/make_demo_dataset.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
     params:
         # Sorted: the order of keys in the YAML file is not a change.
         sizes=" ".join(f"{k}={v}" for k, v in sorted(config["demo"]["dataset"]["sizes"].items())),
         records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][DEMO_DATASET]["splits"].items())),
         seed=config["demo"]["dataset"]["seed"],
-    resources:
-        mem_mb=2000,
-        runtime=10,
     shell:
         "python scripts/make_demo_dataset.py --image-root {output.images:q} --records {params.records} "
         "--sizes {params.sizes} "
@@ -26,13 +26,13 @@ rule make_tiny_model:
         directory(MODEL),
     log:
         f"{RESULTS}/logs/make_tiny_model.log",
+    resources:
+        mem_mb=2000,
+        runtime=10,
     params:
         seed=config["demo"]["model"]["seed"],
         hidden_size=config["demo"]["model"]["hidden_size"],
         layers=config["demo"]["model"]["layers"],
-    resources:
-        mem_mb=2000,
-        runtime=10,
     shell:
         "python scripts/make_tiny_model.py --output {output:q} --seed {params.seed} "
         "--hidden-size {params.hidden_size} --layers {params.layers} 2>&1 | tee {log:q}"

@@ -1,17 +1,28 @@
 rule report:
-    # One self-contained HTML page with every experiment x stage beside the base model, plus CSV tables.
+    # One self-contained HTML page with every experiment x stage beside the base model, plus CSV
+    # tables and the page's plots as files; each is an item of `snakemake --report`.
     input:
         unpack(get_report_inputs),
     output:
-        html=f"{RESULTS}/report/index.html",
-        results=f"{RESULTS}/report/results.csv",
-        categories=f"{RESULTS}/report/accuracy_by_category.csv",
-        jobs=f"{RESULTS}/report/jobs.csv",
+        html=report(report_path("index.html"), caption="../report/index.rst", category="Report"),
+        results=report(report_path("results.csv"), caption="../report/results.rst", category="Tables"),
+        categories=report(
+            report_path("accuracy_by_category.csv"), caption="../report/categories.rst", category="Tables"
+        ),
+        jobs=report(report_path("jobs.csv"), caption="../report/jobs.rst", category="Tables"),
+        loss_curves=report(report_path("loss_curves.png"), caption="../report/loss_curves.rst", category="Plots"),
+        category_chart=report(
+            report_path("accuracy_by_category.png"), caption="../report/accuracy_by_category.rst", category="Plots"
+        ),
     log:
         f"{RESULTS}/logs/report.log",
     resources:
         mem_mb=2000,
         runtime=10,
+    params:
+        labels=get_report_labels,
+        output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python scripts/report.py --metrics {input.metrics:q} "
-        "--summaries {input.summaries:q} --output-dir $(dirname {output.html:q}) 2>&1 | tee {log:q}"
+        "python scripts/report.py --metrics {input.metrics:q} --evaluations {params.labels[evaluations]} "
+        "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
+        "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"

@@ -4,15 +4,10 @@ rule train:
         unpack(get_train_inputs),
     output:
         adapter=directory(adapter_path("{experiment}", "{stage}")),
-        log=f"{RESULTS}/train/{{experiment}}/{{stage}}/log.jsonl",
-        summary=f"{RESULTS}/train/{{experiment}}/{{stage}}/summary.json",
+        log=stage_path("{experiment}", "{stage}", "log.jsonl"),
+        summary=stage_path("{experiment}", "{stage}", "summary.json"),
     log:
         f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.log",
-    params:
-        settings=get_train_settings,
-        init_adapter=get_init_adapter_arg,
-        # Outside the declared outputs: Snakemake deletes those when a job fails.
-        checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
     threads: 8
     resources:
         runtime=get_stage_resource("runtime"),
@@ -20,11 +15,17 @@ rule train:
         gpu=get_stage_resource("gpus"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
+    params:
+        trust_remote_code=TRUST_REMOTE_CODE,
+        settings=get_train_settings,
+        init_adapter=get_init_adapter_arg,
+        # Outside the declared outputs: Snakemake deletes those when a job fails.
+        checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
     shell:
         # At a time limit SLURM signals every process of the job. The shell and tee ignore
         # SIGTERM and SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a
         # checkpoint, exits 75, and the retry resumes.
-        "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {TRUST_REMOTE_CODE} --prepared {input.prepared:q} "
+        "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,98 @@
+"""The shard store both caches use: tensors, in record order, in safetensors shards of about a set
+size, and a JSON index naming each record's shard and key, its grid, and the cache's kind.
+
+A cache is complete when its index exists: builders write into a temporary directory
+(vlft.files.atomic_path), end through `finish_cache`, which writes the index last, and the directory
+is renamed into place. Readers open a directory as the kind its index names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vlft.errors import InputError
+
+INDEX = "index.json"
+FORMAT = 2  # 2: the index names the cache's kind
+
+
+class ShardWriter:
+    """Tensors, in order, into safetensors shards of about `shard_bytes`; each entry notes its shard and key."""
+
+    def __init__(self, directory: Path, shard_bytes: int):
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.shards, self.entries = [], []
+        self._shard, self._size = {}, 0
+
+    def add(self, entry: dict, tensor: torch.Tensor) -> None:
+        key = str(len(self.entries))
+        self._shard[key] = tensor
+        self._size += tensor.nbytes
+        self.entries.append(dict(entry, shard=f"shard-{len(self.shards):05d}.safetensors", key=key))
+        if self._size >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._shard:
+            name = f"shard-{len(self.shards):05d}.safetensors"
+            save_file(self._shard, self.directory / name)
+            self.shards.append(name)
+            self._shard, self._size = {}, 0
+
+
+def finish_cache(directory: Path, writer: ShardWriter, kind: str, **metadata) -> int:
+    """Write the last shard, then the index: last, since its presence marks the cache complete."""
+    writer.flush()
+    index = {"format": FORMAT, "kind": kind, **metadata, "shards": writer.shards, "records": writer.entries}
+    (directory / INDEX).write_text(json.dumps(index))
+    return len(writer.entries)
+
+
+def read_index(directory: str | Path) -> dict:
+    index = json.loads((Path(directory) / INDEX).read_text())
+    if index.get("format") != FORMAT:
+        raise InputError(directory, "a cache written by an older version of this workflow; delete it and run again")
+    return index
+
+
+class ShardedCache:
+    """Read access to a cache directory of one kind: per record id, a tensor in a shard and the
+    image's grid. Subclasses say what the model takes from the tensor."""
+
+    KIND = ""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.index = read_index(directory)
+        if self.index["kind"] != self.KIND:
+            raise InputError(directory, f"a {self.index['kind']} cache, where a {self.KIND} cache was expected")
+        self.entries = {entry["id"]: entry for entry in self.index["records"]}
+        self._shards = {}
+
+    def __contains__(self, record_id: str) -> bool:
+        return record_id in self.entries
+
+    def grid_thw(self, record_id: str) -> list[int]:
+        return self.entries[record_id]["grid_thw"]
+
+    def num_image_tokens(self, record_id: str) -> int:
+        t, h, w = self.grid_thw(record_id)
+        return t * h * w // self.merge_size**2
+
+    def tensor(self, record_id: str) -> torch.Tensor:
+        entry = self.entries[record_id]
+        if entry["shard"] not in self._shards:
+            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
+        return self._shards[entry["shard"]].get_tensor(entry["key"])
+
+    def device_input(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the model takes for an image, from its cached tensor already on the device."""
+        raise NotImplementedError
+
+    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.device_input(self.tensor(record_id).to(device), dtype)
