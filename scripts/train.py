@@ -21,6 +21,9 @@ def main():
     parser.add_argument("--settings", required=True, help="the stage's resolved settings, as JSON")
     parser.add_argument("--checkpoints", required=True, help="where checkpoints of this stage are kept")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
+    parser.add_argument(
+        "--attempt", type=int, default=1, help="Snakemake's attempt; a retry restores the outputs of a finished attempt"
+    )
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
@@ -45,6 +48,7 @@ def main():
             checkpoint_root=args.checkpoints,
             checkpoint_every=args.checkpoint_every,
             stop=stop,
+            reuse_finished=args.attempt > 1,
         )
     except Preempted as stopped:
         print(f"stopped: {stopped}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """The library's parts on their own: config inheritance, answers, the pixel cache, resuming."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -158,7 +159,7 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     }
     inputs = StageInputs(str(tiny_model_dir), [str(tmp_path / "prepared.jsonl")], [str(tmp_path / "cache")], None)
 
-    def run(name, stop=None):
+    def run(name, stop=None, retry=False):
         out = tmp_path / name
         return (
             train_stage(
@@ -171,6 +172,7 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
                 2,
                 stop,
                 dtype=torch.float64,
+                reuse_finished=retry,
             ),
             out,
         )
@@ -188,3 +190,19 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     assert a.keys() == b.keys()
     for key in a:
         assert_close_normwise(a[key], b[key], FLOAT64_RTOL, key)
+
+    # A retry of a job that finished its steps but was stopped as it wrote its outputs (a late
+    # time limit; Snakemake then deletes them) restores them from the kept result: nothing trains.
+    # Only the finished result is kept; the checkpoints have served.
+    assert [p.name for p in (split / "ckpt").glob("*/*")] == ["finished"]
+    before = {
+        name: (split / name).read_bytes() for name in ("log.jsonl", "summary.json", "adapter/adapter_model.safetensors")
+    }
+    shutil.rmtree(split / "adapter")
+    for name in ("log.jsonl", "summary.json"):
+        (split / name).unlink()
+    restored, _ = run("split", retry=True)
+    assert restored == summary and {name: (split / name).read_bytes() for name in before} == before
+    # A first attempt (a new run, or one forced with -f or -R) trains again.
+    retrained, _ = run("split")
+    assert retrained["resumed_from_step"] == 0 and retrained["wall_time_s"] != summary["wall_time_s"]

@@ -41,6 +41,28 @@ def test_editing_one_stage_reruns_it_and_what_starts_from_it(demo_workdir):
     }
 
 
+def test_a_changed_stage_reruns_with_what_starts_from_it_even_after_its_outputs_were_lost(demo_workdir, tmp_path):
+    """exp4 stage 1 edited after its outputs were deleted (as Snakemake does when a job fails):
+    stage 2, trained from the old stage 1, and every evaluation of either, are out of date."""
+    import shutil
+
+    workdir = tmp_path / "work"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    shutil.rmtree(workdir / R / "train/exp4/stage1")
+
+    def edit(config):
+        config["experiments"]["exp4"]["stages"][0]["learning_rate"] = 1.0e-3
+
+    assert planned_outputs(workdir, "--configfile", write_config(workdir, edit)) == {
+        f"{R}/train/exp4/stage1/adapter",
+        f"{R}/train/exp4/stage2/adapter",
+        *evaluations("exp4", "stage1"),
+        *evaluations("exp4", "stage2"),
+        f"{R}/report/index.html",
+        "rule:all",
+    }
+
+
 def test_changing_how_a_job_runs_reruns_nothing(demo_workdir):
     def edit(config):
         config["experiments"]["exp1"]["stages"][0]["checkpoint_every"] = 7

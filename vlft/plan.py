@@ -76,9 +76,8 @@ class Plan:
         return jobs
 
     def resources(self, experiment: str, stage: str) -> dict:
-        """The cluster request of a stage's jobs; the untrained base model's evaluations use `defaults`."""
-        source = self.defaults if experiment == BASE_EXPERIMENT else self.stage(experiment, stage).settings
-        return source["resources"]
+        """The cluster request of a stage's training job."""
+        return self.stage(experiment, stage).settings["resources"]
 
     def eval_settings(self, experiment: str, stage: str, evaluation: dict) -> dict:
         """Everything an evaluation depends on: its stage's data and format, and the eval options."""
@@ -87,7 +86,9 @@ class Plan:
         else:
             source = self.stage(experiment, stage).settings
         keys = ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")
-        return {**{k: source[k] for k in keys}, **evaluation}
+        # Its resources say how the job runs, not what it computes.
+        options = {k: v for k, v in evaluation.items() if k != "resources"}
+        return {**{k: source[k] for k in keys}, **options}
 
 
 def pixels_tag(min_pixels: int, max_pixels: int) -> str:

@@ -67,6 +67,7 @@ def collect(
         pd.DataFrame(category_rows)
         .pivot_table(index=["experiment", "stage", "split"], columns="category", values="accuracy")
         .reset_index()
+        .rename_axis(columns=None)  # else the page shows the pivot's "category" as an empty column
     )
 
     job_rows = []

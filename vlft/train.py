@@ -45,6 +45,9 @@ from vlft.shards import INDEX
 from vlft.stage_data import load_stage_data, uses_vision_cache
 from vlft.vision_cache import use_vision_cache
 
+# In a run directory: the outputs of a run that finished its steps.
+FINISHED = "finished"
+
 
 class Preempted(Exception):
     """Raised after a signal asked training to stop and a checkpoint was saved."""
@@ -111,10 +114,20 @@ def train_stage(
     checkpoint_every: int,
     stop: StopSignal | None = None,
     dtype: torch.dtype | None = None,
+    reuse_finished: bool = False,
 ) -> dict:
-    """`dtype`: the model's, by default the device's (bf16 on a GPU, float32 on the CPU); tests
-    train in float64 to compare two layouts of the same computation beyond float32 rounding."""
+    """`reuse_finished`: this job is a retry of one that may have finished its steps, and been
+    stopped only after (a time limit reached as it wrote its outputs): its kept outputs are
+    restored rather than trained again. A first attempt (a new run, or one forced with -f or -R)
+    always trains. `dtype`: the model's, by default the device's (bf16 on a GPU, float32 on the
+    CPU); tests train in float64 to compare two layouts of one computation beyond float32 rounding."""
     started = time.time()
+    run_dir = _run_dir(checkpoint_root, inputs, settings)
+    finished = run_dir / FINISHED
+    if reuse_finished and (finished / "summary.json").exists():
+        print(f"this stage finished its steps in an earlier attempt: restoring its outputs from {finished}", flush=True)
+        return _publish(finished, adapter_out, log_out, summary_out)
+    shutil.rmtree(finished, ignore_errors=True)
     device, device_dtype = pick_device()
     dtype = dtype or device_dtype
     torch.manual_seed(settings["seed"])
@@ -140,7 +153,6 @@ def train_stage(
     optimizer, scheduler = _setup_optimizer(trainable, settings, len(steps), device)
 
     # Resume from the newest complete checkpoint of this exact stage, if any.
-    run_dir = _run_dir(checkpoint_root, inputs, settings)
     running_log = run_dir / "log.jsonl"
     first_step = _resume(run_dir, running_log, model, optimizer, scheduler)
 
@@ -190,6 +202,8 @@ def train_stage(
             progress.update(1)
             done = step + 1
             if stop is not None and stop.received:
+                # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
+                print(f"{stop.received} received after step {done}: saving a checkpoint", flush=True)
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
                 raise Preempted(
                     f"{stop.received} received: saved a checkpoint after step {done}; a rerun resumes there"
@@ -198,11 +212,8 @@ def train_stage(
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
     progress.close()
 
-    # Save: the adapter directory appears complete or not at all.
-    with atomic_path(adapter_out) as tmp:
-        model.save_pretrained(tmp)
-    with atomic_path(log_out) as tmp:
-        shutil.copyfile(running_log, tmp)
+    # Save: the finished outputs, kept in the run directory until this stage runs with other
+    # settings (the checkpoints have served), then published where the workflow wants them.
     rows = [json.loads(line) for line in running_log.read_text().splitlines()]
     summary = {
         "steps": len(steps),
@@ -213,9 +224,25 @@ def train_stage(
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    write_json(summary_out, summary)
-    shutil.rmtree(run_dir, ignore_errors=True)  # the adapter is out; the checkpoints have served
-    return summary
+    with atomic_path(finished) as tmp:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter")
+        shutil.copyfile(running_log, tmp / "log.jsonl")
+        write_json(tmp / "summary.json", summary)
+    for checkpoint in run_dir.glob("step-*"):
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    running_log.unlink()
+    return _publish(finished, adapter_out, log_out, summary_out)
+
+
+def _publish(finished: Path, adapter_out, log_out, summary_out) -> dict:
+    """Copy a finished run's outputs to the workflow's paths, each complete or not at all."""
+    with atomic_path(adapter_out) as tmp:
+        shutil.copytree(finished / "adapter", tmp)
+    for name, target in (("log.jsonl", log_out), ("summary.json", summary_out)):
+        with atomic_path(target) as tmp:
+            shutil.copyfile(finished / name, tmp)
+    return json.loads((finished / "summary.json").read_text())
 
 
 def _setup_model(model, init_adapter: str | None, settings: dict, vision_cache: bool, device: torch.device):
@@ -256,11 +283,15 @@ def _throughput(rows: list[dict]) -> dict:
 
 
 def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict) -> Path:
-    """This exact stage's checkpoint directory: its settings and the content of its inputs."""
+    """This exact stage's checkpoint directory: its settings and the content of its inputs. Those of
+    the stage's earlier settings go: no run of this stage will resume them."""
     fingerprinted = inputs.prepared + [Path(c) / INDEX for c in inputs.caches]
     if inputs.init_adapter:
         fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
     run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
+    for earlier in Path(checkpoint_root).glob("*"):
+        if earlier != run_dir:
+            shutil.rmtree(earlier, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 

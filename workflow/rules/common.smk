@@ -104,6 +104,21 @@ def get_train_settings(wildcards):
     return json.dumps(get_stage(wildcards).train_params(), sort_keys=True)
 
 
+def get_lineage_settings(include_stage):
+    """The settings of every stage a job's adapter was trained from (its own stage too, with
+    `include_stage`), nearest first. As a job's params, they rerun it when any of those stages
+    changed, even where that stage's outputs were lost in between and nothing else would notice."""
+
+    def lineage(wildcards):
+        if wildcards.experiment == BASE_EXPERIMENT:
+            return "[]"
+        stage = get_stage(wildcards)
+        chain = ([stage] if include_stage else []) + PLAN.ancestors(stage)
+        return json.dumps([s.train_params() for s in chain], sort_keys=True)
+
+    return lineage
+
+
 def get_stage_resource(key, default=False):
     """A GPU job's resource from its stage's `resources` (inherited from `defaults`; `default` takes
     `defaults` itself, for jobs of no one stage); runtime grows with each retry, so a job killed at
@@ -114,6 +129,16 @@ def get_stage_resource(key, default=False):
             value = PLAN.defaults["resources"][key]
         else:
             value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
+        return value * attempt if key == "runtime" else value
+
+    return resource
+
+
+def get_eval_resource(key):
+    """An evaluation job's resource, from the config's `evaluation.resources`; runtime grows with each retry."""
+
+    def resource(wildcards, attempt):
+        value = config["evaluation"]["resources"][key]
         return value * attempt if key == "runtime" else value
 
     return resource

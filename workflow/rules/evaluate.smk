@@ -9,13 +9,14 @@ rule evaluate:
         f"{RESULTS}/logs/evaluate/{{experiment}}/{{stage}}/{{split}}.log",
     threads: 8
     resources:
-        runtime=get_stage_resource("runtime"),
-        mem_mb=get_stage_resource("mem_mb"),
-        gpu=get_stage_resource("gpus"),
+        runtime=get_eval_resource("runtime"),
+        mem_mb=get_eval_resource("mem_mb"),
+        gpu=get_eval_resource("gpus"),
     params:
         trust_remote_code=TRUST_REMOTE_CODE,
         settings=lambda wildcards: json.dumps(get_eval_settings(wildcards), sort_keys=True),
         adapter=get_adapter_arg,
+        trained_from=get_lineage_settings(include_stage=True),
     shell:
         "python scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} "
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "

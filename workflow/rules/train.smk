@@ -15,17 +15,21 @@ rule train:
         gpu=get_stage_resource("gpus"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
+        # A retry (attempt 2 on) restores the outputs of an attempt that finished its steps.
+        attempt=lambda wildcards, attempt: attempt,
     params:
         trust_remote_code=TRUST_REMOTE_CODE,
         settings=get_train_settings,
+        init_from_settings=get_lineage_settings(include_stage=False),
         init_adapter=get_init_adapter_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
     shell:
         # At a time limit SLURM signals every process of the job. The shell and tee ignore
         # SIGTERM and SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a
-        # checkpoint, exits 75, and the retry resumes.
+        # checkpoint, exits 75, and the retry resumes. The log is appended to: every attempt's
+        # output stays, each starting with the line that says where it ran.
         "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
-        "--summary {output.summary:q} 2>&1 | tee {log:q}"
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
+        "--summary {output.summary:q} 2>&1 | tee -a {log:q}"
