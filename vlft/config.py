@@ -50,9 +50,11 @@ def stage_defaults() -> dict:
 
 def _fill_defaults(schema: dict, value: dict) -> None:
     # Only the config's own sections: stage settings are resolved by the plan, through `defaults`.
+    # A section the file leaves out is filled only where the schema gives it a default (`{}` for
+    # an optional section whose keys have defaults): `demo`, which has none, stays absent.
     for key, prop in schema.get("properties", {}).items():
-        if key not in value and _has_default(prop):
-            value[key] = _defaults_of(prop)
+        if key not in value and "default" in prop:
+            value[key] = copy.deepcopy(prop["default"])
         if isinstance(value.get(key), dict) and "properties" in prop:
             _fill_defaults(prop, value[key])
 
