@@ -189,7 +189,7 @@ def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(fam
     assert size <= on_disk < size * 1.05
 
 
-def demo_stage_inputs(demo_workdir, cache: str) -> "StageInputs":
+def demo_stage_inputs(demo_workdir, cache: str):
     from vlft.train import StageInputs
 
     return StageInputs(
