@@ -27,8 +27,8 @@ rule train:
     shell:
         # At a time limit SLURM signals every process of the job. The shell and tee ignore
         # SIGTERM and SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a
-        # checkpoint, exits 75, and the retry resumes. The log is appended to: every attempt's
-        # output stays, each starting with the line that says where it ran.
+        # checkpoint, exits 75, and the retry resumes. Every attempt's SLURM output stays under
+        # .snakemake/slurm_logs/.
         "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
