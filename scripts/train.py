@@ -3,9 +3,11 @@
 import argparse
 import json
 import sys
+import time
 
 from vlft.cli import run, set_cpu_threads
-from vlft.train import Preempted, StageInputs, StopSignal, train_stage
+from vlft.stopping import StopRequest, slurm_end_time
+from vlft.train import Preempted, StageInputs, train_stage
 
 # Distinct from a crash: the job stopped on request, with its progress saved.
 EXIT_PREEMPTED = 75
@@ -29,7 +31,10 @@ def main():
     parser.add_argument("--summary", required=True)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch")
     args = parser.parse_args()
-    stop = StopSignal()  # before anything slow: a signal during loading must not kill us unsaved
+    stop = StopRequest()  # before anything slow: a signal during loading must not kill us unsaved
+    stop.end_time = slurm_end_time()
+    limit = f", SLURM time limit at {time.strftime('%H:%M:%S', time.localtime(stop.end_time))}" if stop.end_time else ""
+    print(f"attempt {args.attempt}{limit}", flush=True)
     set_cpu_threads(args.threads)
     inputs = StageInputs(
         model_dir=args.model,

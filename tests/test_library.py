@@ -1,7 +1,9 @@
 """The library's parts on their own: config inheritance, answers, the pixel cache, resuming."""
 
 import json
+import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from vlft.image_cache import ImageCache, PixelSettings, build_image_cache, to_pa
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
 from vlft.records import order_records, prepare_split
+from vlft.stopping import RESERVE_S, StopRequest, slurm_end_time
 from vlft.train import Preempted, StageInputs, train_stage
 
 
@@ -138,10 +141,43 @@ class StopAfter:
     def __init__(self, n):
         self.n, self.calls = n, 0
 
-    @property
-    def received(self):
+    def reason(self):
         self.calls += 1
-        return "SIGTERM" if self.calls == self.n else None
+        return "SIGTERM received" if self.calls == self.n else None
+
+
+@pytest.fixture
+def stop_request():
+    """A StopRequest whose signal handlers are pytest's again afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield StopRequest
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_a_signal_stops_training_at_the_next_step_boundary(stop_request):
+    stop = stop_request()
+    assert stop.reason() is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.reason() == "SIGUSR1 received"
+
+
+def test_the_time_limit_stops_training_while_two_slowest_steps_and_the_save_still_fit(stop_request):
+    now = [1000.0]
+    stop = stop_request(end_time=now[0] + RESERVE_S + 3.0, clock=lambda: now[0])
+    assert stop.reason() is None  # no step measured yet: the reserve alone fits, 3 s to spare
+    now[0] += 0.5
+    assert stop.reason() is None  # reserve + 2 x 0.5 s fits in the 2.5 s left
+    now[0] += 1.0
+    assert stop.reason() == f"the job's time limit is {round(RESERVE_S + 1.5)} s away"  # reserve + 2 x 1 s does not fit
+
+
+def test_the_job_end_time_comes_from_slurm_and_is_none_elsewhere(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    assert slurm_end_time() is None
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "1795336463")
+    assert slurm_end_time() == 1795336463.0
 
 
 def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterrupted_one_does(tmp_path, tiny_model_dir):

@@ -173,6 +173,7 @@ RUNNERS = {
     "snakemake --dag | dot -Tsvg > dag.svg": run_dag,
     f"snakemake --configfile {EXAMPLE} -n": run_kvasir_plan,
     f"snakemake --configfile {EXAMPLE} --cores all": run_kvasir_plan,
+    f"snakemake --configfile {EXAMPLE} --cores all --resources gpu=4": run_kvasir_plan,
     f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --default-resources slurm_account=myaccount "
     "slurm_partition=gpu": run_kvasir_on_slurm,
     f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --profile ~/my-site": run_kvasir_on_slurm,

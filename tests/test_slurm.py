@@ -1,12 +1,16 @@
-"""profiles/slurm against a real SLURM cluster (scripts/slurm_cluster.sh): the demo through sbatch, and a
-training job killed at its time limit that resumes on retry and ends where an uninterrupted run ends."""
+"""profiles/slurm against a real SLURM cluster (scripts/slurm_cluster.sh): the demo through sbatch; a
+training job that stops before its time limit, resumes on retry and ends where an uninterrupted run
+ends; a cancelled job the driver retries; a driver killed while its job runs."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from conftest import DEMO_THREADS, copy_workflow, site_profile, snakemake
 pytestmark = pytest.mark.slow
 
 # Per-job logs: each job's own log (its first line says where it ran) and SLURM's output of the job.
-PLACEMENT = re.compile(r"host \S+, SLURM job (\d+), CUDA_VISIBLE_DEVICES=(\S+)")
+PLACEMENT = re.compile(r"host \S+, SLURM job (\d+), CUDA_VISIBLE_DEVICES=([^;\s]+)")
 
 
 def slurm_run(workdir, profile, *targets, timeout=1800):
@@ -104,58 +108,144 @@ def test_slurm_output_of_each_job_lands_under_snakemake_slurm_logs(slurm_demo):
     assert train_output.stem == job and gpus in {"0", "1"}
 
 
-# A training stage with more work than its first attempt's one-minute time limit allows.
-LONG_STAGE = {
-    "long": {
-        "stages": [
-            {
-                "name": "main",
-                "epochs": 25,
-                "lora_dropout": 0.1,
-                "checkpoint_every": 1000,
-                "resources": {"runtime": 1, "mem_mb": 4000, "gpus": 1},
-            }
-        ]
-    }
-}
-
-
-def test_a_job_killed_at_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):
-    workdir = copy_workflow(tmp_path / "work")
+def long_stage_workflow(directory, epochs=25, runtime=1):
+    """The demo workflow with one training stage of `epochs` (25: about 3.5 minutes of a 2-core
+    machine) under a time limit of `runtime` minutes x attempt."""
+    workdir = copy_workflow(directory)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
-    config["experiments"] = LONG_STAGE
+    stage = {
+        "name": "main",
+        "epochs": epochs,
+        "lora_dropout": 0.1,
+        "checkpoint_every": 1000,
+        "resources": {"runtime": runtime, "mem_mb": 4000, "gpus": 1},
+    }
+    config["experiments"] = {"long": {"stages": [stage]}}
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
-    # No early SIGUSR1 here: what stops the first attempt is SLURM's own SIGTERM at the time limit.
-    # The stage needs about 3.5 minutes of a 2-core machine; attempts get 1, 2, 3 (and 4) minutes,
-    # so one more retry than the profile's keeps a slower machine from running out of attempts.
-    profile = site_profile(tmp_path / "site", retries=3, **{"set-resources": {"train": {"slurm_extra": ""}}})
-    adapter = "results/train/long/main/adapter"
+    return workdir
 
-    slurm_run(workdir, profile, adapter)
 
-    job_outputs = sorted(
-        (workdir / ".snakemake/slurm_logs/rule_train/long_main").glob("*.log"), key=lambda p: int(p.stem)
-    )
+LONG_ADAPTER = "results/train/long/main/adapter"
+
+
+def job_outputs_of_long_stage(workdir):
+    """SLURM's output of each job of the long stage, oldest first."""
+    return sorted((workdir / ".snakemake/slurm_logs/rule_train/long_main").glob("*.log"), key=lambda p: int(p.stem))
+
+
+def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):
+    workdir = long_stage_workflow(tmp_path / "work")
+    # Attempts get 1, 2, 3 (and 4) minutes for about 3.5 minutes of work: one retry more than the
+    # profile's keeps a slower machine from running out of attempts.
+    profile = site_profile(tmp_path / "site", retries=3)
+
+    slurm_run(workdir, profile, LONG_ADAPTER)
+
+    job_outputs = job_outputs_of_long_stage(workdir)
     states = sacct_states([p.stem for p in job_outputs])
-    assert len(job_outputs) >= 2 and states[job_outputs[0].stem] == "TIMEOUT", states
-    assert states[job_outputs[-1].stem] == "COMPLETED", states
-    first = read_job_output(job_outputs[0])
-    assert "SIGTERM received: saved a checkpoint after step" in first, first[-3000:]
-    stopped_at = int(re.search(r"saved a checkpoint after step (\d+)", first).group(1))
-    second = read_job_output(job_outputs[1])
-    assert f"resuming from step {stopped_at}" in second
+    assert len(job_outputs) >= 2 and states[job_outputs[-1].stem] == "COMPLETED", states
+    resumed_from = 0
+    for output in job_outputs[:-1]:
+        # Each earlier attempt stopped by itself before its limit, with a checkpoint: FAILED (the
+        # trainer's exit status 75 failed the job's step), not TIMEOUT, which would mean it straddled it.
+        assert states[output.stem] == "FAILED", (states, output)
+        text = read_job_output(output)
+        assert f"resuming from step {resumed_from}" in text or resumed_from == 0
+        plain = re.search(
+            r"the job's time limit is (\d+) s away: stopped after step (\d+) of (\d+) with a checkpoint saved; "
+            r"the retry \(or a rerun\) resumes from step (\d+)",
+            text,
+        )
+        assert plain and int(plain.group(1)) > 0 and plain.group(2) == plain.group(4), text[-3000:]
+        resumed_from = int(plain.group(2))
+    assert f"resuming from step {resumed_from}" in read_job_output(job_outputs[-1])
     summary = json.loads((workdir / "results/train/long/main/summary.json").read_text())
     log = [json.loads(line) for line in (workdir / "results/train/long/main/log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == list(range(1, summary["steps"] + 1))
+    # Every attempt's own log is kept, in order.
+    attempts = (workdir / "results/logs/train/long/main.attempts.log").read_text()
+    assert re.findall(r"^attempt (\d+)", attempts, re.MULTILINE) == [str(n + 1) for n in range(len(job_outputs))]
 
-    interrupted = load_file(workdir / adapter / "adapter_model.safetensors")
-    shutil.copytree(workdir / adapter, tmp_path / "interrupted")
+    interrupted = load_file(workdir / LONG_ADAPTER / "adapter_model.safetensors")
     # The same stage again, uninterrupted, on this machine with the same threads.
-    snakemake(workdir, "--cores", str(DEMO_THREADS), "--forcerun", adapter, adapter)
-    uninterrupted = load_file(workdir / adapter / "adapter_model.safetensors")
-    assert "resuming" not in (workdir / "results/logs/train/long/main.log").read_text().split("train.py: host")[-1]
+    snakemake(workdir, "--cores", str(DEMO_THREADS), "--forcerun", LONG_ADAPTER, LONG_ADAPTER)
+    uninterrupted = load_file(workdir / LONG_ADAPTER / "adapter_model.safetensors")
+    assert "resuming" not in (workdir / "results/logs/train/long/main.log").read_text()
     # A resumed run restores every tensor and random state of the step it stopped after, then
     # repeats the uninterrupted run's operations on the same values: equal to the last bit.
     assert interrupted.keys() == uninterrupted.keys()
     for name in interrupted:
         assert torch.equal(interrupted[name], uninterrupted[name]), name
+
+
+def queued_jobs():
+    """SLURM job ids in the queue (pending or running)."""
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start_driver(workdir, profile, *targets):
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), *targets],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def training_steps_done(workdir) -> int:
+    logs = list((workdir / "results/checkpoints/long/main").glob("*/log.jsonl"))
+    return len(logs[0].read_text().splitlines()) if logs else 0
+
+
+# How long the driver may take to see a job's end: the plugin's status checks come at most 180 s
+# apart (profiles/slurm/config.yaml), and a check takes well under a second here.
+STATUS_CHECK_BOUND_S = 180 + 20
+
+
+def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound(slurm_cluster, tmp_path):
+    workdir = long_stage_workflow(tmp_path / "work", epochs=8, runtime=30)
+    profile = site_profile(tmp_path / "site")
+    driver = start_driver(workdir, profile, LONG_ADAPTER)
+    try:
+        wait_for(lambda: training_steps_done(workdir) >= 50, 300, "the job to train 50 steps")
+        (cancelled,) = queued_jobs()
+        subprocess.run(["scancel", cancelled], check=True)
+        cancelled_at = time.time()
+        wait_for(lambda: [j for j in queued_jobs() if j != cancelled], STATUS_CHECK_BOUND_S, "the driver to resubmit")
+        reaction_s = time.time() - cancelled_at
+        assert driver.wait(timeout=600) == 0
+    finally:
+        driver.kill()
+    outputs = job_outputs_of_long_stage(workdir)
+    assert [p.stem for p in outputs][0] == cancelled and len(outputs) == 2
+    assert sacct_states([cancelled])[cancelled].startswith("CANCELLED")
+    first = read_job_output(outputs[0])
+    stopped = re.search(r"SIGTERM received: stopped after step (\d+) of \d+ with a checkpoint saved", first)
+    assert stopped, first[-3000:]
+    assert f"resuming from step {stopped.group(1)}" in read_job_output(outputs[1])
+    print(f"the driver resubmitted the cancelled job {reaction_s:.0f} s after scancel")
+
+
+def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(slurm_cluster, tmp_path):
+    workdir = long_stage_workflow(tmp_path / "work", epochs=2, runtime=30)
+    profile = site_profile(tmp_path / "site")
+    driver = start_driver(workdir, profile, LONG_ADAPTER)
+    wait_for(lambda: training_steps_done(workdir) >= 10, 300, "the job to train")
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    # The orphaned job goes on and completes on the cluster.
+    wait_for(lambda: not queued_jobs(), 600, "the orphaned job to end")
+    (job,) = [p.stem for p in job_outputs_of_long_stage(workdir)]
+    assert sacct_states([job])[job] == "COMPLETED"
+    dry_run = slurm_run(workdir, profile, LONG_ADAPTER, "--dry-run")
+    assert "Nothing to be done" in dry_run.stdout + dry_run.stderr, dry_run.stdout

@@ -6,17 +6,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from datetime import datetime
 
 from vlft.errors import ConfigError, InputError
 
 
 def describe_placement() -> str:
-    """Host and the GPUs this job may use, as the scheduler handed them out: a GPU job on SLURM shows
-    its own CUDA_VISIBLE_DEVICES, a CPU job shows none."""
+    """Host and the GPUs this job may use, as SLURM or vlft.gpus handed them out: a GPU job
+    shows its own CUDA_VISIBLE_DEVICES, a CPU job on SLURM shows none."""
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
     job = os.environ.get("SLURM_JOB_ID")
     where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
-    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}"
+    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}"
 
 
 def set_cpu_threads(threads: int) -> None:

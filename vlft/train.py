@@ -1,10 +1,10 @@
-"""Train one stage: LoRA on the language model, from the pixel or vision cache, resumable, stoppable by signal.
+"""Train one stage: LoRA on the language model, from the pixel or vision cache, resumable, stoppable at any step.
 
 A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
 (curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) packed
 into rows under a token budget (vlft.packing), the loss is summed per token across gradient
-accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM must end in
-a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
+accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM or the job's time
+limit coming close must end in a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
 collator and resume logic; here they are a few lines each. It reads top to bottom:
 data -> model -> optimizer -> resume -> loop -> save.
 """
@@ -15,7 +15,6 @@ import json
 import math
 import resource
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from vlft.prompts import PromptBuilder
 from vlft.records import order_records
 from vlft.shards import INDEX
 from vlft.stage_data import load_stage_data, uses_vision_cache
+from vlft.stopping import StopRequest
 from vlft.vision_cache import use_vision_cache
 
 # In a run directory: the outputs of a run that finished its steps.
@@ -50,19 +50,7 @@ FINISHED = "finished"
 
 
 class Preempted(Exception):
-    """Raised after a signal asked training to stop and a checkpoint was saved."""
-
-
-class StopSignal:
-    """Remembers SIGTERM/SIGUSR1 so the loop can stop at the next step boundary, after a checkpoint."""
-
-    def __init__(self):
-        self.received: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
+    """Raised after a stop request (a signal, the time limit near) and a saved checkpoint."""
 
 
 @dataclass
@@ -112,7 +100,7 @@ def train_stage(
     summary_out: str | Path,
     checkpoint_root: str | Path,
     checkpoint_every: int,
-    stop: StopSignal | None = None,
+    stop: StopRequest | None = None,
     dtype: torch.dtype | None = None,
     reuse_finished: bool = False,
 ) -> dict:
@@ -201,12 +189,14 @@ def train_stage(
             progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             progress.update(1)
             done = step + 1
-            if stop is not None and stop.received:
+            reason = stop.reason() if stop is not None and done < len(steps) else None
+            if reason:
                 # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
-                print(f"{stop.received} received after step {done}: saving a checkpoint", flush=True)
+                print(f"{reason} after step {done} of {len(steps)}: saving a checkpoint", flush=True)
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
                 raise Preempted(
-                    f"{stop.received} received: saved a checkpoint after step {done}; a rerun resumes there"
+                    f"{reason}: stopped after step {done} of {len(steps)} with a checkpoint saved; "
+                    f"the retry (or a rerun) resumes from step {done}"
                 )
             if done % checkpoint_every == 0 and done < len(steps):
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)

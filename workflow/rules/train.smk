@@ -24,12 +24,15 @@ rule train:
         init_adapter=get_init_adapter_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
+        # Every attempt's log, appended: Snakemake starts the declared log afresh for each attempt.
+        attempts_log=f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.attempts.log",
     shell:
-        # At a time limit SLURM signals every process of the job. The shell and tee ignore
-        # SIGTERM and SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a
-        # checkpoint, exits 75, and the retry resumes. Every attempt's SLURM output stays under
-        # .snakemake/slurm_logs/.
-        "trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
+        # GPUs of its own among those visible (vlft.gpus), then the script. At a time limit or a
+        # scancel SLURM signals every process of the job. The shell and tee ignore SIGTERM and
+        # SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a checkpoint,
+        # exits 75, and the retry resumes. It also stops by itself before its job's time limit
+        # (vlft.stopping).
+        "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
-        "--summary {output.summary:q} 2>&1 | tee -a {log:q}"
+        "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"

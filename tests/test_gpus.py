@@ -1,0 +1,122 @@
+"""GPU ids for concurrent jobs (vlft.gpus): claims by real processes under a real file lock, and the demo's
+GPU jobs run side by side through Snakemake, each on a GPU of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from datetime import datetime
+from itertools import combinations
+
+import pytest
+
+from conftest import REPO, copy_workflow, snakemake
+from vlft.gpus import take_gpus
+
+
+def sleeper():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_claims_are_distinct_and_a_finished_process_frees_its_gpus(tmp_path):
+    claims, pool = tmp_path / "claims.json", ["3", "5", "7"]
+    first, second, third, fourth = (sleeper() for _ in range(4))
+    try:
+        assert take_gpus(2, pool, first.pid, claims) == ["3", "5"]
+        assert take_gpus(1, pool, second.pid, claims) == ["7"]
+        first.kill()
+        first.wait()
+        assert take_gpus(2, pool, third.pid, claims) == ["3", "5"]
+        # All held: a claim waits until a holder ends.
+        got = []
+        waiting = threading.Thread(target=lambda: got.extend(take_gpus(1, pool, fourth.pid, claims)))
+        waiting.start()
+        waiting.join(timeout=5)
+        assert waiting.is_alive() and not got
+        second.kill()
+        waiting.join(timeout=30)
+        assert got == ["7"]
+        with pytest.raises(RuntimeError, match="asks for 4 GPUs, but only 3 are visible"):
+            take_gpus(4, pool, fourth.pid, claims)
+    finally:
+        for process in (first, second, third, fourth):
+            process.kill()
+
+
+# A job's shell as the GPU rules run it: claim, then say what it sees, then hold the claim a while.
+JOB_SHELL = 'gpus=$(python -m vlft.gpus 1 $$); eval "$gpus"; echo "$CUDA_VISIBLE_DEVICES"; sleep 30'
+
+
+def test_jobs_claiming_at_once_each_get_their_own_gpu(tmp_path):
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(8))), "TMPDIR": str(tmp_path)}
+    jobs = [
+        subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", JOB_SHELL], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(8)
+    ]
+    try:
+        claimed = sorted(job.stdout.readline().strip() for job in jobs)
+    finally:
+        for job in jobs:
+            job.kill()
+    assert claimed == [str(i) for i in range(8)]
+
+
+def test_a_job_asking_for_more_gpus_than_visible_fails_with_one_line_and_none_claims_nothing(tmp_path):
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "TMPDIR": str(tmp_path)}
+    shell = JOB_SHELL.replace("vlft.gpus 1", "vlft.gpus 3")
+    failed = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert failed.returncode != 0 and failed.stdout == ""
+    assert failed.stderr.strip() == "error: this job asks for 3 GPUs, but only 2 are visible (0,1)"
+    # No GPU on this machine: nothing to claim, the job runs as it would have.
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TMPDIR": str(tmp_path)}
+    if not os.path.isdir("/proc/driver/nvidia/gpus"):
+        none = subprocess.run(
+            [sys.executable, "-m", "vlft.gpus", "1", "1"], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert none.returncode == 0 and none.stdout == ""
+
+
+PLACEMENT = re.compile(r"CUDA_VISIBLE_DEVICES=([^;\s]+); started (\S+ \S+)")
+
+
+def test_the_demo_runs_gpu_jobs_side_by_side_each_on_its_own_gpu(tmp_path):
+    workdir = copy_workflow(tmp_path / "work")
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "TMPDIR": str(tmp_path)}
+    targets = [f"results/eval/{exp}/main/val/metrics.json" for exp in ("exp1", "exp2")]
+    command = [sys.executable, "-m", "snakemake", "--cores", "4", "--resources", "gpu=2"]
+    command += ["--set-threads", "train=1", "evaluate=1", "cache_images=1", "prepare_split=1", "--", *targets]
+    subprocess.run(command, cwd=workdir, env=env, check=True, capture_output=True, timeout=1200)
+
+    runs = {}  # each GPU job's log: (its GPUs, started, ended)
+    for log in [*(workdir / "results/logs/train").rglob("*.log"), *(workdir / "results/logs/evaluate").rglob("*.log")]:
+        if log.name.endswith(".attempts.log"):
+            continue
+        gpus, started = PLACEMENT.search(log.read_text()).groups()
+        runs[log] = (gpus, datetime.fromisoformat(started).timestamp(), log.stat().st_mtime)
+    assert len(runs) == 4 and {gpus for gpus, _, _ in runs.values()} <= {"0", "1"}, runs
+    overlapping = [(a, b) for a, b in combinations(runs, 2) if runs[a][1] < runs[b][2] and runs[b][1] < runs[a][2]]
+    assert overlapping, "no two GPU jobs ran at the same time"
+    for a, b in overlapping:
+        assert runs[a][0] != runs[b][0], f"{a} and {b} ran at the same time on GPU {runs[a][0]}"
+
+    # A script started by hand, outside Snakemake (the job's command without the claim), claims
+    # nothing, sees every GPU and computes what the workflow's job computed.
+    target = targets[0]
+    plan = snakemake(workdir, "--dry-run", "--printshellcmds", "--force", target).stdout
+    command = next(line.strip() for line in plan.splitlines() if "python scripts/evaluate.py" in line)
+    command = command[command.index("python scripts/evaluate.py") :].split(" 2>&1 | tee")[0]
+    command = command.replace(target, str(tmp_path / "metrics.json")).replace(
+        target.replace("metrics.json", "predictions.jsonl"), str(tmp_path / "predictions.jsonl")
+    )
+    by_hand = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True)
+    assert by_hand.returncode == 0 and "CUDA_VISIBLE_DEVICES=0,1;" in by_hand.stdout, by_hand.stderr
+    assert (tmp_path / "predictions.jsonl").read_bytes() == (workdir / target).with_name(
+        "predictions.jsonl"
+    ).read_bytes()

@@ -1,0 +1,96 @@
+"""GPUs of their own for jobs that run side by side on one machine, or inside one SLURM allocation.
+
+Snakemake counts GPUs (`--resources gpu=N`) but hands out no GPU ids, so every job would open GPU 0.
+So each GPU rule's shell, before its script starts, claims the number of GPUs the rule asked for
+from the GPUs it can see, and narrows CUDA_VISIBLE_DEVICES to them:
+
+    gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/...
+
+In the shell, not in the script: CUDA reads CUDA_VISIBLE_DEVICES once, and an import that asks
+whether CUDA is available fixes it before the script's own code could change it. The claims live
+in one small JSON file per user, machine and allocation, changed under an exclusive lock (flock);
+a claim belongs to a process (the job's shell) and ends with it, so a crashed job's GPUs are free
+again at once. A job that SLURM placed on GPUs of its own (the SLURM profile: an allocation per
+job) claims all of them; a script started by hand claims nothing and sees every GPU, as before.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Seconds between looks at the claims while all GPUs are held (only by jobs outside Snakemake's
+# count: another Snakemake run's, or more GPU jobs than `--resources gpu=N` would have allowed).
+POLL_S = 2.0
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES where it is set (a SLURM job's
+    allocation, or the user's choice), else every GPU the NVIDIA driver lists."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [gpu.strip() for gpu in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    return [str(index) for index in range(len(list(driver.iterdir())))] if driver.is_dir() else []
+
+
+def claims_file() -> Path:
+    """One per user and host, and per SLURM allocation: jobs of one allocation share its GPUs, jobs
+    of different allocations on one node never see each other's."""
+    scope = os.environ.get("SLURM_JOB_ID", "local")
+    return Path(tempfile.gettempdir()) / f"vlft-gpu-claims-{os.getuid()}-{scope}.json"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs: an exited one not yet reaped by its parent (a zombie) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def take_gpus(count: int, pool: list[str], pid: int, path: Path) -> list[str]:
+    """Record `count` GPUs of `pool` that no living process holds as `pid`'s, in the claims file
+    at `path`; wait while fewer are free."""
+    if count > len(pool):
+        raise RuntimeError(f"this job asks for {count} GPUs, but only {len(pool)} are visible ({','.join(pool)})")
+    said_waiting = False
+    while True:
+        with open(path, "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+            handle.seek(0)
+            text = handle.read()
+            held = {gpu: owner for gpu, owner in (json.loads(text) if text.strip() else {}).items() if _alive(owner)}
+            free = [gpu for gpu in pool if gpu not in held]
+            if len(free) >= count:
+                held.update({gpu: pid for gpu in free[:count]})
+                handle.seek(0)
+                handle.truncate()
+                handle.write(json.dumps(held))
+                return free[:count]
+        if not said_waiting:
+            print(f"waiting for {count} free GPU(s) of {','.join(pool)}: held by processes {held}", file=sys.stderr)
+            said_waiting = True
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m vlft.gpus COUNT PID`: claim COUNT GPUs for process PID and print the shell line
+    that makes them its only ones; print nothing where there is nothing to claim (no GPU here, or
+    COUNT 0), so that the job runs as it would have."""
+    count, pid = int(argv[0]), int(argv[1])
+    pool = visible_gpus()
+    if count > 0 and pool:
+        print(f"export CUDA_VISIBLE_DEVICES={','.join(take_gpus(count, pool, pid, claims_file()))}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except RuntimeError as err:
+        sys.exit(f"error: {err}")
