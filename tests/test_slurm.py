@@ -49,7 +49,7 @@ def sacct_states(job_ids):
         text=True,
         check=True,
     ).stdout
-    return dict(line.split("|", 1) for line in out.split())
+    return dict(line.split("|", 1) for line in out.splitlines() if line)
 
 
 @pytest.fixture(scope="module")

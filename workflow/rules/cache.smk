@@ -41,5 +41,5 @@ rule cache_vision:
         max_gb=config["vision_cache_max_gb"],
     shell:
         # GPUs of its own among those visible (vlft.gpus), then the script.
-        "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} "
+        'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
         "--max-gb {params.max_gb} --output {output:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,199 @@
+"""The workflow itself, through Snakemake, on a GPU machine: a Kvasir-like study in miniature.
+
+Builds 512 train and 128 validation JPEGs of 720x576 to 1920x1080 with chain-of-thought answers
+of 20 to 400 tokens (train_speed.py's workload), a random-weight Qwen3-VL checkpoint saved as a
+local directory, and a config of two experiments (the second's stage 2 starts from its stage 1)
+with the fast path on (vision cache, compiled layers, token budget). Then runs
+`snakemake all --cores N --resources gpu=G` on it (prepare, cache_images, cache_vision, train,
+evaluate, report) and prints each rule's wall time from the jobs' own logs (first line: when it
+started; last write: when it ended), and the report's job table.
+
+    python benchmarks/workflow_gpu.py --arch qwen3-vl-2b --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, make_workload  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+
+STARTED = re.compile(r"; started (\S+ \S+)")
+WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
+
+
+def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: int) -> Path:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = make_tokenizer()
+    raw = make_workload(work / "data", n_train + n_val, tokenizer)
+    rows = raw.read_text().splitlines()
+    (work / "data/train.jsonl").write_text("\n".join(rows[:n_train]) + "\n")
+    (work / "data/val.jsonl").write_text("\n".join(rows[n_train:]) + "\n")
+
+    import torch
+
+    model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
+    vision = model.config.vision_config
+    model_dir = work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    ).save_pretrained(model_dir)
+    del model
+
+    config = {
+        "results": "results",
+        "model": {"path": str(model_dir)},
+        "datasets": {
+            "study": {
+                "image_root": str(work / "data/images"),
+                "splits": {"train": str(work / "data/train.jsonl"), "val": str(work / "data/val.jsonl")},
+            }
+        },
+        "evaluation": {"max_new_tokens": max_new_tokens, "batch_size": 32, "resources": {"gpus": 1}},
+        "defaults": {
+            "dataset": "study",
+            "train_splits": ["train"],
+            "eval_splits": ["val"],
+            "answer_format": "cot",
+            "micro_batch": 4,
+            "grad_accum": 4,
+            "min_pixels": MIN_PIXELS,
+            "max_pixels": MAX_PIXELS,
+            "max_seq_len": 2048,
+            "vision_cache": True,
+            "compile": True,
+            "max_batch_tokens": 16384,
+            "resources": {"gpus": 1},
+        },
+        "experiments": {
+            "exp1": {"stages": [{"name": "main"}]},
+            "exp4": {
+                "stages": [
+                    {"name": "stage1", "epochs": 1},
+                    {"name": "stage2", "init_from": "stage1", "learning_rate": 5.0e-5},
+                ]
+            },
+        },
+    }
+    path = work / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def rule_times(workdir: Path) -> list[dict]:
+    """Each job's rule, target and wall time, from its log: started (first line) to last write."""
+    rows = []
+    for log in sorted((workdir / "results/logs").rglob("*.log")):
+        if log.name.endswith(".attempts.log"):
+            continue
+        match = STARTED.search(log.read_text(errors="replace")[:2000])
+        if not match:
+            continue
+        started = datetime.fromisoformat(match.group(1)).timestamp()
+        rel = log.relative_to(workdir / "results/logs")
+        rows.append(
+            {"rule": Path(rel.parts[0]).stem, "job": str(rel.with_suffix("")), "wall_s": log.stat().st_mtime - started}
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-workflow"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--train", type=int, default=512)
+    parser.add_argument("--val", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="random weights never stop early")
+    parser.add_argument("--cores", type=int, default=16)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--timeout", type=int, default=420, help="seconds for the Snakemake run")
+    args = parser.parse_args()
+
+    work = args.work / args.arch
+    workdir = work / "workflow"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
+    started = time.time()
+    config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens)
+    build_s = time.time() - started
+
+    command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
+    command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
+    # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
+    started = time.time()
+    with open(args.out / f"workflow_gpu-{args.arch}.log", "w") as log:
+        try:
+            status = subprocess.run(
+                command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
+            returncode = status.returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
+    run_s = time.time() - started
+
+    times = rule_times(workdir)
+    by_rule: dict[str, list[float]] = {}
+    for row in times:
+        by_rule.setdefault(row["rule"], []).append(row["wall_s"])
+    summaries = {}
+    for path in sorted((workdir / "results/train").rglob("summary.json")):
+        summary = json.loads(path.read_text())
+        summaries[str(path.parent.relative_to(workdir / "results/train"))] = {
+            k: summary.get(k) for k in ("steps", "samples", "wall_time_s", "samples_per_s", "peak_memory_gb")
+        }
+    evaluations = {}
+    for path in sorted((workdir / "results/eval").rglob("metrics.json")):
+        metrics = json.loads(path.read_text())
+        evaluations[str(path.parent.relative_to(workdir / "results/eval"))] = {
+            k: metrics.get(k) for k in ("n", "wall_time_s", "samples_per_s")
+        }
+    jobs_csv = workdir / "results/report/jobs.csv"
+    result = {
+        "arch": args.arch,
+        "command": " ".join(command[1:]),
+        "build_data_and_model_s": round(build_s, 1),
+        "snakemake_s": round(run_s, 1),
+        "snakemake_exit": returncode,
+        "jobs": times,
+        "train": summaries,
+        "evaluate": evaluations,
+        "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
+    }
+    (args.out / f"workflow_gpu-{args.arch}.json").write_text(json.dumps(result, indent=1))
+    print(f"data and model built in {build_s:.0f} s; snakemake: exit {returncode} after {run_s:.0f} s")
+    print(f"{'rule':<14} {'jobs':>4} {'wall s (each)':<40}")
+    for rule, walls in sorted(by_rule.items()):
+        print(f"{rule:<14} {len(walls):>4} {', '.join(f'{w:.0f}' for w in walls)}")
+    for name, summary in summaries.items():
+        print(f"train {name}: {summary}")
+    for name, metrics in evaluations.items():
+        print(f"evaluate {name}: {metrics}")
+
+
+if __name__ == "__main__":
+    main()
