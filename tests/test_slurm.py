@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,7 +84,9 @@ def result_fields(metrics: dict) -> dict:
 
 def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
     logs = slurm_demo / "results/logs"
-    gpu_jobs = list(logs.glob("train/*/*.log")) + list(logs.glob("evaluate/*/*/*.log"))
+    # A stage's attempts log (every attempt's output, appended) is no job of its own.
+    trains = [log for log in logs.glob("train/*/*.log") if not log.name.endswith(".attempts.log")]
+    gpu_jobs = trains + list(logs.glob("evaluate/*/*/*.log"))
     cpu_jobs = (
         list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
     )
@@ -249,3 +252,32 @@ def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(slurm_cluste
     assert sacct_states([job])[job] == "COMPLETED"
     dry_run = slurm_run(workdir, profile, LONG_ADAPTER, "--dry-run")
     assert "Nothing to be done" in dry_run.stdout + dry_run.stderr, dry_run.stdout
+
+
+def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it(slurm_demo):
+    """The sequence of a failed retraining: exp4 stage 1 edited, its outputs deleted (as Snakemake
+    deletes a failed job's), then `all` again: stage 1, stage 2 (trained from the old stage 1),
+    their evaluations and the report are recomputed through SLURM, nothing else. Runs last: it
+    changes the demo the tests above read."""
+    config_path = slurm_demo / "config/config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["experiments"]["exp4"]["stages"][0]["learning_rate"] = 1.0e-3
+    config_path.write_text(yaml.safe_dump(config))
+    shutil.rmtree(slurm_demo / "results/train/exp4/stage1")
+    before = {p: p.stat().st_mtime for p in (slurm_demo / "results").rglob("metrics.json")}
+    report = (slurm_demo / "results/report/index.html").stat().st_mtime
+
+    profile = site_profile(slurm_demo.parent / "site-rerun")
+    slurm_run(slurm_demo, profile, "all")
+
+    redone = {p.relative_to(slurm_demo / "results/eval").parent for p in before if p.stat().st_mtime != before[p]}
+    assert {str(p) for p in redone} == {
+        f"exp4/{stage}/{split}" for stage in ("stage1", "stage2") for split in ("val", "test")
+    }
+    for stage in ("stage1", "stage2"):
+        trained = json.loads((slurm_demo / f"results/train/exp4/{stage}/summary.json").read_text())
+        assert trained["resumed_from_step"] == 0
+        assert len(list((slurm_demo / f".snakemake/slurm_logs/rule_train/exp4_{stage}").glob("*.log"))) == 2
+    assert (slurm_demo / "results/report/index.html").stat().st_mtime > report
+    again = slurm_run(slurm_demo, profile, "all", "--dry-run")
+    assert "Nothing to be done" in again.stdout + again.stderr
