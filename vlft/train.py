@@ -3,10 +3,10 @@
 A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
 (curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) packed
 into rows under a token budget (vlft.packing), the loss is summed per token across gradient
-accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM or the job's time
-limit coming close must end in a checkpoint at a step boundary. Each of those is a fight with Trainer's sampler,
-collator and resume logic; here they are a few lines each. It reads top to bottom:
-data -> model -> optimizer -> resume -> loop -> save.
+accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM or the job's
+time limit coming close must end in a checkpoint at a step boundary (vlft.stopping). Each of those
+is a fight with Trainer's sampler, collator and resume logic; here they are a few lines each. It
+reads top to bottom: data -> model -> optimizer -> resume -> loop -> save.
 """
 
 from __future__ import annotations
