@@ -1,8 +1,10 @@
-"""Evaluate the base model, or a trained adapter, on one prepared split: predictions JSONL and metrics JSON."""
+"""Evaluate the base model, or a trained adapter, on one prepared split: predictions JSONL and metrics JSON.
+With --processes N (the evaluation's GPUs) the split is shared out among N processes, one GPU each."""
 
 import argparse
 import json
 
+from vlft import distributed
 from vlft.cli import run, set_cpu_threads
 from vlft.evaluate import evaluate_split
 
@@ -17,20 +19,32 @@ def main():
     parser.add_argument("--settings", required=True, help="evaluation settings, as JSON")
     parser.add_argument("--predictions", required=True)
     parser.add_argument("--metrics", required=True)
-    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch")
+    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch, shared by the processes")
+    parser.add_argument("--processes", type=int, default=1, help="processes sharing the split, one a GPU")
     args = parser.parse_args()
-    set_cpu_threads(args.threads)
-    metrics = evaluate_split(
-        model_dir=args.model,
-        adapter=args.adapter,
-        prepared=args.prepared,
-        cache=args.cache,
-        settings=json.loads(args.settings),
-        predictions_out=args.predictions,
-        metrics_out=args.metrics,
-        trust_remote_code=args.trust_remote_code,
-    )
-    print(json.dumps(metrics))
+    threads_each = max(1, args.threads // max(1, args.processes))
+    distributed.relaunch(args.processes, threads_each)
+    set_cpu_threads(threads_each)
+    if args.processes > 1 and distributed.launched_rank() == 0:
+        print(
+            f"the split shared out among {args.processes} processes, batch i to process i mod {args.processes}",
+            flush=True,
+        )
+    try:
+        metrics = evaluate_split(
+            model_dir=args.model,
+            adapter=args.adapter,
+            prepared=args.prepared,
+            cache=args.cache,
+            settings=json.loads(args.settings),
+            predictions_out=args.predictions,
+            metrics_out=args.metrics,
+            trust_remote_code=args.trust_remote_code,
+        )
+    finally:
+        distributed.leave()
+    if distributed.launched_rank() == 0:
+        print(json.dumps(metrics))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Train one experiment stage's LoRA adapter from the pixel caches; resumes from its newest checkpoint."""
+"""Train one experiment stage's LoRA adapter from the pixel caches; resumes from its newest checkpoint.
+With --processes N (a stage's GPUs) it trains data-parallel in N processes, one GPU each."""
 
 import argparse
 import json
 import sys
 import time
 
+from vlft import distributed
 from vlft.cli import run, set_cpu_threads
 from vlft.stopping import StopRequest, slurm_end_time
 from vlft.train import Preempted, StageInputs, train_stage
@@ -29,13 +31,21 @@ def main():
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
-    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch")
+    parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch, shared by the processes")
+    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes, one a GPU")
     args = parser.parse_args()
+    threads_each = max(1, args.threads // max(1, args.processes))
+    distributed.relaunch(args.processes, threads_each)
     stop = StopRequest()  # before anything slow: a signal during loading must not kill us unsaved
     stop.end_time = slurm_end_time()
-    limit = f", SLURM time limit at {time.strftime('%H:%M:%S', time.localtime(stop.end_time))}" if stop.end_time else ""
-    print(f"attempt {args.attempt}{limit}", flush=True)
-    set_cpu_threads(args.threads)
+    main_process = distributed.launched_rank() == 0
+    if main_process:
+        limit = (
+            f", SLURM time limit at {time.strftime('%H:%M:%S', time.localtime(stop.end_time))}" if stop.end_time else ""
+        )
+        processes = f", {args.processes} data-parallel processes" if args.processes > 1 else ""
+        print(f"attempt {args.attempt}{processes}{limit}", flush=True)
+    set_cpu_threads(threads_each)
     inputs = StageInputs(
         model_dir=args.model,
         prepared=args.prepared,
@@ -56,9 +66,13 @@ def main():
             reuse_finished=args.attempt > 1,
         )
     except Preempted as stopped:
-        print(f"stopped: {stopped}", file=sys.stderr, flush=True)
+        if main_process:
+            print(f"stopped: {stopped}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
-    print(json.dumps(summary))
+    finally:
+        distributed.leave()
+    if main_process:
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,15 @@ def set_cpu_threads(threads: int) -> None:
 
 
 def run(main) -> None:
-    # On stdout: stderr stays for errors, one line each.
-    print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
+    # Said once a job: the processes of a data-parallel job (started with RANK set) say it through
+    # the process that started them.
+    rank = os.environ.get("RANK")
+    if rank is None:
+        # On stdout: stderr stays for errors, one line each.
+        print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
     try:
         main()
     except (InputError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if rank in (None, "0"):
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -1,4 +1,7 @@
-"""Evaluate a base model or a trained adapter on one split: greedy answers, accuracy, loss."""
+"""Evaluate a base model or a trained adapter on one split: greedy answers, accuracy, loss.
+
+In a job of several GPUs each process takes every N-th batch of the split, so that every batch is
+the one a single process forms and answers the same; the main process gathers and writes them."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from vlft import distributed
 from vlft.answers import final_answer, is_correct
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.loss import answer_loss_sum
@@ -29,6 +33,7 @@ def evaluate_split(
     trust_remote_code: bool = False,
 ) -> dict:
     started = time.time()
+    group = distributed.join()
     device, dtype = pick_device()
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     model = load_base_model(model_dir, device, dtype, trust_remote_code)
@@ -47,16 +52,15 @@ def evaluate_split(
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
-    predictions, loss_sum, loss_tokens = [], 0.0, 0
     batch_size = settings["batch_size"]
-    for start in range(0, len(data.records), batch_size):
+    answered = []  # (first record's index, its batch's predictions, loss sum, answer tokens)
+    for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
         records = data.records[start : start + batch_size]
         samples = [data.samples[r["key"]] for r in records]
 
         # Loss of the reference answer, in the format the stage was trained on.
         batch = collate(samples, data.images, builder, pad_id, rope_index=rope_index(model))
         loss, tokens = answer_loss_sum(model, to_device(batch, device, dtype))
-        loss_sum, loss_tokens = loss_sum + loss.item(), loss_tokens + tokens
 
         prompts = collate(samples, data.images, builder, pad_id, left_pad=True, prompt_only=True)
         prompts = {k: v for k, v in to_device(prompts, device, dtype).items() if k not in NOT_MODEL_INPUTS}
@@ -68,18 +72,20 @@ def evaluate_split(
             pad_token_id=pad_id,
         )
         texts = tokenizer.batch_decode(generated[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
-        for record, text in zip(records, texts):
-            predictions.append(
-                {
-                    "id": record["id"],
-                    "category": record.get("category"),
-                    "question": record["question"],
-                    "reference": final_answer(record["answer"]),
-                    "prediction": text.strip(),
-                    "predicted_answer": final_answer(text),
-                    "correct": is_correct(text, record["answer"]),
-                }
-            )
+        answered.append(
+            (start, [_prediction(record, text) for record, text in zip(records, texts)], loss.item(), tokens)
+        )
+
+    if group.size > 1:
+        answered = [batch for part in distributed.gathered(answered) for batch in part]
+        if not group.is_main:
+            return {}
+    # In the split's order, the loss summed as one process sums it: the same figures however many ran.
+    answered.sort(key=lambda batch: batch[0])
+    predictions = [p for _, batch, _, _ in answered for p in batch]
+    loss_sum, loss_tokens = 0.0, 0
+    for _, _, loss, tokens in answered:
+        loss_sum, loss_tokens = loss_sum + loss, loss_tokens + tokens
 
     by_category = defaultdict(list)
     for p in predictions:
@@ -97,3 +103,15 @@ def evaluate_split(
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
+
+
+def _prediction(record: dict, text: str) -> dict:
+    return {
+        "id": record["id"],
+        "category": record.get("category"),
+        "question": record["question"],
+        "reference": final_answer(record["answer"]),
+        "prediction": text.strip(),
+        "predicted_answer": final_answer(text),
+        "correct": is_correct(text, record["answer"]),
+    }

@@ -18,7 +18,8 @@ def pick_device() -> tuple[torch.device, torch.dtype]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        return torch.device("cuda"), dtype
+        # The GPU this process was given: device 0 of its own, or its LOCAL_RANK's in a data-parallel job.
+        return torch.device("cuda", torch.cuda.current_device()), dtype
     return torch.device("cpu"), torch.float32
 
 

@@ -5,14 +5,17 @@ A plain loop rather than transformers.Trainer: the stage's sample order is part 
 into rows under a token budget (vlft.packing), the loss is summed per token across gradient
 accumulation and computed on answer tokens only (vlft.loss), and a signal from SLURM or the job's
 time limit coming close must end in a checkpoint at a step boundary (vlft.stopping). Each of those
-is a fight with Trainer's sampler, collator and resume logic; here they are a few lines each. It
-reads top to bottom: data -> model -> optimizer -> resume -> loop -> save.
+is a fight with Trainer's sampler, collator and resume logic; here they are a few lines each. A job
+given several GPUs runs this in one process each, every step's samples shared out among them and the
+gradients summed (vlft.distributed): the step one process would take. It reads top to bottom:
+data -> model -> optimizer -> resume -> loop -> save.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import shutil
 import time
@@ -23,7 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from vlft import checkpoints
+from vlft import checkpoints, distributed
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.files import atomic_path, write_json
@@ -108,14 +111,19 @@ def train_stage(
     stopped only after (a time limit reached as it wrote its outputs): its kept outputs are
     restored rather than trained again. A first attempt (a new run, or one forced with -f or -R)
     always trains. `dtype`: the model's, by default the device's (bf16 on a GPU, float32 on the
-    CPU); tests train in float64 to compare two layouts of one computation beyond float32 rounding."""
+    CPU); tests train in float64 to compare two layouts of one computation beyond float32 rounding.
+    In a data-parallel job every process calls this; the main one alone writes files."""
     started = time.time()
-    run_dir = _run_dir(checkpoint_root, inputs, settings)
+    group = distributed.join()
+    run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
     finished = run_dir / FINISHED
     if reuse_finished and (finished / "summary.json").exists():
+        if not group.is_main:
+            return json.loads((finished / "summary.json").read_text())
         print(f"this stage finished its steps in an earlier attempt: restoring its outputs from {finished}", flush=True)
         return _publish(finished, adapter_out, log_out, summary_out)
-    shutil.rmtree(finished, ignore_errors=True)
+    if group.is_main:
+        shutil.rmtree(finished, ignore_errors=True)
     device, device_dtype = pick_device()
     dtype = dtype or device_dtype
     torch.manual_seed(settings["seed"])
@@ -138,11 +146,13 @@ def train_stage(
     model = _setup_model(model, inputs.init_adapter, settings, uses_vision_cache(data), device)
     forward_context = adapter_autocast(model, device, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if group.size > 1:
+        distributed.broadcast_from_main(trainable)
     optimizer, scheduler = _setup_optimizer(trainable, settings, len(steps), device)
 
     # Resume from the newest complete checkpoint of this exact stage, if any.
     running_log = run_dir / "log.jsonl"
-    first_step = _resume(run_dir, running_log, model, optimizer, scheduler)
+    first_step = _resume(run_dir, running_log, model, optimizer, scheduler, truncate_log=group.is_main)
 
     # Loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
@@ -151,6 +161,11 @@ def train_stage(
 
     def host_batches(step: int) -> list[dict]:
         micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
+        if group.size > 1:  # this process's share of the step, cut as the step's own micro-batches are
+            share = distributed.share_by_tokens([s for b in micro_batches for s in b], group.size)[group.rank]
+            micro_batches = [
+                share[i : i + settings["micro_batch"]] for i in range(0, len(share), settings["micro_batch"])
+            ]
         if settings["max_batch_tokens"]:
             split = packed_batches if settings["packing"] else token_budget_batches
             micro_batches = split([s for b in micro_batches for s in b], settings["max_batch_tokens"])
@@ -158,12 +173,20 @@ def train_stage(
             return [pack(b, data.images, builder, positions, pin=pin) for b in micro_batches]
         return [collate(b, data.images, builder, pad_id, rope_index=positions, pin=pin) for b in micro_batches]
 
-    progress = tqdm(total=len(steps), initial=first_step, desc=Path(adapter_out).parent.name, mininterval=5)
+    progress = tqdm(
+        total=len(steps),
+        initial=first_step,
+        desc=Path(adapter_out).parent.name,
+        mininterval=5,
+        disable=not group.is_main,
+    )
     todo = range(first_step, len(steps))
     step_start = time.time()  # a step's time runs from the end of the one before: waits included
-    with open(running_log, "a") as log:
+    with open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
         for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
-            n_targets = sum(len(b["answer_targets"]) for b in micro_batches)
+            samples = [data.samples[key] for keys in steps[step] for key in keys]
+            # Every answer token of the whole step, whichever process computes it.
+            n_targets = sum(len(s.input_ids) - s.prompt_length for s in samples)
             # The loss stays on the device until the step ends: no sync between micro-batches, so
             # the host queues the next one while the GPU still works on this one.
             loss_total = torch.zeros((), device=device, dtype=torch.promote_types(dtype, torch.float32))
@@ -172,6 +195,8 @@ def train_stage(
                     loss_sum, _ = answer_loss_sum(model, to_device(host_batch, device, dtype))
                 (loss_sum / n_targets).backward()
                 loss_total += loss_sum.detach()
+            if group.size > 1:
+                distributed.sum_across(trainable, loss_total)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
             loss_total = loss_total.item()
             optimizer.step()
@@ -179,7 +204,6 @@ def train_stage(
             optimizer.zero_grad(set_to_none=True)
 
             elapsed, step_start = time.time() - step_start, time.time()
-            samples = [data.samples[key] for keys in steps[step] for key in keys]
             record = _log_record(
                 step + 1, loss_total / n_targets, scheduler.get_last_lr()[0], float(grad_norm), samples, elapsed, device
             )
@@ -190,17 +214,24 @@ def train_stage(
             progress.update(1)
             done = step + 1
             reason = stop.reason() if stop is not None and done < len(steps) else None
+            if group.size > 1 and distributed.any_of(reason is not None, device) and not reason:
+                reason = "another process of this job was asked to stop"  # all stop at the same step
             if reason:
-                # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
-                print(f"{reason} after step {done} of {len(steps)}: saving a checkpoint", flush=True)
-                checkpoints.save(run_dir, done, model, optimizer, scheduler)
+                if group.is_main:
+                    # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
+                    print(f"{reason} after step {done} of {len(steps)}: saving a checkpoint", flush=True)
+                    checkpoints.save(run_dir, done, model, optimizer, scheduler)
+                distributed.barrier()  # no process leaves before the checkpoint is complete
                 raise Preempted(
                     f"{reason}: stopped after step {done} of {len(steps)} with a checkpoint saved; "
                     f"the retry (or a rerun) resumes from step {done}"
                 )
-            if done % checkpoint_every == 0 and done < len(steps):
+            if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
     progress.close()
+    if not group.is_main:
+        distributed.barrier()  # until the main process has written the outputs
+        return json.loads((finished / "summary.json").read_text())
 
     # Save: the finished outputs, kept in the run directory until this stage runs with other
     # settings (the checkpoints have served), then published where the workflow wants them.
@@ -222,7 +253,9 @@ def train_stage(
     for checkpoint in run_dir.glob("step-*"):
         shutil.rmtree(checkpoint, ignore_errors=True)
     running_log.unlink()
-    return _publish(finished, adapter_out, log_out, summary_out)
+    result = _publish(finished, adapter_out, log_out, summary_out)
+    distributed.barrier()
+    return result
 
 
 def _publish(finished: Path, adapter_out, log_out, summary_out) -> dict:
@@ -272,27 +305,29 @@ def _throughput(rows: list[dict]) -> dict:
     }
 
 
-def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict) -> Path:
+def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict, clean: bool) -> Path:
     """This exact stage's checkpoint directory: its settings and the content of its inputs. Those of
     the stage's earlier settings go: no run of this stage will resume them."""
     fingerprinted = inputs.prepared + [Path(c) / INDEX for c in inputs.caches]
     if inputs.init_adapter:
         fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
     run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
-    for earlier in Path(checkpoint_root).glob("*"):
+    for earlier in Path(checkpoint_root).glob("*") if clean else ():
         if earlier != run_dir:
             shutil.rmtree(earlier, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
-def _resume(run_dir: Path, running_log: Path, model, optimizer, scheduler) -> int:
+def _resume(run_dir: Path, running_log: Path, model, optimizer, scheduler, truncate_log: bool) -> int:
     """Restore the newest complete checkpoint, if any; the step it was saved after (0 for none)."""
     first_step = 0
     if (checkpoint := checkpoints.latest(run_dir)) is not None:
         first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
-        print(f"resuming from step {first_step} ({checkpoint})", flush=True)
-    _truncate_log(running_log, first_step)
+        if truncate_log:  # the main process's; the others' go unsaid
+            print(f"resuming from step {first_step} ({checkpoint})", flush=True)
+    if truncate_log:
+        _truncate_log(running_log, first_step)
     return first_step
 
 

@@ -27,12 +27,13 @@ rule train:
         # Every attempt's log, appended: Snakemake starts the declared log afresh for each attempt.
         attempts_log=f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.attempts.log",
     shell:
-        # GPUs of its own among those visible (vlft.gpus), then the script. At a time limit or a
+        # GPUs of its own among those visible (vlft.gpus), then the script: one process a GPU, each
+        # step shared out among them (vlft.distributed). At a time limit or a
         # scancel SLURM signals every process of the job. The shell and tee ignore SIGTERM and
         # SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a checkpoint,
         # exits 75, and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.stopping).
         "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"

@@ -1,0 +1,220 @@
+"""Data-parallel stages and evaluations: N processes take the step, and give the answers, that one
+process does. On the CPU the processes talk over gloo, as they talk over nccl between GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+from conftest import FLOAT64_RTOL, REPO, assert_close_normwise, planned_outputs, snakemake
+from safetensors.torch import load_file
+
+from vlft import distributed
+from vlft.demo.shapes import make_dataset
+from vlft.files import read_jsonl
+from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.modeling import load_image_processor
+from vlft.plan import build_plan
+from vlft.records import prepare_split
+from vlft.train import StageInputs, train_stage
+
+
+def test_shares_are_balanced_by_tokens_and_keep_every_sample_in_its_order():
+    lengths = [50, 10, 400, 30, 30, 200, 90, 5, 5]
+    samples = [SimpleNamespace(name=i, input_ids=[0] * n) for i, n in enumerate(lengths)]
+    shares = distributed.share_by_tokens(samples, 3)
+    assert sorted(s.name for share in shares for s in share) == list(range(len(lengths)))
+    for share in shares:
+        assert [s.name for s in share] == sorted(s.name for s in share)
+    loads = [sum(len(s.input_ids) for s in share) for share in shares]
+    # Longest first, each to the lightest share so far: 400 | 200+10 | 90+50+30+30+5+5.
+    assert loads == [400, 210, 210]
+    # More shares than samples: the extra shares are empty, and it is the same on every call.
+    assert distributed.share_by_tokens(samples[:2], 3) == [[samples[0]], [samples[1]], []]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, out) -> None:
+    """One process of a data-parallel job, set up as torchrun sets up its processes."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    try:
+        train_stage(
+            inputs,
+            settings,
+            out / "adapter",
+            out / "log.jsonl",
+            out / "summary.json",
+            out / "ckpt",
+            1000,
+            dtype=torch.float64,
+        )
+    finally:
+        distributed.leave()
+
+
+@pytest.fixture(scope="module")
+def small_stage(tmp_path_factory, tiny_model_dir):
+    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
+    processes has nothing to compute in it."""
+    root = tmp_path_factory.mktemp("small_stage")
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
+    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    settings = build_plan(config).stage("exp1", "main").train_params() | {
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "max_steps": 7,
+        "lora_dropout": 0.0,
+    }
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    return inputs, settings
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"packing": False, "max_batch_tokens": 1500, "grad_accum": 2, "micro_batch": 4}],
+    ids=["packed", "padded-under-a-token-budget"],
+)
+def test_two_processes_take_the_steps_one_process_takes(small_stage, layout, tmp_path):
+    inputs, settings = small_stage
+    settings = settings | layout
+    _train_in_process(0, 1, free_port(), inputs, settings, tmp_path / "one")
+    mp.spawn(_train_in_process, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
+
+    one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
+    assert [row["step"] for row in two] == list(range(1, 8))
+    # The same loss and gradient norm at every step, in float64, where the two sums' different
+    # orders stay far below the tolerance (conftest's FLOAT64_RTOL says why).
+    for key in ("loss", "grad_norm"):
+        assert [row[key] for row in two] == pytest.approx([row[key] for row in one], rel=FLOAT64_RTOL), key
+    a, b = (load_file(tmp_path / name / "adapter/adapter_model.safetensors") for name in ("one", "two"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_close_normwise(b[key], a[key], FLOAT64_RTOL, key)
+    # A real difference shows: the first step's loss is far from the last's.
+    assert one[-1]["loss"] < one[0]["loss"] * 0.9
+
+
+def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> list[str]:
+    return [
+        sys.executable,
+        str(REPO / "scripts/train.py"),
+        "--model",
+        inputs.model_dir,
+        "--prepared",
+        *inputs.prepared,
+        "--caches",
+        *inputs.caches,
+        "--settings",
+        json.dumps(settings),
+        "--checkpoints",
+        str(out / "ckpt"),
+        "--checkpoint-every",
+        "1000",
+        "--adapter",
+        str(out / "adapter"),
+        "--log",
+        str(out / "log.jsonl"),
+        "--summary",
+        str(out / "summary.json"),
+        "--threads",
+        "2",
+        "--processes",
+        str(processes),
+    ]
+
+
+@pytest.mark.parametrize(
+    "sig, to_every_process",
+    [(signal.SIGUSR1, False), (signal.SIGTERM, True)],
+    ids=["SIGUSR1-to-the-job", "SIGTERM-to-every-process-as-SLURM-sends-it"],
+)
+def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_rerun_resumes_there(
+    small_stage, sig, to_every_process, tmp_path
+):
+    inputs, settings = small_stage
+    settings = settings | {"max_steps": 60}
+    whole = tmp_path / "whole"
+    subprocess.run(train_command(inputs, settings, whole, 2), check=True, capture_output=True, timeout=300)
+
+    split = tmp_path / "split"
+    job = subprocess.Popen(
+        train_command(inputs, settings, split, 2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 240
+    while not any(len(read_jsonl(log)) >= 3 for log in split.glob("ckpt/*/log.jsonl")):
+        assert job.poll() is None and time.time() < deadline, "the job ended or stalled before step 3"
+        time.sleep(0.2)
+    if to_every_process:
+        os.killpg(job.pid, sig)
+    else:
+        os.kill(job.pid, sig)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, output
+    name = signal.Signals(sig).name
+    saving = re.findall(rf"{name} received after step (\d+) of 60: saving a checkpoint", output)
+    assert len(saving) == 1, output  # said once, by the process that saves
+    step = int(saving[0])
+    assert 3 <= step < 60
+    assert f"stopped: {name} received: stopped after step {step} of 60 with a checkpoint saved" in output
+    assert [p.name for p in split.glob("ckpt/*/step-*")] == [f"step-{step:08d}"]
+    assert not (split / "adapter").exists()
+
+    resumed = subprocess.run(train_command(inputs, settings, split, 2), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from step {step}" in resumed.stdout
+    assert json.loads((split / "summary.json").read_text())["resumed_from_step"] == step
+    assert [row["step"] for row in read_jsonl(split / "log.jsonl")] == list(range(1, 61))
+    # The very computation, stopped and resumed: equal bit for bit.
+    a, b = (load_file(root / "adapter/adapter_model.safetensors") for root in (whole, split))
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_an_evaluation_shared_by_two_processes_writes_what_one_process_writes(demo_workdir, tmp_path):
+    """Through the workflow: the evaluation given 2 GPUs (2 CPU processes here) answers each batch
+    as the 1-process evaluation of the demo did."""
+    import shutil
+
+    workdir = tmp_path / "work"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    config_file = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["evaluation"]["resources"]["gpus"] = 2
+    config_file.write_text(yaml.safe_dump(config))
+    target = "results/eval/exp1/main/val/metrics.json"
+    # GPUs are a resource: giving more reruns nothing by itself.
+    assert planned_outputs(workdir, "--cores", "2", target) == set()
+    snakemake(workdir, "--cores", "2", "--forcerun", target)
+    log = (workdir / "results/logs/evaluate/exp1/main/val.log").read_text()
+    assert "the split shared out among 2 processes" in log, log
+    one, two = (root / "results/eval/exp1/main/val" for root in (demo_workdir, workdir))
+    assert read_jsonl(two / "predictions.jsonl") == read_jsonl(one / "predictions.jsonl")
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
+    timing = ("wall_time_s", "samples_per_s")
+    assert {k: v for k, v in m2.items() if k not in timing} == {k: v for k, v in m1.items() if k not in timing}
+    assert m1["n"] > config["evaluation"]["batch_size"]  # more than one batch: both processes answered
