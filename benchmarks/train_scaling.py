@@ -1,0 +1,182 @@
+"""Training on 1, 2 (and 4) GPUs: samples/s of the training benchmark's workload, our path, through
+scripts/train.py as the train rule runs it (`--processes N`: data-parallel, one process a GPU).
+
+    python benchmarks/train_scaling.py --arch qwen3-vl-8b --processes 1 2 --out benchmarks/results
+
+The workload, model and settings are train_speed.py's (random-weight Qwen3-VL, JPEGs of 720x576 to
+1920x1080, chain-of-thought answers of 20 to 400 tokens, 16 samples a step, vision cache, compiled
+layers, packed micro-batches under a token budget). Each run trains from the same caches; the
+steps after the warm-up are timed from the stage's own per-step log. Efficiency at N GPUs:
+samples/s at N over N x samples/s at 1. Prints a table and writes
+benchmarks/results/train_scaling-<arch>-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from train_speed import MAX_PIXELS, MIN_PIXELS, SAMPLES_PER_STEP, build_model, make_workload  # noqa: E402
+from vlft.config import stage_defaults  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
+from vlft.records import prepare_split  # noqa: E402
+
+
+def prepare(work: Path, arch: str, images: int) -> Path:
+    """The workload, the model saved as a checkpoint directory, its pixel and vision caches."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from vlft.vision_cache import build_vision_cache
+
+    tokenizer = make_tokenizer()
+    raw = make_workload(work, images, tokenizer)
+    prepare_split(raw, work / "images", work / "prepared.jsonl")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: to try it on a tiny model
+    model = build_model(arch, tokenizer, device)
+    vision = model.config.vision_config
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+    model.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    processor.save_pretrained(work / "model")
+    build_image_cache(
+        work / "prepared.jsonl",
+        work / "pixels",
+        PixelSettings.from_processor(processor, MIN_PIXELS, MAX_PIXELS),
+        threads=16,
+    )
+    build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=device)
+    return work / "model"
+
+
+def run(work: Path, model_dir: Path, settings: dict, processes: int, warmup: int) -> dict:
+    out = work / f"gpus-{processes}"
+    command = [sys.executable, str(REPO / "scripts/train.py"), "--model", str(model_dir)]
+    command += ["--prepared", str(work / "prepared.jsonl"), "--caches", str(work / "vision")]
+    command += ["--settings", json.dumps(settings), "--checkpoints", str(out / "ckpt"), "--checkpoint-every", "100000"]
+    command += [
+        "--adapter",
+        str(out / "adapter"),
+        "--log",
+        str(out / "log.jsonl"),
+        "--summary",
+        str(out / "summary.json"),
+    ]
+    command += ["--threads", str(8 * processes), "--processes", str(processes)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(processes))))
+    started = time.time()
+    with open(work / f"gpus-{processes}.log", "w") as log:
+        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}; see {work}/gpus-{processes}.log"}
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
+    seconds = sum(SAMPLES_PER_STEP / row["samples_per_s"] for row in rows)
+    tokens = sum(row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in rows)
+    return {
+        "samples_per_s": SAMPLES_PER_STEP * len(rows) / seconds,
+        "tokens_per_s": tokens / seconds,
+        "steps_measured": len(rows),
+        "peak_gib_main_process": json.loads((out / "summary.json").read_text())["peak_memory_gb"],
+        "job_wall_s": time.time() - started,
+        "final_loss": rows[-1]["loss"],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="GPU counts to run, 1 first")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-scaling"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--max-batch-tokens", type=int, default=12288)
+    parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
+    args = parser.parse_args()
+    work = args.work / args.arch
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    model_dir = prepare(work, args.arch, args.images)
+    prepare_s = time.time() - started
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    settings = {k: v for k, v in stage_defaults().items() if k not in ("resources", "checkpoint_every")}
+    settings.update(
+        answer_format="cot",
+        lora_r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        learning_rate=1e-4,
+        micro_batch=SAMPLES_PER_STEP,
+        grad_accum=1,
+        max_steps=args.steps,
+        max_seq_len=8192,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        vision_cache=True,
+        compile=True,
+        order="given",
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    runs = {n: run(work, model_dir, settings, n, args.warmup) for n in args.processes}
+    base = runs.get(1, {}).get("samples_per_s")
+    for n, result in runs.items():
+        if base and "samples_per_s" in result:
+            result["efficiency"] = result["samples_per_s"] / (n * base)
+
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    report = {
+        "arch": args.arch,
+        "device": f"{torch.cuda.device_count()}x {device}",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "command": " ".join(sys.argv),
+        "images": args.images,
+        "samples_per_step": SAMPLES_PER_STEP,
+        "max_batch_tokens": args.max_batch_tokens,
+        "prepare_s": prepare_s,
+        "runs": {str(n): r for n, r in runs.items()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"train_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
+    print(f"\n{args.arch} on {report['device']}, {SAMPLES_PER_STEP} samples a step, budget {args.max_batch_tokens}")
+    print(f"{'GPUs':>5} {'samples/s':>10} {'tokens/s':>10} {'efficiency':>10} {'peak GiB':>9} {'job s':>7}")
+    for n, r in runs.items():
+        if "error" in r:
+            print(f"{n:>5} {r['error']}")
+            continue
+        print(
+            f"{n:>5} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {r.get('efficiency', float('nan')):>10.3f}"
+            f" {r['peak_gib_main_process']:>9.1f} {r['job_wall_s']:>7.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
