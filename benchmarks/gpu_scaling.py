@@ -1,14 +1,17 @@
-"""Training on 1, 2 (and 4) GPUs: samples/s of the training benchmark's workload, our path, through
-scripts/train.py as the train rule runs it (`--processes N`: data-parallel, one process a GPU).
+"""Training and evaluation on 1, 2 (and 4) GPUs: samples/s of the training benchmark's workload,
+through scripts/train.py and scripts/evaluate.py as the train and evaluate rules run them
+(`--processes N`: one process a GPU; training data-parallel, evaluation sharing out the split).
 
-    python benchmarks/train_scaling.py --arch qwen3-vl-8b --processes 1 2 --out benchmarks/results
+    python benchmarks/gpu_scaling.py --arch qwen3-vl-8b --processes 1 2 --out benchmarks/results
 
 The workload, model and settings are train_speed.py's (random-weight Qwen3-VL, JPEGs of 720x576 to
 1920x1080, chain-of-thought answers of 20 to 400 tokens, 16 samples a step, vision cache, compiled
 layers, packed micro-batches under a token budget). Each run trains from the same caches; the
 steps after the warm-up are timed from the stage's own per-step log. Efficiency at N GPUs:
-samples/s at N over N x samples/s at 1. Prints a table and writes
-benchmarks/results/train_scaling-<arch>-<device>-<date>.json.
+samples/s at N over N x samples/s at 1. The evaluation answers the workload's questions with the
+1-GPU run's adapter (greedy, --max-new-tokens, batches of 32) and is timed whole, model loading
+included, as a job is; its predictions at N GPUs are compared with those at 1. Prints a table and
+writes benchmarks/results/gpu_scaling-<arch>-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -100,6 +103,34 @@ def run(work: Path, model_dir: Path, settings: dict, processes: int, warmup: int
     }
 
 
+def evaluate(work: Path, model_dir: Path, settings: dict, processes: int) -> dict:
+    out = work / f"eval-gpus-{processes}"
+    command = [sys.executable, str(REPO / "scripts/evaluate.py"), "--model", str(model_dir)]
+    command += ["--adapter", str(work / "gpus-1/adapter"), "--prepared", str(work / "prepared.jsonl")]
+    command += ["--cache", str(work / "pixels"), "--settings", json.dumps(settings)]
+    command += ["--predictions", str(out / "predictions.jsonl"), "--metrics", str(out / "metrics.json")]
+    command += ["--threads", str(8 * processes), "--processes", str(processes)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(processes))))
+    with open(work / f"eval-gpus-{processes}.log", "w") as log:
+        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}; see {work}/eval-gpus-{processes}.log"}
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"samples_per_s": metrics["samples_per_s"], "job_wall_s": metrics["wall_time_s"], "loss": metrics["loss"]}
+
+
+def same_predictions(work: Path, processes: int) -> float:
+    """The share of samples answered at N GPUs exactly as at 1."""
+    one, many = (
+        [
+            json.loads(line)["prediction"]
+            for line in (work / f"eval-gpus-{n}/predictions.jsonl").read_text().splitlines()
+        ]
+        for n in (1, processes)
+    )
+    return sum(a == b for a, b in zip(one, many)) / len(one)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
@@ -110,6 +141,7 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="of the evaluation's answers")
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     args = parser.parse_args()
     work = args.work / args.arch
@@ -139,10 +171,21 @@ def main():
         max_batch_tokens=args.max_batch_tokens,
     )
     runs = {n: run(work, model_dir, settings, n, args.warmup) for n in args.processes}
-    base = runs.get(1, {}).get("samples_per_s")
-    for n, result in runs.items():
-        if base and "samples_per_s" in result:
-            result["efficiency"] = result["samples_per_s"] / (n * base)
+    eval_settings = {
+        "answer_format": "cot",
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": 32,
+        "max_seq_len": 8192,
+    }
+    evaluations = {n: evaluate(work, model_dir, eval_settings, n) for n in args.processes}
+    for results in (runs, evaluations):
+        base = results.get(1, {}).get("samples_per_s")
+        for n, result in results.items():
+            if base and "samples_per_s" in result:
+                result["efficiency"] = result["samples_per_s"] / (n * base)
+    for n, result in evaluations.items():
+        if "error" not in result and "error" not in evaluations.get(1, {"error": 1}):
+            result["same_predictions_as_1_gpu"] = same_predictions(work, n)
 
     commit = (
         args.commit
@@ -162,9 +205,10 @@ def main():
         "max_batch_tokens": args.max_batch_tokens,
         "prepare_s": prepare_s,
         "runs": {str(n): r for n, r in runs.items()},
+        "evaluation": {"max_new_tokens": args.max_new_tokens, **{str(n): r for n, r in evaluations.items()}},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"train_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
+    name = f"gpu_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
     print(f"\n{args.arch} on {report['device']}, {SAMPLES_PER_STEP} samples a step, budget {args.max_batch_tokens}")
     print(f"{'GPUs':>5} {'samples/s':>10} {'tokens/s':>10} {'efficiency':>10} {'peak GiB':>9} {'job s':>7}")
@@ -175,6 +219,16 @@ def main():
         print(
             f"{n:>5} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {r.get('efficiency', float('nan')):>10.3f}"
             f" {r['peak_gib_main_process']:>9.1f} {r['job_wall_s']:>7.0f}"
+        )
+    print(f"evaluation, {args.images} samples, {args.max_new_tokens} new tokens at most, whole jobs")
+    print(f"{'GPUs':>5} {'samples/s':>10} {'efficiency':>10} {'job s':>7} {'same answers':>12}")
+    for n, r in evaluations.items():
+        if "error" in r:
+            print(f"{n:>5} {r['error']}")
+            continue
+        print(
+            f"{n:>5} {r['samples_per_s']:>10.2f} {r.get('efficiency', float('nan')):>10.3f} {r['job_wall_s']:>7.0f}"
+            f" {r.get('same_predictions_as_1_gpu', float('nan')):>12.1%}"
         )
 
 
