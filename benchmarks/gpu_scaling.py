@@ -72,8 +72,9 @@ def prepare(work: Path, arch: str, images: int) -> Path:
 
 def run(work: Path, model_dir: Path, settings: dict, processes: int, warmup: int) -> dict:
     out = work / f"gpus-{processes}"
+    cache = work / ("vision" if settings["vision_cache"] else "pixels")
     command = [sys.executable, str(REPO / "scripts/train.py"), "--model", str(model_dir)]
-    command += ["--prepared", str(work / "prepared.jsonl"), "--caches", str(work / "vision")]
+    command += ["--prepared", str(work / "prepared.jsonl"), "--caches", str(cache)]
     command += ["--settings", json.dumps(settings), "--checkpoints", str(out / "ckpt"), "--checkpoint-every", "100000"]
     command += [
         "--adapter",
@@ -142,6 +143,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="of the evaluation's answers")
+    parser.add_argument(
+        "--pixels", action="store_true", help="train from the pixel cache, the vision tower run every step"
+    )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     args = parser.parse_args()
     work = args.work / args.arch
@@ -165,7 +169,7 @@ def main():
         max_seq_len=8192,
         min_pixels=MIN_PIXELS,
         max_pixels=MAX_PIXELS,
-        vision_cache=True,
+        vision_cache=not args.pixels,
         compile=True,
         order="given",
         max_batch_tokens=args.max_batch_tokens,
@@ -203,6 +207,7 @@ def main():
         "images": args.images,
         "samples_per_step": SAMPLES_PER_STEP,
         "max_batch_tokens": args.max_batch_tokens,
+        "vision_cache": not args.pixels,
         "prepare_s": prepare_s,
         "runs": {str(n): r for n, r in runs.items()},
         "evaluation": {"max_new_tokens": args.max_new_tokens, **{str(n): r for n, r in evaluations.items()}},
