@@ -31,8 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, SAMPLES_PER_STEP, build_model, make_workload  # noqa: E402
-from vlft.config import stage_defaults  # noqa: E402
+from train_speed import MAX_PIXELS, MIN_PIXELS, SAMPLES_PER_STEP, build_model, make_workload, our_settings  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.records import prepare_split  # noqa: E402
@@ -156,24 +155,7 @@ def main():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    settings = {k: v for k, v in stage_defaults().items() if k not in ("resources", "checkpoint_every")}
-    settings.update(
-        answer_format="cot",
-        lora_r=16,
-        lora_alpha=32,
-        lora_dropout=0.0,
-        learning_rate=1e-4,
-        micro_batch=SAMPLES_PER_STEP,
-        grad_accum=1,
-        max_steps=args.steps,
-        max_seq_len=8192,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        vision_cache=not args.pixels,
-        compile=True,
-        order="given",
-        max_batch_tokens=args.max_batch_tokens,
-    )
+    settings = our_settings(args.steps) | {"vision_cache": not args.pixels, "max_batch_tokens": args.max_batch_tokens}
     runs = {n: run(work, model_dir, settings, n, args.warmup) for n in args.processes}
     eval_settings = {
         "answer_format": "cot",

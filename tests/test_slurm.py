@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 from conftest import DEMO_THREADS, copy_workflow, site_profile, snakemake
 
+from vlft.files import read_jsonl
+
 pytestmark = pytest.mark.slow
 
 # Per-job logs: each job's own log (its first line says where it ran) and SLURM's output of the job.
@@ -252,6 +254,37 @@ def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(slurm_cluste
     assert sacct_states([job])[job] == "COMPLETED"
     dry_run = slurm_run(workdir, profile, LONG_ADAPTER, "--dry-run")
     assert "Nothing to be done" in dry_run.stdout + dry_run.stderr, dry_run.stdout
+
+
+def test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job(slurm_demo, tmp_path):
+    """exp1 given 2 of the cluster's GPUs: one SLURM job holding both, with two training processes
+    (on this machine's CPU: the cluster's GPUs are fake) taking the 1-GPU stage's steps; its
+    evaluation, given 2 GPUs too, shares the split out and answers every sample."""
+    workdir = tmp_path / "work"
+    shutil.copytree(slurm_demo, workdir, symlinks=True)
+    config_path = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["experiments"]["exp1"]["stages"][0]["resources"] = {"runtime": 30, "mem_mb": 4000, "gpus": 2}
+    config["evaluation"]["resources"]["gpus"] = 2
+    config_path.write_text(yaml.safe_dump(config))
+    adapter, metrics = "results/train/exp1/main/adapter", "results/eval/exp1/main/val/metrics.json"
+    slurm_run(workdir, site_profile(tmp_path / "site"), "--forcerun", adapter, metrics)
+
+    # The newest SLURM output of each rule: the copied demo holds the earlier 1-GPU jobs' too.
+    train_output = max((workdir / ".snakemake/slurm_logs/rule_train/exp1_main").glob("*.log"), key=os.path.getmtime)
+    job, gpus = placement(train_output)
+    assert gpus == "0,1"
+    assert "attempt 1, 2 data-parallel processes" in read_job_output(train_output)
+    eval_output = max((workdir / ".snakemake/slurm_logs/rule_evaluate").rglob("*.log"), key=os.path.getmtime)
+    eval_job, eval_gpus = placement(eval_output)
+    assert eval_gpus == "0,1" and "the split shared out among 2 processes" in read_job_output(eval_output)
+    assert set(sacct_states([job, eval_job]).values()) == {"COMPLETED"}
+
+    one_gpu, two_gpus = (read_jsonl(root / "results/train/exp1/main/log.jsonl") for root in (slurm_demo, workdir))
+    assert len(two_gpus) == len(one_gpu) > 100
+    assert two_gpus[-1]["loss"] < two_gpus[0]["loss"] / 3
+    answered = json.loads((workdir / metrics).read_text())
+    assert answered["n"] == json.loads((slurm_demo / metrics).read_text())["n"]
 
 
 def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it(slurm_demo):
