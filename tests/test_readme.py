@@ -166,6 +166,52 @@ def run_snakemake_report(command, fixture, tmp_path):
         assert any(name.endswith(item) and "/data/raw/" in name for name in names), (item, names[:20])
 
 
+IMPORT_OUTPUTS = {
+    "kvasir-vqa": ("data/kvasir", ("train", "val", "test")),
+    "kvasir-vqa-x1": ("data/kvasir-x1", ("train", "val", "test")),
+    "chat": ("data/chat", ("train",)),
+    "screenspot": ("data/screenspot", ("test",)),
+}
+
+
+def run_import(command, fixture, tmp_path):
+    """Each importer on files in its published format, at the paths the README names."""
+    import json
+
+    import pandas as pd
+    from test_importers import chat_fixtures, kvasir_parquet
+
+    workdir = copy_workflow(tmp_path / "work")
+    (workdir / "kvasir-vqa").mkdir()
+    kvasir_parquet(workdir / "kvasir-vqa/train-00000.parquet", n_images=6)
+    (workdir / "kvasir-vqa-x1").mkdir()
+    x1 = [
+        {
+            "img_id": f"cl8k{i:04d}",
+            "complexity": 1 + i % 3,
+            "question": "Why?",
+            "answer": "Because.",
+            "question_class": ["polyp_type"],
+            "original": ["q", "a"],
+        }
+        for i in range(6)
+    ]
+    pd.DataFrame(x1).to_parquet(workdir / "kvasir-vqa-x1/train.parquet")
+    (workdir / "chat").mkdir()
+    sharegpt, _, _ = chat_fixtures(workdir / "chat")
+    (workdir / "chat/train.json").write_text(json.dumps(sharegpt))
+    (workdir / "screenspot").mkdir()
+    clicks = [{"img_filename": "web_1.png", "bbox": [5, 5, 20, 10], "instruction": "click OK", "data_type": "text"}]
+    (workdir / "screenspot/screenspot_web.json").write_text(json.dumps(clicks))
+
+    summary = json.loads(shell(command, workdir).strip().splitlines()[-1])
+    out, splits = IMPORT_OUTPUTS[command.split()[2]]
+    assert summary["records"] > 0
+    assert (
+        sum(len((workdir / out / f"{split}.jsonl").read_text().splitlines()) for split in splits) == summary["records"]
+    )
+
+
 RUNNERS = {
     "pip install -e . && snakemake --cores all": run_quick_start_demo,
     TEST_COMMAND: run_test_suite,
@@ -180,6 +226,11 @@ RUNNERS = {
     "snakemake --report report.zip": run_snakemake_report,
     "snakemake --cores all -f results/train/exp4/stage2/adapter": run_retrain,
     "snakemake --cores all -R results/train/exp4/stage2/adapter": run_retrain,
+    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/*.parquet --out data/kvasir": run_import,
+    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/*.parquet --parquet kvasir-vqa/*.parquet "
+    "--out data/kvasir-x1": run_import,
+    "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
+    "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
 }
 
 

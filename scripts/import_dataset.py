@@ -1,0 +1,49 @@
+"""Bring a published dataset to our records: one JSONL per split (and, for Kvasir-VQA, its images),
+ready to name under `datasets:` in a config.
+
+    python scripts/import_dataset.py kvasir-vqa --parquet data/*.parquet --out data/kvasir
+    python scripts/import_dataset.py kvasir-vqa-x1 --x1 x1/*.parquet --parquet data/*.parquet --out data/kvasir-x1
+    python scripts/import_dataset.py chat --json train.json --image-root data/images --out data/chat
+    python scripts/import_dataset.py screenspot --json screenspot_web.json --out data/screenspot
+"""
+
+import argparse
+import json
+
+from vlft import importers
+from vlft.cli import run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formats = parser.add_subparsers(dest="format", required=True)
+    kvasir = formats.add_parser("kvasir-vqa", help="Kvasir-VQA as published (parquet with the image bytes)")
+    kvasir.add_argument("--parquet", nargs="+", required=True)
+    x1 = formats.add_parser("kvasir-vqa-x1", help="Kvasir-VQA-x1, its images from Kvasir-VQA's parquet")
+    x1.add_argument("--x1", nargs="+", required=True, help="Kvasir-VQA-x1's parquet files")
+    x1.add_argument("--parquet", nargs="+", required=True, help="Kvasir-VQA's parquet files, for the images")
+    chat = formats.add_parser("chat", help="LLaMA-Factory (sharegpt), ms-swift or LLaVA JSON / JSONL")
+    chat.add_argument("--json", nargs="+", required=True)
+    chat.add_argument("--image-root", required=True, help="the directory the records' image paths are relative to")
+    chat.add_argument("--split", default="train", help="the split the records form")
+    clicks = formats.add_parser("screenspot", help="ScreenSpot-style click data")
+    clicks.add_argument("--json", nargs="+", required=True)
+    clicks.add_argument("--bbox", choices=["xywh", "xyxy"], default="xywh", help="x, y, width, height; or corners")
+    clicks.add_argument("--split", default="test", help="the split the records form")
+    for sub in (kvasir, x1, chat, clicks):
+        sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")
+    args = parser.parse_args()
+
+    if args.format == "kvasir-vqa":
+        summary = importers.import_kvasir_vqa(args.parquet, args.out)
+    elif args.format == "kvasir-vqa-x1":
+        summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out)
+    elif args.format == "chat":
+        summary = importers.import_chat(args.json, args.image_root, args.out, args.split)
+    else:
+        summary = importers.import_screenspot(args.json, args.out, args.bbox, args.split)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    run(main)
