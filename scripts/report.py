@@ -10,15 +10,26 @@ from vlft.report import Evaluation, TrainedStage, write_report
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--metrics", nargs="+", required=True, help="metrics.json of each evaluation")
+    parser.add_argument("--predictions", nargs="+", required=True, help="predictions.jsonl of each evaluation")
+    parser.add_argument("--prepared", nargs="+", required=True, help="the prepared split of each evaluation")
     parser.add_argument("--evaluations", nargs="+", required=True, help="experiment/stage/split of each, in order")
     parser.add_argument("--summaries", nargs="+", required=True, help="summary.json of each trained stage")
     parser.add_argument("--logs", nargs="+", required=True, help="log.jsonl of each trained stage, in order")
     parser.add_argument("--stages", nargs="+", required=True, help="experiment/stage of each, in order")
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
-    if not (len(args.metrics) == len(args.evaluations) and len(args.summaries) == len(args.logs) == len(args.stages)):
-        raise InputError("--metrics/--evaluations, --summaries/--logs/--stages", "each list needs one entry per job")
-    evaluations = [Evaluation(*label.split("/"), metrics) for label, metrics in zip(args.evaluations, args.metrics)]
+    per_evaluation = (args.metrics, args.predictions, args.prepared, args.evaluations)
+    if not (len(set(map(len, per_evaluation))) == 1 and len(args.summaries) == len(args.logs) == len(args.stages)):
+        raise InputError(
+            "--metrics/--predictions/--prepared/--evaluations, --summaries/--logs/--stages",
+            "each list needs one entry per job",
+        )
+    evaluations = [
+        Evaluation(*label.split("/"), metrics, predictions, prepared)
+        for label, metrics, predictions, prepared in zip(
+            args.evaluations, args.metrics, args.predictions, args.prepared
+        )
+    ]
     stages = [
         TrainedStage(*label.split("/"), summary, log)
         for label, summary, log in zip(args.stages, args.summaries, args.logs)

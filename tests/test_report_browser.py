@@ -53,8 +53,14 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     page = demo_workdir / "results/report/index.html"
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
-    assert len(browser.find_elements("css selector", "img")) == 2
-    assert len(browser.find_elements("css selector", "table")) == 3
+    # Two charts and three tables, then the examples: per evaluation (the base model and 8 stages, on
+    # val and test) a table of its first 3 right and 3 wrong answers, each with its image.
+    sections = browser.find_elements("css selector", "details")
+    assert len(sections) == 18
+    example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
+    assert 18 * 3 <= len(example_rows) <= 18 * 6
+    assert len(browser.find_elements("css selector", "img")) == 2 + len(example_rows)
+    assert len(browser.find_elements("css selector", "table")) == 3 + 18
 
 
 def test_a_broken_image_or_an_empty_table_is_found(browser, demo_workdir, tmp_path):
@@ -71,3 +77,65 @@ def test_a_broken_image_or_an_empty_table_is_found(browser, demo_workdir, tmp_pa
     found = problems(browser, broken)
     assert any(p.startswith("image does not decode") for p in found), found
     assert "table 1 is empty" in found, found
+
+
+def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
+    """A model's answer is shown as text, whatever it holds: markup, control characters."""
+    import json
+
+    from PIL import Image
+
+    from vlft.report import Evaluation, TrainedStage, write_report
+
+    Image.new("RGB", (300, 200), (200, 30, 30)).save(tmp_path / "red.png")
+    answer = '<script>document.title = "owned"</script>\x00 <b>red</b>'
+    (tmp_path / "predictions.jsonl").write_text(
+        json.dumps(
+            {
+                "id": "r1",
+                "question": "What <i>colour</i>?",
+                "reference": "red",
+                "prediction": answer,
+                "correct": False,
+                "category": None,
+            }
+        )
+        + "\n"
+    )
+    (tmp_path / "prepared.jsonl").write_text(json.dumps({"id": "r1", "image_path": str(tmp_path / "red.png")}) + "\n")
+    metrics = {
+        "n": 1,
+        "accuracy": 0.0,
+        "accuracy_by_category": {"all": 0.0},
+        "loss": 1.0,
+        "wall_time_s": 1.0,
+        "answer_format": "final",
+    }
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 1}))
+    (tmp_path / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    evaluations = [
+        Evaluation(
+            experiment,
+            stage,
+            "val",
+            str(tmp_path / "metrics.json"),
+            str(tmp_path / "predictions.jsonl"),
+            str(tmp_path / "prepared.jsonl"),
+        )
+        for experiment, stage in (("base", "base"), ("exp1", "main"))
+    ]
+    write_report(
+        evaluations,
+        [TrainedStage("exp1", "main", str(tmp_path / "summary.json"), str(tmp_path / "log.jsonl"))],
+        tmp_path / "report",
+    )
+
+    assert problems(browser, tmp_path / "report/index.html") == []
+    assert browser.title == "Experiment report"
+    browser.find_element("css selector", "details summary").click()
+    cell = browser.find_element("css selector", "table.examples tr.wrong td:nth-child(4)")
+    assert cell.text == '<script>document.title = "owned"</script>\\x00 <b>red</b>'
+    assert browser.find_element("css selector", "table.examples tr.wrong td:nth-child(2)").text == "What <i>colour</i>?"
+    image = browser.find_element("css selector", "table.examples img")
+    assert max(image.get_property("naturalWidth"), image.get_property("naturalHeight")) == 160

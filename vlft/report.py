@@ -1,8 +1,10 @@
-"""The comparative report: one self-contained HTML page (tables, loss curves, per-category accuracy) and CSV tables."""
+"""The comparative report: one self-contained HTML page (tables, loss curves, per-category accuracy,
+example answers with their images) and CSV tables."""
 
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ class Evaluation:
     stage: str
     split: str
     metrics: str  # its metrics.json
+    predictions: str = ""  # its predictions.jsonl, for the examples
+    prepared: str = ""  # the prepared split it answered, for the examples' images
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,61 @@ def category_chart(categories: pd.DataFrame, path: Path) -> str:
     return _save_png(fig, path)
 
 
+# Per evaluation: the first this many right and wrong answers, so that a page of nine evaluations
+# of thousands of samples still opens at once.
+EXAMPLES_EACH = 3
+THUMBNAIL_PX = 160
+
+
+def escaped(text: str) -> str:
+    """Text for the page: HTML escaped, and control characters (a model may generate any) shown as
+    \\xNN rather than put into the page raw."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 32 and c not in "\n\t" else c for c in html.escape(text))
+
+
+def examples_html(evaluations: list[Evaluation]) -> str:
+    """For each evaluation, a few right and wrong answers: the image as a thumbnail, the question,
+    the reference and the model's answer, all text escaped."""
+    from PIL import Image, ImageOps
+
+    thumbnails: dict[str, str] = {}
+
+    def thumbnail(path: str) -> str:
+        if path not in thumbnails:
+            with Image.open(path) as image:
+                small = ImageOps.exif_transpose(image).convert("RGB")
+                small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+                buffer = io.BytesIO()
+                small.save(buffer, format="JPEG", quality=80)
+            thumbnails[path] = base64.b64encode(buffer.getvalue()).decode()
+        return thumbnails[path]
+
+    sections = []
+    for evaluation in evaluations:
+        if not evaluation.predictions:
+            continue
+        right, wrong = [], []
+        for prediction in read_jsonl(evaluation.predictions):
+            shown = right if prediction["correct"] else wrong
+            if len(shown) < EXAMPLES_EACH:
+                shown.append(prediction)
+        images = {r["id"]: r["image_path"] for r in read_jsonl(evaluation.prepared)}
+        rows = "".join(
+            f'<tr class="{"right" if p["correct"] else "wrong"}">'
+            f'<td><img alt="image of {escaped(p["id"])}" src="data:image/jpeg;base64,{thumbnail(images[p["id"]])}"></td>'
+            f"<td>{escaped(p['question'])}</td><td>{escaped(p['reference'] or '')}</td>"
+            f"<td>{escaped(p['prediction'])}</td><td>{'right' if p['correct'] else 'wrong'}</td></tr>"
+            for p in right + wrong
+        )
+        label = escaped(f"{evaluation.experiment}/{evaluation.stage} on {evaluation.split}")
+        sections.append(
+            f"<details><summary>{label}: {len(right)} right, {len(wrong)} wrong</summary>"
+            '<table class="t examples"><tr><th>image</th><th>question</th><th>reference</th>'
+            f"<th>answer</th><th></th></tr>{rows}</table></details>"
+        )
+    return "".join(sections)
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
@@ -159,6 +218,8 @@ body {{ font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 72rem;
 table.t {{ border-collapse: collapse; font-size: 0.9rem; margin-bottom: 1.5rem; }}
 table.t th, table.t td {{ padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd; text-align: right; }}
 table.t th {{ background: #f3f3f3; }}
+table.examples td, table.examples th {{ text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; }}
+tr.wrong td:last-child {{ color: #b00; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>Experiment report</h1>
@@ -169,6 +230,9 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 <img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">
 <h2>Training loss</h2><img alt="training loss curves" src="data:image/png;base64,{losses}">
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
+<h2>Example answers</h2>
+<p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>
+{examples_html(evaluations)}
 </body></html>
 """
     with atomic_path(output_dir / "index.html") as tmp:

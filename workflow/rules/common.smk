@@ -170,10 +170,17 @@ def get_init_adapter_arg(wildcards, input):
 
 
 def get_report_inputs(wildcards):
-    """Each evaluation's metrics and each stage's summary and log, in the order of the labels below."""
+    """Each evaluation's metrics, predictions and prepared split (for the examples' images), and each
+    stage's summary and log, in the order of the labels below."""
     stages = PLAN.stages.values()
+    evaluations = PLAN.evaluations()
     return {
-        "metrics": [eval_path(*job, "metrics.json") for job in PLAN.evaluations()],
+        "metrics": [eval_path(*job, "metrics.json") for job in evaluations],
+        "predictions": [eval_path(*job, "predictions.jsonl") for job in evaluations],
+        "prepared": [
+            prepared_path(PLAN.eval_settings(experiment, stage, config["evaluation"])["dataset"], split)
+            for experiment, stage, split in evaluations
+        ],
         "summaries": [stage_path(s.experiment, s.name, "summary.json") for s in stages],
         "logs": [stage_path(s.experiment, s.name, "log.jsonl") for s in stages],
     }
