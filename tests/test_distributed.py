@@ -51,7 +51,8 @@ def free_port() -> int:
 
 
 def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, out) -> None:
-    """One process of a data-parallel job, set up as torchrun sets up its processes."""
+    """One process of a data-parallel job, set up as torchrun sets up its processes (spawned: the
+    environment it sets is its own)."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -99,7 +100,19 @@ def small_stage(tmp_path_factory, tiny_model_dir):
 def test_two_processes_take_the_steps_one_process_takes(small_stage, layout, tmp_path):
     inputs, settings = small_stage
     settings = settings | layout
-    _train_in_process(0, 1, free_port(), inputs, settings, tmp_path / "one")
+    # One process: this one, as a job outside torchrun (nothing of torchrun's in its environment).
+    assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ
+    one = tmp_path / "one"
+    train_stage(
+        inputs,
+        settings,
+        one / "adapter",
+        one / "log.jsonl",
+        one / "summary.json",
+        one / "ckpt",
+        1000,
+        dtype=torch.float64,
+    )
     mp.spawn(_train_in_process, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
 
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
