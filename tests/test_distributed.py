@@ -158,22 +158,28 @@ def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> l
     ]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_400_steps(small_stage, tmp_path_factory):
+    """A 2-process run of 400 steps: long enough that a signal, sent once step 3 is logged, finds
+    the job running (steps take 50 ms or more here, so 400 of them leave it seconds to arrive)."""
+    inputs, settings = small_stage
+    whole = tmp_path_factory.mktemp("whole")
+    command = train_command(inputs, settings | {"max_steps": 400}, whole, 2)
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return whole
+
+
 @pytest.mark.parametrize(
     "sig, to_every_process",
-    # SIGUSR1 is not here: torchrun dies of it despite TORCHELASTIC_SIGNALS_TO_HANDLE, and its
-    # processes run on (an open problem, see vlft.distributed.relaunch).
-    [(signal.SIGTERM, True)],
-    ids=["SIGTERM-to-every-process-as-SLURM-sends-it"],
+    [(signal.SIGTERM, True), (signal.SIGUSR1, False)],
+    ids=["SIGTERM-to-every-process-as-SLURM-sends-it", "SIGUSR1-to-the-launcher-as-kill-sends-it"],
 )
 def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_rerun_resumes_there(
-    small_stage, sig, to_every_process, tmp_path
+    small_stage, uninterrupted_400_steps, sig, to_every_process, tmp_path
 ):
     inputs, settings = small_stage
-    # Long enough that the signal, sent once step 3 is logged, finds the job running: steps take
-    # 50 ms or more here, so 400 of them leave it seconds to arrive.
     settings = settings | {"max_steps": 400}
-    whole = tmp_path / "whole"
-    subprocess.run(train_command(inputs, settings, whole, 2), check=True, capture_output=True, timeout=300)
+    whole = uninterrupted_400_steps
 
     split = tmp_path / "split"
     job = subprocess.Popen(

@@ -22,10 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Asked of torchrun: pass these on to its processes. Measured: SIGTERM is passed on, but torchrun
-# still dies of SIGUSR1 and leaves its processes running, so a data-parallel job stops on SIGTERM
-# (what SLURM sends at a time limit and on scancel) and not yet on SIGUSR1.
-FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# Asked of torchrun through its own environment variables (PET_ + option name; older versions ignore
+# what they lack): pass SIGUSR1 on to the processes too, not only its default SIGTERM, SIGINT, SIGHUP
+# and SIGQUIT (without it torchrun dies of SIGUSR1 and leaves them running), and give them time to
+# finish their step and save the checkpoint before it kills them (30 s by default). The launcher
+# overwrites TORCHELASTIC_SIGNALS_TO_HANDLE from its option, so setting that one does nothing.
+TORCHRUN_SETTINGS = {
+    "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    "PET_SHUTDOWN_TIMEOUT": "300",
+}
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ def relaunch(processes: int, threads_each: int) -> None:
     (or one process is asked for). The job's pid becomes torchrun's, which forwards signals."""
     if processes <= 1 or "WORLD_SIZE" in os.environ:
         return
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
+    os.environ.update(TORCHRUN_SETTINGS)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_each))
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={processes}"]
     sys.stdout.flush()
