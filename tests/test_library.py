@@ -44,6 +44,21 @@ def test_example_config_is_valid():
     assert plan.stage("exp5", "main").settings["answer_format"] == "cot"
 
 
+def test_click_example_config_is_valid_and_its_base_model_is_asked_for_clicks():
+    config = resolve_config(yaml.safe_load((REPO / "config/examples/click-qwen3-vl-8b.yaml").read_text()))
+    plan = build_plan(config)
+    settings = plan.stage("click", "main").settings
+    assert settings["answer_format"] == "click" and settings["epochs"] == 1
+    assert (settings["lora_r"], settings["lora_alpha"], settings["checkpoint_every"]) == (32, 64, 200)
+    assert plan.eval_settings("base", "base", config["evaluation"])["answer_format"] == "click"
+    assert plan.evaluations() == [
+        ("click", "main", "val"),
+        ("click", "main", "test"),
+        ("base", "base", "test"),
+        ("base", "base", "val"),
+    ]
+
+
 @pytest.mark.parametrize(
     "prediction,reference,correct",
     [

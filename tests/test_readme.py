@@ -212,6 +212,32 @@ def run_import(command, fixture, tmp_path):
     )
 
 
+CLICK_EXAMPLE = "config/examples/click-qwen3-vl-8b.yaml"
+
+
+def run_click_plan(command, fixture, tmp_path):
+    """The click example with the user's paths put in: a small set of screens and a tiny Qwen3-VL."""
+    from test_clicks import make_click_split
+
+    workdir = copy_workflow(tmp_path / "work")
+    data = tmp_path / "screenshots"
+    for seed, split in enumerate(("train", "val", "test")):
+        make_click_split(data, split, 4, seed)
+    example = workdir / CLICK_EXAMPLE
+    text = example.read_text().replace("/path/to/models/Qwen3-VL-8B-Instruct", str(fixture("tiny_model_dir")))
+    text = text.replace("/path/to/screenshots/images", str(data / "images")).replace("/path/to/screenshots", str(data))
+    assert "/path/to" not in text
+    example.write_text(text)
+    output = shell(command, workdir)
+    planned = {m.group(1).split(",")[0].strip() for m in re.finditer(r"^\s+output: (.+)$", output, re.MULTILINE)}
+    evaluations = {
+        f"results/clicks/eval/{s}/{split}/predictions.jsonl"
+        for s in ("click/main", "base/base")
+        for split in ("val", "test")
+    }
+    assert {"results/clicks/train/click/main/adapter", *evaluations} <= planned, planned
+
+
 RUNNERS = {
     "pip install -e . && snakemake --cores all": run_quick_start_demo,
     TEST_COMMAND: run_test_suite,
@@ -231,6 +257,7 @@ RUNNERS = {
     "--out data/kvasir-x1": run_import,
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
+    f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
 }
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from vlft import distributed
+from vlft import clicks, distributed
 from vlft.answers import final_answer, is_correct
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.prompts import PromptBuilder
-from vlft.stage_data import load_stage_data
+from vlft.stage_data import StageData, load_stage_data
 
 
 @torch.no_grad()
@@ -49,6 +49,7 @@ def evaluate_split(
         filters={},
         answer_format=settings["answer_format"],
         max_seq_len=settings["max_seq_len"],
+        convention=clicks.Convention.of(model.config) if settings["answer_format"] == "click" else None,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
@@ -73,7 +74,7 @@ def evaluate_split(
         )
         texts = tokenizer.batch_decode(generated[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
         answered.append(
-            (start, [_prediction(record, text) for record, text in zip(records, texts)], loss.item(), tokens)
+            (start, [_prediction(record, text, data) for record, text in zip(records, texts)], loss.item(), tokens)
         )
 
     if group.size > 1:
@@ -87,31 +88,47 @@ def evaluate_split(
     for _, _, loss, tokens in answered:
         loss_sum, loss_tokens = loss_sum + loss, loss_tokens + tokens
 
+    # A click record with a point and no box has no right or wrong (None): the distance judges it.
+    judged = [p for p in predictions if p["correct"] is not None]
     by_category = defaultdict(list)
-    for p in predictions:
+    for p in judged:
         by_category[p["category"] or "all"].append(p["correct"])
     wall = time.time() - started
     metrics = {
         "n": len(predictions),
-        "accuracy": sum(p["correct"] for p in predictions) / len(predictions),
+        "accuracy": sum(p["correct"] for p in judged) / max(len(judged), 1),
         "accuracy_by_category": {c: sum(v) / len(v) for c, v in sorted(by_category.items())},
         "loss": loss_sum / max(loss_tokens, 1),
         "wall_time_s": wall,
         "samples_per_s": len(predictions) / wall,
         "answer_format": settings["answer_format"],
     }
+    if settings["answer_format"] == "click":
+        distances = [p["distance"] for p in predictions if p["distance"] is not None]
+        metrics |= {
+            "n_with_box": len(judged),
+            "unparseable": sum(not p["parsed"] for p in predictions),
+            # Over the answers that give a point; over the image's diagonal, in original pixels.
+            "mean_distance": sum(distances) / len(distances) if distances else None,
+        }
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
 
 
-def _prediction(record: dict, text: str) -> dict:
-    return {
+def _prediction(record: dict, text: str, data: StageData) -> dict:
+    prediction = {
         "id": record["id"],
         "category": record.get("category"),
         "question": record["question"],
         "reference": final_answer(record["answer"]),
         "prediction": text.strip(),
         "predicted_answer": final_answer(text),
-        "correct": is_correct(text, record["answer"]),
     }
+    if record["key"] not in data.frames:
+        return prediction | {"correct": is_correct(text, record["answer"])}
+    # A click: the reference is the target as the model is taught to say it; judged in pixels.
+    frame = data.frames[record["key"]]
+    where = record["key"].split("#")[0]
+    prediction["reference"] = clicks.target_text(record, frame, where)
+    return prediction | {"box": record.get("box")} | clicks.score(record, text, frame, where)

@@ -82,7 +82,9 @@ class Plan:
     def eval_settings(self, experiment: str, stage: str, evaluation: dict) -> dict:
         """Everything an evaluation depends on: its stage's data and format, and the eval options."""
         if experiment == BASE_EXPERIMENT:
-            source = dict(self.defaults, answer_format="final")
+            # The base model answers directly: clicks where the study's stages click, else the final answer.
+            answer_format = "click" if self.defaults["answer_format"] == "click" else "final"
+            source = dict(self.defaults, answer_format=answer_format)
         else:
             source = self.stage(experiment, stage).settings
         keys = ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")

@@ -60,6 +60,9 @@ def _check_fields(record: dict, jsonl, line_no: int) -> None:
             isinstance(value, list) and len(value) == size and all(isinstance(v, (int, float)) for v in value)
         ):
             raise InputError(jsonl, f"must be a list of {size} numbers", line_no, name)
+    box = record.get("box")
+    if box is not None and not (box[0] <= box[2] and box[1] <= box[3]):
+        raise InputError(jsonl, f"must be [x1, y1, x2, y2] with x1 <= x2 and y1 <= y2, not {box}", line_no, "box")
 
 
 def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:

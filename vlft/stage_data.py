@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlft import clicks
 from vlft.answers import target_text
 from vlft.errors import InputError
 from vlft.files import read_jsonl
@@ -21,6 +22,7 @@ class StageData:
         str, tuple[ImageCache | VisionCache, str]
     ]  # by record key: the cache holding its image, and its id there
     samples: dict[str, Sample]  # by record key
+    frames: dict[str, clicks.Frame]  # by record key, for click answers: how the model sees the image
 
 
 CACHE_KINDS = {cls.KIND: cls for cls in (ImageCache, VisionCache)}
@@ -38,9 +40,11 @@ def load_stage_data(
     filters: dict,
     answer_format: str,
     max_seq_len: int,
+    convention: clicks.Convention | None = None,
 ) -> StageData:
     """The records of the prepared splits that pass `filters`, each encoded as a sample in
-    `answer_format` of at most `max_seq_len` tokens, with the cache holding its image."""
+    `answer_format` of at most `max_seq_len` tokens, with the cache holding its image. Click answers
+    are written in the model family's coordinates (`convention`)."""
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
         cache = open_cache(cache_dir)
@@ -51,17 +55,22 @@ def load_stage_data(
             key = f"{split_path}#{record['id']}"
             records.append(dict(record, key=key))
             images[key] = (cache, record["id"])
+    frames = {}
+    if answer_format == "click":
+        frames = {r["key"]: convention.frame(r, cache_of(images, r["key"]).grid_thw(r["id"])) for r in records}
+
+    def target(record: dict) -> str:
+        if answer_format == "click":
+            return clicks.target_text(record, frames[record["key"]], record["key"].split("#")[0])
+        return target_text(record["answer"], answer_format)
+
     samples = {
         r["key"]: builder.sample(
-            r["key"],
-            r["question"],
-            target_text(r["answer"], answer_format),
-            cache_of(images, r["key"]).num_image_tokens(r["id"]),
-            max_seq_len,
+            r["key"], r["question"], target(r), cache_of(images, r["key"]).num_image_tokens(r["id"]), max_seq_len
         )
         for r in records
     }
-    return StageData(records, images, samples)
+    return StageData(records, images, samples, frames)
 
 
 def uses_vision_cache(data: StageData) -> bool:

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from vlft import checkpoints, distributed
+from vlft import checkpoints, clicks, distributed
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.files import atomic_path, write_json
@@ -139,6 +139,7 @@ def train_stage(
         filters=settings["filter"],
         answer_format=settings["answer_format"],
         max_seq_len=settings["max_seq_len"],
+        convention=clicks.Convention.of(model.config) if settings["answer_format"] == "click" else None,
     )
     steps = plan_steps(data.records, settings)
 
