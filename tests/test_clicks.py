@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -233,3 +234,37 @@ def test_a_box_whose_corners_are_swapped_is_refused_with_its_file_and_line(tmp_p
     with pytest.raises(InputError, match=r"raw.jsonl:2: field 'box': must be \[x1, y1, x2, y2\] with x1 <= x2"):
         prepare_split(tmp_path / "raw.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     assert not (tmp_path / "prepared.jsonl").exists()
+
+
+def test_the_report_draws_the_target_box_and_the_answered_point_on_the_thumbnail(tmp_path):
+    import base64
+    import io
+
+    from vlft.report import Evaluation, examples_html, thumbnail_jpeg
+
+    Image.new("RGB", (400, 200), (255, 255, 255)).save(tmp_path / "screen.png")
+    # The thumbnail is 160 x 80: every original pixel coordinate is scaled by 0.4.
+    drawn = Image.open(io.BytesIO(thumbnail_jpeg(str(tmp_path / "screen.png"), [100, 50, 200, 150], [300, 100])))
+    assert drawn.size == (160, 80)
+    r, g, b = drawn.getpixel((40, 40))  # the box's left edge, x = 100 x 0.4
+    assert g > 150 and r < 100 and b < 120, (r, g, b)
+    r, g, b = drawn.getpixel((120, 40))  # the point's crosshair, (300, 100) x 0.4
+    assert r > 180 and g < 100 and b < 100, (r, g, b)
+    assert drawn.getpixel((140, 70))[0] > 240 and drawn.getpixel((140, 70))[1] > 240  # elsewhere untouched
+
+    predictions = [
+        {"id": "a", "question": "Click OK", "reference": "(375, 500)", "prediction": "(750, 500)", "category": "text"}
+        | {"box": [100, 50, 200, 150], "point": [300, 100], "correct": False, "parsed": True, "distance": 0.5},
+        {"id": "b", "question": "Click OK", "reference": "(375, 500)", "prediction": "?", "category": "text"}
+        | {"box": [100, 50, 200, 150], "point": None, "correct": False, "parsed": False, "distance": None},
+    ]
+    write_jsonl(tmp_path / "predictions.jsonl", predictions)
+    write_jsonl(tmp_path / "prepared.jsonl", [{"id": i, "image_path": str(tmp_path / "screen.png")} for i in "ab"])
+    page = examples_html(
+        [Evaluation("e", "s", "val", "", str(tmp_path / "predictions.jsonl"), str(tmp_path / "prepared.jsonl"))]
+    )
+    assert "Green: the target box; red: the point answered." in page and "0 right, 2 wrong" in page
+    images = [base64.b64decode(src) for src in re.findall(r"base64,([^\"]+)\"", page)]
+    # The answered point is drawn on the first, not on the unparseable second; both show the box.
+    assert images[0] == thumbnail_jpeg(str(tmp_path / "screen.png"), [100, 50, 200, 150], [300, 100])
+    assert images[1] == thumbnail_jpeg(str(tmp_path / "screen.png"), [100, 50, 200, 150], None)

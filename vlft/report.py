@@ -55,6 +55,8 @@ def collect(
                 "n": metrics["n"],
                 "answer_format": metrics["answer_format"],
                 "eval_wall_time_s": metrics["wall_time_s"],
+                # Clicks only: answers without a point, and the mean distance over the diagonal.
+                **{k: metrics[k] for k in ("unparseable", "mean_distance") if k in metrics},
             }
         )
         for category, accuracy in metrics["accuracy_by_category"].items():
@@ -139,21 +141,40 @@ def escaped(text: str) -> str:
     return "".join(f"\\x{ord(c):02x}" if ord(c) < 32 and c not in "\n\t" else c for c in html.escape(text))
 
 
-def examples_html(evaluations: list[Evaluation]) -> str:
-    """For each evaluation, a few right and wrong answers: the image as a thumbnail, the question,
-    the reference and the model's answer, all text escaped."""
-    from PIL import Image, ImageOps
+def thumbnail_jpeg(path: str, box: list[float] | None = None, point: list[float] | None = None) -> bytes:
+    """The image shrunk to a thumbnail, as a JPEG; for a click, the target box (green) and the
+    predicted point (red) drawn on it, both given in pixels of the original image."""
+    from PIL import Image, ImageDraw, ImageOps
 
+    with Image.open(path) as image:
+        small = ImageOps.exif_transpose(image).convert("RGB")
+        scale = THUMBNAIL_PX / max(small.size)
+        small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+    scale = min(scale, 1.0)  # thumbnail() never enlarges
+    pen = ImageDraw.Draw(small)
+    if box is not None:
+        pen.rectangle([round(v * scale) for v in box], outline=(0, 200, 60), width=2)
+    if point is not None:
+        x, y = point[0] * scale, point[1] * scale
+        pen.ellipse((x - 4, y - 4, x + 4, y + 4), outline=(230, 20, 20), width=2)
+        pen.line((x - 7, y, x + 7, y), fill=(230, 20, 20))
+        pen.line((x, y - 7, x, y + 7), fill=(230, 20, 20))
+    buffer = io.BytesIO()
+    small.save(buffer, format="JPEG", quality=80)
+    return buffer.getvalue()
+
+
+def examples_html(evaluations: list[Evaluation]) -> str:
+    """For each evaluation, a few right and wrong answers: the image as a thumbnail (a click's target
+    box and predicted point drawn on it), the question, the reference and the model's answer, all
+    text escaped."""
     thumbnails: dict[str, str] = {}
 
-    def thumbnail(path: str) -> str:
+    def thumbnail(path: str, prediction: dict) -> str:
+        if "box" in prediction:  # a click: drawn for this answer
+            return base64.b64encode(thumbnail_jpeg(path, prediction["box"], prediction["point"])).decode()
         if path not in thumbnails:
-            with Image.open(path) as image:
-                small = ImageOps.exif_transpose(image).convert("RGB")
-                small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
-                buffer = io.BytesIO()
-                small.save(buffer, format="JPEG", quality=80)
-            thumbnails[path] = base64.b64encode(buffer.getvalue()).decode()
+            thumbnails[path] = base64.b64encode(thumbnail_jpeg(path)).decode()
         return thumbnails[path]
 
     sections = []
@@ -162,20 +183,25 @@ def examples_html(evaluations: list[Evaluation]) -> str:
             continue
         right, wrong = [], []
         for prediction in read_jsonl(evaluation.predictions):
+            if prediction["correct"] is None:  # a click without a box: neither
+                continue
             shown = right if prediction["correct"] else wrong
             if len(shown) < EXAMPLES_EACH:
                 shown.append(prediction)
         images = {r["id"]: r["image_path"] for r in read_jsonl(evaluation.prepared)}
         rows = "".join(
             f'<tr class="{"right" if p["correct"] else "wrong"}">'
-            f'<td><img alt="image of {escaped(p["id"])}" src="data:image/jpeg;base64,{thumbnail(images[p["id"]])}"></td>'
+            f'<td><img alt="image of {escaped(p["id"])}" '
+            f'src="data:image/jpeg;base64,{thumbnail(images[p["id"]], p)}"></td>'
             f"<td>{escaped(p['question'])}</td><td>{escaped(p['reference'] or '')}</td>"
             f"<td>{escaped(p['prediction'])}</td><td>{'right' if p['correct'] else 'wrong'}</td></tr>"
             for p in right + wrong
         )
         label = escaped(f"{evaluation.experiment}/{evaluation.stage} on {evaluation.split}")
+        clicks = any("box" in p for p in right + wrong)
+        legend = "<p>Green: the target box; red: the point answered.</p>" if clicks else ""
         sections.append(
-            f"<details><summary>{label}: {len(right)} right, {len(wrong)} wrong</summary>"
+            f"<details><summary>{label}: {len(right)} right, {len(wrong)} wrong</summary>{legend}"
             '<table class="t examples"><tr><th>image</th><th>question</th><th>reference</th>'
             f"<th>answer</th><th></th></tr>{rows}</table></details>"
         )
