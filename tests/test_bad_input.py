@@ -147,7 +147,7 @@ def stage(config, experiment, index):
         (lambda c: c.pop("model"), "model: required, but the config does not set it"),
         (
             lambda c: stage(c, "exp2", 0).update(dataset="kvasir"),
-            "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: shapes)",
+            "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: screens, shapes)",
         ),
         (
             lambda c: stage(c, "exp3", 1).update(eval_splits=["dev"]),
@@ -155,8 +155,22 @@ def stage(config, experiment, index):
         ),
         (
             lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
-            "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: exp1/main, exp2/main, "
-            "exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)",
+            "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: click/main, exp1/main, "
+            "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)",
+        ),
+        (
+            lambda c: c["demo"]["datasets"].update(buttons=c["demo"]["datasets"].pop("screens")),
+            "demo.datasets.buttons: not a dataset of the config (it defines: screens, shapes)",
+        ),
+        (
+            lambda c: c["demo"]["datasets"]["screens"]["sizes"].pop("test"),
+            "demo.datasets.screens.sizes: must give a size for each split of datasets.screens (test, train), "
+            "and for no other",
+        ),
+        (
+            lambda c: c["datasets"].update(base=c["datasets"].pop("screens"))
+            or stage(c, "click", 0).update(dataset="base"),
+            "datasets.base: the name is reserved unless it is the defaults' dataset",
         ),
     ],
     ids=[
@@ -169,6 +183,9 @@ def stage(config, experiment, index):
         "unknown-dataset",
         "unknown-split",
         "init-from-missing-stage",
+        "demo-dataset-not-in-datasets",
+        "demo-dataset-without-a-split",
+        "base-reserved-as-a-dataset-name",
     ],
 )
 def test_config_error_is_one_sentence_naming_the_key(workdir, edit, message):

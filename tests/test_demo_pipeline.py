@@ -1,6 +1,7 @@
 """The demo end to end: every output exists, training really learns, the report shows it all."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -17,7 +18,12 @@ EXPERIMENT_STAGES = [
     ("exp4", "stage1"),
     ("exp4", "stage2"),
     ("exp5", "main"),
+    ("click", "main"),
 ]
+
+
+def base_stage_of(experiment):
+    return "screens" if experiment == "click" else "base"
 
 
 def metrics(workdir, experiment, stage, split):
@@ -26,7 +32,7 @@ def metrics(workdir, experiment, stage, split):
 
 @pytest.mark.parametrize("experiment,stage", EXPERIMENT_STAGES)
 def test_every_stage_beats_the_untrained_base_model(demo_workdir, experiment, stage):
-    base = metrics(demo_workdir, "base", "base", "test")["accuracy"]
+    base = metrics(demo_workdir, "base", base_stage_of(experiment), "test")["accuracy"]
     trained = metrics(demo_workdir, experiment, stage, "test")["accuracy"]
     assert trained >= base + 0.3, f"{experiment}/{stage}: {trained:.3f} vs base {base:.3f}"
 
@@ -36,6 +42,22 @@ def test_later_curriculum_stages_learn_what_earlier_ones_left_out(demo_workdir):
     stage1 = metrics(demo_workdir, "exp4", "stage1", "test")["accuracy_by_category"]
     stage2 = metrics(demo_workdir, "exp4", "stage2", "test")["accuracy_by_category"]
     assert stage1["count"] < 0.3 and stage2["count"] > stage1["count"] + 0.3
+
+
+def test_click_stage_points_inside_the_target_far_more_often_than_the_base_model(demo_workdir):
+    trained = metrics(demo_workdir, "click", "main", "test")
+    base = metrics(demo_workdir, "base", "screens", "test")
+    assert trained["answer_format"] == base["answer_format"] == "click"
+    assert trained["dataset"] == base["dataset"] == "screens"
+    assert trained["n"] == trained["n_with_box"] == 200
+    # The untrained model rarely says a point at all; the trained one always does, mostly in the box.
+    assert base["accuracy"] <= 0.2 and trained["accuracy"] >= 0.6, (base, trained)
+    assert trained["unparseable"] <= 2 and trained["mean_distance"] < 0.2
+    assert set(trained["accuracy_by_category"]) == {"button", "icon"}
+    rows = [json.loads(line) for line in (demo_workdir / "results/eval/click/main/test/predictions.jsonl").open()]
+    assert sum(r["correct"] for r in rows) / len(rows) == trained["accuracy"]
+    # Each answer as it was taught: "(x, y)" on the 0-1000 grid of a Qwen3-VL.
+    assert sum(re.fullmatch(r"\(\d{1,4}, \d{1,4}\)", r["prediction"]) is not None for r in rows) >= 0.95 * len(rows)
 
 
 def test_adapter_loads_with_peft_and_log_has_every_field(demo_workdir):
@@ -68,6 +90,14 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
     assert "<script" not in page and 'src="http' not in page  # self-contained: images inline
     results = (report / "results.csv").read_text().splitlines()
     assert results[0].startswith("experiment,stage,split,accuracy,loss")
-    assert len(results) == 1 + 2 * (len(EXPERIMENT_STAGES) + 1)  # val and test, base included
+    # The shapes' stages and base model on val and test; the click stage and base model on test.
+    assert len(results) == 1 + 2 * (len(EXPERIMENT_STAGES) - 1 + 1) + 2
+    # Each stage beside the base model on its own dataset: the click stage beside base/screens.
+    table = {tuple(row.split(",")[:3]): row for row in results[1:]}
+    header = results[0].split(",")
+    for experiment, stage in EXPERIMENT_STAGES:
+        row = dict(zip(header, table[experiment, stage, "test"].split(",")))
+        base = metrics(demo_workdir, "base", base_stage_of(experiment), "test")["accuracy"]
+        assert float(row["base_accuracy"]) == base, (experiment, stage)  # pandas writes floats that read back exactly
     jobs = (report / "jobs.csv").read_text().splitlines()
     assert len(jobs) == 1 + len(EXPERIMENT_STAGES) and "wall_time_s" in jobs[0]

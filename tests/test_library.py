@@ -59,6 +59,19 @@ def test_click_example_config_is_valid_and_its_base_model_is_asked_for_clicks():
     ]
 
 
+def test_base_model_is_evaluated_on_each_dataset_in_its_format():
+    """The demo trains on two datasets: the base model answers the shapes (the defaults' dataset,
+    stage `base`) directly and the screens (stage `screens`) with clicks."""
+    config = resolve_config(yaml.safe_load((REPO / "config/config.yaml").read_text()))
+    plan = build_plan(config)
+    base = [(stage, split) for experiment, stage, split in plan.evaluations() if experiment == "base"]
+    assert base == [("base", "test"), ("base", "val"), ("screens", "test")]
+    shapes, screens = (plan.eval_settings("base", stage, config["evaluation"]) for stage in ("base", "screens"))
+    assert (shapes["dataset"], shapes["answer_format"]) == ("shapes", "final")
+    assert (screens["dataset"], screens["answer_format"]) == ("screens", "click")
+    assert screens == plan.eval_settings("click", "main", config["evaluation"])
+
+
 @pytest.mark.parametrize(
     "prediction,reference,correct",
     [

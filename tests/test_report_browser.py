@@ -53,14 +53,19 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     page = demo_workdir / "results/report/index.html"
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
-    # Two charts and three tables, then the examples: per evaluation (the base model and 8 stages, on
-    # val and test) a table of its first 3 right and 3 wrong answers, each with its image.
+    # Two charts and three tables, then the examples: per evaluation (the base model and 8 stages on
+    # the shapes' val and test, the base model and the click stage on the screens' test: 20) a table
+    # of its first 3 right and 3 wrong answers, each with its image.
+    evaluations = 2 * (8 + 1) + 2
     sections = browser.find_elements("css selector", "details")
-    assert len(sections) == 18
+    assert len(sections) == evaluations
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
-    assert 18 * 3 <= len(example_rows) <= 18 * 6
+    assert evaluations * 3 <= len(example_rows) <= evaluations * 6
     assert len(browser.find_elements("css selector", "img")) == 2 + len(example_rows)
-    assert len(browser.find_elements("css selector", "table")) == 3 + 18
+    assert len(browser.find_elements("css selector", "table")) == 3 + evaluations
+    # The click stage's examples say which colour is which on their drawings.
+    click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
+    assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
 
 
 def test_a_broken_image_or_an_empty_table_is_found(browser, demo_workdir, tmp_path):

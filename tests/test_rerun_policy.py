@@ -120,6 +120,27 @@ def test_changed_dataset_content_reruns_that_split_and_everything_downstream(dem
     assert planned_outputs(demo_workdir) == set()
 
 
+def test_remaking_one_demo_dataset_reruns_what_uses_it_alone(demo_workdir):
+    """More screens: the screens are made again, and the click stage and the base model's clicks
+    follow; nothing that reads the shapes does."""
+
+    def edit(config):
+        config["demo"]["datasets"]["screens"]["sizes"]["train"] = 900
+
+    screens = {f"{R}/prepared/screens/{split}.jsonl" for split in ("train", "test")}
+    caches = {f"{R}/cache/images/screens/{split}/4096-16384" for split in ("train", "test")}
+    assert planned_outputs(demo_workdir, "--configfile", write_config(demo_workdir, edit)) == {
+        f"{R}/demo/screens/test.jsonl",  # the first of the job's outputs
+        *screens,
+        *caches,
+        f"{R}/train/click/main/adapter",
+        f"{R}/eval/click/main/test/predictions.jsonl",
+        f"{R}/eval/base/screens/test/predictions.jsonl",
+        f"{R}/report/index.html",
+        "rule:all",
+    }
+
+
 def test_editing_library_code_reruns_nothing(demo_workdir):
     for path in list((demo_workdir / "vlft").rglob("*.py")) + list((demo_workdir / "scripts").glob("*.py")):
         path.write_text(path.read_text() + "\n# edited\n")

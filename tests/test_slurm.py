@@ -92,7 +92,9 @@ def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
     cpu_jobs = (
         list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
     )
-    assert len(gpu_jobs) == 8 + 2 * 9 and len(cpu_jobs) == 3 + 3 + 1
+    # 9 stages; the evaluations of 8 of them and of the base model on val and test of the shapes,
+    # of the click stage and the base model on test of the screens. Shapes have 3 splits, screens 2.
+    assert len(gpu_jobs) == 9 + 2 * (8 + 1) + 2 and len(cpu_jobs) == 5 + 5 + 1
     placements = {log: placement(log) for log in gpu_jobs + cpu_jobs}
     for log in gpu_jobs:
         assert placements[log][1] in {"0", "1"}, f"{log}: a GPU job saw CUDA_VISIBLE_DEVICES={placements[log][1]}"
@@ -104,7 +106,15 @@ def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
 
 
 def test_slurm_output_of_each_job_lands_under_snakemake_slurm_logs(slurm_demo):
-    for rule in ("make_demo_dataset", "prepare_split", "cache_images", "train", "evaluate", "report"):
+    for rule in (
+        "make_demo_shapes",
+        "make_demo_screens",
+        "prepare_split",
+        "cache_images",
+        "train",
+        "evaluate",
+        "report",
+    ):
         outputs = list((slurm_demo / ".snakemake/slurm_logs" / f"rule_{rule}").rglob("*.log"))
         assert outputs, f"no SLURM output of rule {rule}"
     # The job's own output is in it too, with the SLURM job it ran as.

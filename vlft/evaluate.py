@@ -102,6 +102,7 @@ def evaluate_split(
         "wall_time_s": wall,
         "samples_per_s": len(predictions) / wall,
         "answer_format": settings["answer_format"],
+        "dataset": settings.get("dataset"),  # the base model's results are set beside a stage's by it
     }
     if settings["answer_format"] == "click":
         distances = [p["distance"] for p in predictions if p["distance"] is not None]

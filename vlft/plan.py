@@ -64,15 +64,25 @@ class Plan:
             chain.append(stage)
         return chain
 
+    def base_stage(self, dataset: str) -> str:
+        """The base model's "stage" on a dataset: `base` on the defaults' dataset, else the dataset's
+        name (so that a one-dataset study's paths stay results/eval/base/base/<split>)."""
+        return BASE_STAGE if dataset == self.defaults["dataset"] else dataset
+
+    def base_dataset(self, stage: str) -> str:
+        """The dataset of the base model's evaluation named `stage`: the inverse of base_stage."""
+        return self.defaults["dataset"] if stage == BASE_STAGE else stage
+
     def evaluations(self) -> list[tuple[str, str, str]]:
-        """(experiment, stage, split) for every trained stage and for the untrained base model."""
+        """(experiment, stage, split) for every trained stage, and for the untrained base model on
+        every split of every dataset that a stage is evaluated on."""
         jobs = []
-        base_splits = set()
+        base = set()
         for stage in self.stages.values():
             for split in stage.settings["eval_splits"]:
                 jobs.append((stage.experiment, stage.name, split))
-                base_splits.add(split)
-        jobs += [(BASE_EXPERIMENT, BASE_STAGE, split) for split in sorted(base_splits)]
+                base.add((self.base_stage(stage.settings["dataset"]), split))
+        jobs += [(BASE_EXPERIMENT, stage, split) for stage, split in sorted(base)]
         return jobs
 
     def resources(self, experiment: str, stage: str) -> dict:
@@ -82,9 +92,12 @@ class Plan:
     def eval_settings(self, experiment: str, stage: str, evaluation: dict) -> dict:
         """Everything an evaluation depends on: its stage's data and format, and the eval options."""
         if experiment == BASE_EXPERIMENT:
-            # The base model answers directly: clicks where the study's stages click, else the final answer.
-            answer_format = "click" if self.defaults["answer_format"] == "click" else "final"
-            source = dict(self.defaults, answer_format=answer_format)
+            # The base model answers directly: clicks on a dataset whose stages click, else the final answer.
+            dataset = self.base_dataset(stage)
+            clicks = any(
+                s.settings["answer_format"] == "click" for s in self.stages.values() if s.settings["dataset"] == dataset
+            )
+            source = dict(self.defaults, dataset=dataset, answer_format="click" if clicks else "final")
         else:
             source = self.stage(experiment, stage).settings
         keys = ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")
@@ -118,6 +131,9 @@ def build_plan(config: dict) -> Plan:
                 f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})"
             )
         defaults["dataset"] = next(iter(datasets))
+    if BASE_STAGE in datasets and defaults["dataset"] != BASE_STAGE:
+        # The base model's evaluations on a dataset other than the defaults' are named after it.
+        raise ConfigError(f"datasets.{BASE_STAGE}: the name is reserved unless it is the defaults' dataset")
     plan = Plan(defaults=defaults)
 
     for experiment, spec in config.get("experiments", {}).items():
@@ -141,7 +157,21 @@ def build_plan(config: dict) -> Plan:
 
     for stage in plan.stages.values():
         _check_init_from(plan, stage)
+    _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
     return plan
+
+
+def _check_demo(demo_datasets: dict, datasets: dict) -> None:
+    """A demo dataset is built where its entry under `datasets` points, one records file per split."""
+    for name, demo in demo_datasets.items():
+        if name not in datasets:
+            known = ", ".join(sorted(datasets)) or "none"
+            raise ConfigError(f"demo.datasets.{name}: not a dataset of the config (it defines: {known})")
+        if set(demo["sizes"]) != set(datasets[name]["splits"]):
+            raise ConfigError(
+                f"demo.datasets.{name}.sizes: must give a size for each split of datasets.{name} "
+                f"({', '.join(sorted(datasets[name]['splits']))}), and for no other"
+            )
 
 
 def _check_data(settings: dict, datasets: dict, key: str) -> None:

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from vlft.files import atomic_path, read_jsonl  # noqa: E402
-from vlft.plan import BASE_EXPERIMENT  # noqa: E402
+from vlft.plan import BASE_EXPERIMENT, BASE_STAGE  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ def collect(
                 "loss": metrics["loss"],
                 "n": metrics["n"],
                 "answer_format": metrics["answer_format"],
+                # Older metrics lack it: one dataset, then.
+                "dataset": metrics.get("dataset") or "",
                 "eval_wall_time_s": metrics["wall_time_s"],
                 # Clicks only: answers without a point, and the mean distance over the diagonal.
                 **{k: metrics[k] for k in ("unparseable", "mean_distance") if k in metrics},
@@ -61,16 +63,24 @@ def collect(
         )
         for category, accuracy in metrics["accuracy_by_category"].items():
             category_rows.append(
-                {"experiment": experiment, "stage": stage, "split": split, "category": category, "accuracy": accuracy}
+                {
+                    "experiment": experiment,
+                    "stage": stage,
+                    "split": split,
+                    "dataset": rows[-1]["dataset"],
+                    "category": category,
+                    "accuracy": accuracy,
+                }
             )
     results = pd.DataFrame(rows)
-    base = results[results.experiment == BASE_EXPERIMENT].set_index("split")["accuracy"]
-    results["base_accuracy"] = results["split"].map(base)
+    # Each job beside the base model on the same split of the same dataset.
+    base = results[results.experiment == BASE_EXPERIMENT].set_index(["dataset", "split"])["accuracy"]
+    results["base_accuracy"] = [base.get((d, s)) for d, s in zip(results["dataset"], results["split"])]
     results["gain_over_base"] = results["accuracy"] - results["base_accuracy"]
     results = results.sort_values(["experiment", "stage", "split"]).reset_index(drop=True)
     categories = (
         pd.DataFrame(category_rows)
-        .pivot_table(index=["experiment", "stage", "split"], columns="category", values="accuracy")
+        .pivot_table(index=["experiment", "stage", "split", "dataset"], columns="category", values="accuracy")
         .reset_index()
         .rename_axis(columns=None)  # else the page shows the pivot's "category" as an empty column
     )
@@ -113,14 +123,16 @@ def loss_curves(stages: list[TrainedStage], path: Path) -> str:
 
 
 def category_chart(categories: pd.DataFrame, path: Path) -> str:
-    """Accuracy by category of every job, one panel per evaluated split."""
-    splits = sorted(categories.split.unique())
-    fig, axes = plt.subplots(len(splits), 1, figsize=(9, 4.5 * len(splits)), squeeze=False)
-    for split, ax in zip(splits, axes[:, 0]):
-        table = categories[categories.split == split].copy()
+    """Accuracy by category of every job, one panel per evaluated split of each dataset (whose
+    categories are its own)."""
+    panels = sorted(categories.groupby(["dataset", "split"]).groups)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 4.5 * len(panels)), squeeze=False)
+    for (dataset, split), ax in zip(panels, axes[:, 0]):
+        table = categories[(categories.dataset == dataset) & (categories.split == split)].copy()
         table.index = table.experiment + "/" + table.stage
-        table.drop(columns=["experiment", "stage", "split"]).plot.bar(ax=ax, width=0.8)
-        ax.set_ylabel(f"accuracy on {split}")
+        table = table.drop(columns=["experiment", "stage", "split", "dataset"]).dropna(axis=1, how="all")
+        table.plot.bar(ax=ax, width=0.8)
+        ax.set_ylabel(f"accuracy on {dataset} {split}".replace("  ", " "))
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=8, title="category")
         ax.grid(axis="y", alpha=0.3)
@@ -249,8 +261,8 @@ tr.wrong td:last-child {{ color: #b00; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>Experiment report</h1>
-<p>Every trained stage on every evaluated split, beside the untrained base model (experiment <code>{BASE_EXPERIMENT}</code>) on the same split.
-Accuracy compares the final answer parsed out of each generated answer with the reference's.</p>
+<p>Every trained stage on every evaluated split, beside the untrained base model (experiment <code>{BASE_EXPERIMENT}</code>) on the same split of the same dataset (its stage is <code>{BASE_STAGE}</code> on the defaults' dataset, else the dataset's name).
+Accuracy compares the final answer parsed out of each generated answer with the reference's; for a click stage, it is whether the point answered lands in the target's box.</p>
 <h2>Results</h2>{table_html(results)}
 <h2>Accuracy by category</h2>{table_html(categories)}
 <img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">

@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlft.demo.shapes import corpus
+from vlft.demo import screens, shapes
 from vlft.files import atomic_path
 
 SPECIAL_TOKENS = [
@@ -45,14 +45,14 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the demo's texts: any text still encodes, byte by byte."""
+    """Byte-level BPE trained on the demo's texts (both datasets): any text still encodes, byte by byte."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    bpe.train_from_iterator(corpus() + ["user", "assistant", "system"], trainer)
+    bpe.train_from_iterator(shapes.corpus() + screens.corpus() + ["user", "assistant", "system"], trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
@@ -137,6 +137,10 @@ def make_tiny_model(
     # norm, caps every logit near 2.5, so no adapter could fit even one answer. Scale it up.
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
+        # Likewise a random vision tower's learned position embeddings (0.02 scale) are some 25x
+        # smaller than its patch embeddings of the pixels: where a thing is would be all but lost.
+        if family == "qwen3_vl":
+            model.model.visual.pos_embed.weight.mul_(25.0)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     processor = Qwen2VLImageProcessorPil(

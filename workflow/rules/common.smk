@@ -26,7 +26,8 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 RESULTS = config["results"]
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
-DEMO_DATASET = config.get("demo", {}).get("dataset", {}).get("name")
+# The datasets the demo builds, by name: {kind, sizes, seed}.
+DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
 
 
 wildcard_constraints:
@@ -72,7 +73,7 @@ def get_raw_split(wildcards):
     """The raw records of a split and every image they name, so that changed content reruns it."""
     dataset = config["datasets"][wildcards.dataset]
     records = dataset["splits"][wildcards.split]
-    if wildcards.dataset == DEMO_DATASET:
+    if wildcards.dataset in DEMO_DATASETS:
         # The demo's images are made with its records, by one job: their directory stands for them.
         return {"records": records, "images": dataset["image_root"]}
     images = image_paths(records, dataset["image_root"]) if Path(records).exists() else []
@@ -169,11 +170,16 @@ def get_init_adapter_arg(wildcards, input):
     return f"--init-adapter {input.init_adapter}" if "init_adapter" in input.keys() else ""
 
 
+def report_jobs():
+    """The evaluations and trained stages the report shows, sorted: the order of experiments in
+    the config file is no change to the report."""
+    return sorted(PLAN.evaluations()), sorted(PLAN.stages.values(), key=lambda s: s.id)
+
+
 def get_report_inputs(wildcards):
     """Each evaluation's metrics, predictions and prepared split (for the examples' images), and each
     stage's summary and log, in the order of the labels below."""
-    stages = PLAN.stages.values()
-    evaluations = PLAN.evaluations()
+    evaluations, stages = report_jobs()
     return {
         "metrics": [eval_path(*job, "metrics.json") for job in evaluations],
         "predictions": [eval_path(*job, "predictions.jsonl") for job in evaluations],
@@ -188,7 +194,8 @@ def get_report_inputs(wildcards):
 
 def get_report_labels(wildcards):
     """What the report's inputs are of: experiment/stage/split per evaluation, experiment/stage per stage."""
+    evaluations, stages = report_jobs()
     return {
-        "evaluations": " ".join("/".join(job) for job in PLAN.evaluations()),
-        "stages": " ".join(PLAN.stages),
+        "evaluations": " ".join("/".join(job) for job in evaluations),
+        "stages": " ".join(s.id for s in stages),
     }

@@ -1,24 +1,28 @@
-# The built-in demo: a synthetic dataset and a tiny Qwen3-VL, made here, so the same DAG runs with no downloads.
+# The built-in demo: synthetic datasets and a tiny Qwen3-VL, made here, so the same DAG runs with no downloads.
 
+# One rule a demo dataset (make_demo_<name>): changing one dataset's sizes remakes that one alone.
+for demo_name, demo_spec in DEMO_DATASETS.items():
 
-rule make_demo_dataset:
-    output:
-        records=[config["datasets"][DEMO_DATASET]["splits"][s] for s in config["demo"]["dataset"]["sizes"]],
-        images=directory(config["datasets"][DEMO_DATASET]["image_root"]),
-    log:
-        f"{RESULTS}/logs/make_demo_dataset.log",
-    resources:
-        mem_mb=2000,
-        runtime=10,
-    params:
-        # Sorted: the order of keys in the YAML file is not a change.
-        sizes=" ".join(f"{k}={v}" for k, v in sorted(config["demo"]["dataset"]["sizes"].items())),
-        records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][DEMO_DATASET]["splits"].items())),
-        seed=config["demo"]["dataset"]["seed"],
-    shell:
-        "python scripts/make_demo_dataset.py --image-root {output.images:q} --records {params.records} "
-        "--sizes {params.sizes} "
-        "--seed {params.seed} 2>&1 | tee {log:q}"
+    rule:
+        name:
+            f"make_demo_{demo_name}"
+        output:
+            records=[config["datasets"][demo_name]["splits"][s] for s in sorted(demo_spec["sizes"])],
+            images=directory(config["datasets"][demo_name]["image_root"]),
+        log:
+            f"{RESULTS}/logs/make_demo_{demo_name}.log",
+        resources:
+            mem_mb=2000,
+            runtime=10,
+        params:
+            kind=demo_spec["kind"],
+            # Sorted: the order of keys in the YAML file is not a change.
+            sizes=" ".join(f"{k}={v}" for k, v in sorted(demo_spec["sizes"].items())),
+            records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][demo_name]["splits"].items())),
+            seed=demo_spec.get("seed", 0),
+        shell:
+            "python scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
+            "--records {params.records} --sizes {params.sizes} --seed {params.seed} 2>&1 | tee {log:q}"
 
 
 rule make_tiny_model:
