@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from vlft.files import atomic_path, write_jsonl
+from vlft.demo import write_splits
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 30)}
 LABELS = ("OK", "Save", "Open", "Send", "Undo", "Help")
@@ -64,20 +64,7 @@ def make_screen(index: int, rng: random.Random) -> tuple[dict, Image.Image]:
 
 def make_dataset(splits: dict[str, str | Path], image_root: str | Path, sizes: dict[str, int], seed: int) -> None:
     """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at all."""
-    records_by_split = {}
-    with atomic_path(image_root) as tmp:
-        for split_index, split in enumerate(sorted(sizes)):
-            rng = random.Random(seed * 1000 + split_index)
-            (tmp / split).mkdir(parents=True)
-            records = []
-            for index in range(sizes[split]):
-                record, image = make_screen(index, rng)
-                record["image"] = f"{split}/{record['image']}"
-                image.save(tmp / record["image"])
-                records.append(record)
-            records_by_split[split] = records
-    for split, records in records_by_split.items():
-        write_jsonl(splits[split], records)
+    write_splits(make_screen, splits, image_root, sizes, seed)
 
 
 def corpus() -> list[str]:

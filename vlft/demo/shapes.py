@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from vlft.files import atomic_path, write_jsonl
+from vlft.demo import write_splits
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -74,20 +74,13 @@ def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Im
 
 def make_dataset(splits: dict[str, str | Path], image_root: str | Path, sizes: dict[str, int], seed: int) -> None:
     """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at all."""
-    records_by_split = {}
-    with atomic_path(image_root) as tmp:
-        for split_index, split in enumerate(sorted(sizes)):
-            rng = random.Random(seed * 1000 + split_index)
-            (tmp / split).mkdir(parents=True)
-            records = []
-            for index in range(sizes[split]):
-                record, image = make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng)
-                record["image"] = f"{split}/{record['image']}"
-                image.save(tmp / record["image"])
-                records.append(record)
-            records_by_split[split] = records
-    for split, records in records_by_split.items():
-        write_jsonl(splits[split], records)
+    write_splits(
+        lambda index, rng: make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng),
+        splits,
+        image_root,
+        sizes,
+        seed,
+    )
 
 
 def corpus() -> list[str]:
