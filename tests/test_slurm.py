@@ -66,7 +66,9 @@ def slurm_demo(slurm_cluster, tmp_path_factory):
 def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workdir):
     local = sorted(p.relative_to(demo_workdir) for p in (demo_workdir / "results/eval").rglob("metrics.json"))
     through_slurm = sorted(p.relative_to(slurm_demo) for p in (slurm_demo / "results/eval").rglob("metrics.json"))
-    assert through_slurm == local and len(local) == 2 * 9  # val and test of the base model and 8 stages
+    # Val and test of the base model and 8 stages on the shapes; test of the base model and the
+    # click stage on the screens.
+    assert through_slurm == local and len(local) == 2 * (8 + 1) + 2
     # The same jobs on the same machine with the same threads (site_profile): the same float
     # operations in the same order, so the same results to the last bit.
     for path in local:
