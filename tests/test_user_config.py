@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 
+import yaml
+
 from conftest import copy_workflow, planned_outputs, snakemake
 from vlft.config import load_schema
 
@@ -72,9 +74,13 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
 
 def test_without_a_config_file_the_demo_runs(tmp_path):
     workdir = copy_workflow(tmp_path / "clone")
+    demo_stages = sum(
+        len(e["stages"]) for e in yaml.safe_load((workdir / "config/config.yaml").read_text())["experiments"].values()
+    )
     planned = planned_outputs(workdir)
-    assert "results/demo/tiny-qwen3-vl" in planned and len([p for p in planned if p.startswith("results/train/")]) == 8
+    assert "results/demo/tiny-qwen3-vl" in planned
+    assert len([p for p in planned if p.startswith("results/train/")]) == demo_stages == 9
     # --config on its own edits the demo rather than replacing it.
     planned = planned_outputs(workdir, "--config", "results=elsewhere")
     assert "results/demo/tiny-qwen3-vl" in planned  # model.path, a key of its own, stays the demo's
-    assert len([p for p in planned if p.startswith("elsewhere/train/")]) == 8
+    assert len([p for p in planned if p.startswith("elsewhere/train/")]) == demo_stages
