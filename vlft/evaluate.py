@@ -16,6 +16,7 @@ from vlft.answers import final_answer, is_correct
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
+from vlft.generation import Request, greedy_answers
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import StageData, load_stage_data
@@ -31,7 +32,11 @@ def evaluate_split(
     predictions_out: str | Path,
     metrics_out: str | Path,
     trust_remote_code: bool = False,
+    answer_lengths: dict[str, int] | None = None,
+    stats: dict | None = None,
 ) -> dict:
+    """`answer_lengths` (for benchmarks) stops each answer after this many tokens, by record id, as if
+    the model had ended it there; `stats`, where given, gets the generation's timings."""
     started = time.time()
     group = distributed.join()
     device, dtype = pick_device()
@@ -54,28 +59,61 @@ def evaluate_split(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
     batch_size = settings["batch_size"]
-    answered = []  # (first record's index, its batch's predictions, loss sum, answer tokens)
+    losses, mine = [], []  # (first record's index, loss sum, answer tokens) of each of this process's batches
     for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
         records = data.records[start : start + batch_size]
-        samples = [data.samples[r["key"]] for r in records]
-
         # Loss of the reference answer, in the format the stage was trained on.
-        batch = collate(samples, data.images, builder, pad_id, rope_index=rope_index(model))
+        batch = collate(
+            [data.samples[r["key"]] for r in records], data.images, builder, pad_id, rope_index=rope_index(model)
+        )
         loss, tokens = answer_loss_sum(model, to_device(batch, device, dtype))
+        losses.append((start, loss.item(), tokens))
+        mine += range(start, start + len(records))
 
-        prompts = collate(samples, data.images, builder, pad_id, left_pad=True, prompt_only=True)
-        prompts = {k: v for k, v in to_device(prompts, device, dtype).items() if k not in NOT_MODEL_INPUTS}
-        generated = model.generate(
-            **prompts,
-            max_new_tokens=settings["max_new_tokens"],
-            do_sample=False,
-            eos_token_id=builder.end_of_turn,
-            pad_token_id=pad_id,
+    # Greedy answers of this process's records, batch_size of them at a time (vlft.generation).
+    texts = {}
+    max_new_tokens = settings["max_new_tokens"]
+    stops = answer_lengths or {}
+
+    def requests():
+        for index in mine:
+            record = data.records[index]
+            prompt = collate(
+                [data.samples[record["key"]]],
+                data.images,
+                builder,
+                pad_id,
+                prompt_only=True,
+                rope_index=rope_index(model),
+            )
+            prompt = to_device(prompt, device, dtype)
+            positions = prompt.pop("position_ids")
+            inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
+            yield Request(index, inputs, positions, min(max_new_tokens, stops.get(record["id"], max_new_tokens)))
+
+    if mine:
+        longest = max(data.samples[data.records[i]["key"]].prompt_length for i in mine) + max_new_tokens
+        greedy_answers(
+            model,
+            requests(),
+            slots=min(batch_size, len(mine)),
+            end_id=builder.end_of_turn,
+            max_length=longest,
+            on_answer=lambda index, ids: texts.__setitem__(index, tokenizer.decode(ids, skip_special_tokens=True)),
+            stats=stats,
         )
-        texts = tokenizer.batch_decode(generated[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
-        answered.append(
-            (start, [_prediction(record, text, data) for record, text in zip(records, texts)], loss.item(), tokens)
+    answered = [
+        (
+            start,
+            [
+                _prediction(data.records[i], texts[i], data)
+                for i in range(start, min(start + batch_size, len(data.records)))
+            ],
+            loss,
+            tokens,
         )
+        for start, loss, tokens in losses
+    ]
 
     if group.size > 1:
         answered = [batch for part in distributed.gathered(answered) for batch in part]

@@ -1,0 +1,299 @@
+"""Evaluation speed, ours against transformers' `generate`, on one GPU, same workload, same model.
+
+    python benchmarks/eval_speed.py --arch qwen3-vl-8b qwen3-vl-2b --work /tmp/bench --out benchmarks/results
+
+The workload is the training benchmark's (benchmarks/train_speed.py): JPEGs of 720x576 to 1920x1080
+(about 1,300 image tokens at the largest) and answers of 20 to 400 tokens; each sample's answer
+stops after its own length on both sides (as if the model had ended it there), so that a batching
+strategy is judged on the lengths of a chain-of-thought study. Random-weight Qwen3-VL models, bf16.
+
+(a) reference: `model.generate`, the image processor applied per batch to the JPEG files,
+    left-padded batches of 32, greedy, as a researcher's evaluation script does;
+(b) ours: vlft.evaluate.evaluate_split, the code the `evaluate` rule runs, from the pixel cache.
+
+Reports generated tokens/s, samples/s, seconds per decode step beside the bandwidth bound (the
+language model's weights and the batch's KV cache read once a step, over a copy bandwidth measured
+in the same run), prefill time, peak memory, ours/reference and the share of identical answers.
+Writes benchmarks/results/eval-<archs>-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, make_workload  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from vlft.files import read_jsonl  # noqa: E402
+from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
+from vlft.prompts import PromptBuilder  # noqa: E402
+from vlft.records import prepare_split  # noqa: E402
+
+REFERENCE_BATCH = 32
+
+
+def copy_bandwidth() -> float:
+    """Bytes a second the GPU reads plus writes in a large device-to-device copy."""
+    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(20):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    return 2 * source.numel() * 20 / (time.perf_counter() - began)
+
+
+class StopEach:
+    """A stopping criterion for `generate`: row i is done after its own number of new tokens."""
+
+    def __init__(self, prompt_width: int, lengths: list[int]):
+        self.prompt_width, self.lengths = prompt_width, torch.tensor(lengths, device="cuda")
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.prompt_width) >= self.lengths
+
+
+class StepClock:
+    """A logits processor that only reads the clock: its first call ends the prefill, each later
+    call ends a decode step (generate synchronizes every step for its stopping checks anyway)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_reference(model, records, image_processor, builder, pad_id, lengths) -> dict:
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    answers, prefill_s, decode_s, steps, busy_rows = {}, 0.0, 0.0, 0, 0
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for start in range(0, len(records), REFERENCE_BATCH):
+        batch = records[start : start + REFERENCE_BATCH]
+        images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
+        vision = image_processor(
+            images=images, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, return_tensors="pt"
+        )
+        merge = image_processor.merge_size**2
+        prompts = [
+            builder.sample(r["id"], r["question"], r["answer"], int(g.prod()) // merge, 8192).input_ids
+            for r, g in zip(batch, vision["image_grid_thw"])
+        ]
+        prompts = [ids[: builder.prompt_length(ids)] for ids in prompts]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(batch), width), pad_id)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        limits = [lengths[r["id"]] for r in batch]
+        clock = StepClock()
+        batch_began = time.perf_counter()
+        generated = model.generate(
+            input_ids=input_ids.cuda(),
+            attention_mask=attention.cuda(),
+            mm_token_type_ids=builder.mm_token_type_ids(input_ids).cuda(),
+            pixel_values=vision["pixel_values"].cuda().to(torch.bfloat16),
+            image_grid_thw=vision["image_grid_thw"].cuda(),
+            max_new_tokens=max(limits),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock]),
+            stopping_criteria=StoppingCriteriaList([StopEach(width, limits)]),
+        )
+        prefill_s += clock.times[0] - batch_began
+        decode_s += clock.times[-1] - clock.times[0]
+        steps += len(clock.times) - 1
+        for step in range(1, len(clock.times)):
+            busy_rows += sum(limit > step for limit in limits)
+        for row, r in enumerate(batch):
+            answers[r["id"]] = generated[row, width : width + limits[row]].tolist()
+    torch.cuda.synchronize()
+    return {
+        "wall_s": time.perf_counter() - began,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_steps": steps,
+        "busy_rows": busy_rows,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "answers": answers,
+    }
+
+
+def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, tokenizer) -> dict:
+    from vlft.evaluate import evaluate_split
+
+    settings = {
+        "dataset": "bench",
+        "answer_format": "cot",
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS,
+        "max_seq_len": 8192,
+        "max_new_tokens": max(lengths.values()),
+        "batch_size": batch_size,
+    }
+    stats = {}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    out = work / f"ours-{batch_size}"
+    metrics = evaluate_split(
+        str(model_dir),
+        None,
+        str(work / "prepared.jsonl"),
+        str(work / "pixels"),
+        settings,
+        out / "predictions.jsonl",
+        out / "metrics.json",
+        answer_lengths=lengths,
+        stats=stats,
+    )
+    # The answers' ids again from their text would not be exact: evaluate_split records them as text.
+    return {"wall_s": metrics["wall_time_s"], "peak_gib": torch.cuda.max_memory_allocated() / 2**30, **stats}
+
+
+def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float, prompts) -> dict:
+    tokens = sum(lengths.values())
+    steps = run["decode_steps"]
+    mean_rows = run["busy_rows"] / max(steps, 1)
+    # The bound at the batch it runs: weights once, plus each busy row's prompt and half its answer.
+    context = sum(prompts.values()) / len(prompts) + sum(lengths.values()) / len(lengths) / 2
+    bound = (weight_bytes + mean_rows * context * kv_bytes_per_token) / bandwidth
+    step_s = run["decode_s"] / max(steps, 1)
+    return {
+        "generated_tokens_per_s": tokens / run["wall_s"],
+        "samples_per_s": len(lengths) / run["wall_s"],
+        "decode_step_s": step_s,
+        "bound_step_s": bound,
+        "step_over_bound": step_s / bound,
+        "mean_busy_rows": mean_rows,
+        "prefill_s": run["prefill_s"],
+        "decode_s": run["decode_s"],
+        "wall_s": run["wall_s"],
+        "peak_gib": run["peak_gib"],
+    }
+
+
+def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    work = args.work / arch
+    work.mkdir(parents=True, exist_ok=True)
+    raw = make_workload(work, args.samples, tokenizer)
+    prepare_split(raw, work / "images", work / "prepared.jsonl")
+    records = read_jsonl(work / "prepared.jsonl")
+    builder = PromptBuilder(tokenizer, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    lengths = {r["id"]: len(builder.answer_ids(r["answer"])) for r in records}
+
+    model = build_model(arch, tokenizer, "cuda").eval()
+    text = model.model.language_model
+    config = text.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in text.parameters()) + model.lm_head.weight.nbytes
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    vision = model.config.vision_config
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+    model_dir = work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor.save_pretrained(model_dir)
+    build_image_cache(
+        work / "prepared.jsonl",
+        work / "pixels",
+        PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
+        threads=16,
+    )
+
+    result = {"arch": arch, "samples": len(records), "answer_tokens": sum(lengths.values())}
+    with torch.no_grad():
+        reference = run_reference(model, records, image_processor, builder, tokenizer.pad_token_id, lengths)
+    prompts = {}  # prompt tokens by id, from the reference's prompts
+    del model
+    torch.cuda.empty_cache()
+    ours_runs = {}
+    for batch_size in args.batch_sizes:
+        ours_runs[batch_size] = run_ours(work, model_dir, lengths, batch_size, tokenizer)
+    predictions = {b: read_jsonl(work / f"ours-{b}/predictions.jsonl") for b in args.batch_sizes}
+    prompts = {r["id"]: len(builder.prompt_ids(r)) if hasattr(builder, "prompt_ids") else 1300 for r in records}
+    result["reference"] = summarize(reference, lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
+    for batch_size, run in ours_runs.items():
+        summary = summarize(run, lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
+        summary["over_reference"] = summary["generated_tokens_per_s"] / result["reference"]["generated_tokens_per_s"]
+        texts = {p["id"]: p["prediction"] for p in predictions[batch_size]}
+        same = sum(
+            tokenizer.decode(ids, skip_special_tokens=True).strip() == texts[i]
+            for i, ids in reference["answers"].items()
+        )
+        summary["identical_answers"] = same / len(records)
+        result[f"ours@{batch_size}"] = summary
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", nargs="+", default=["qwen3-vl-8b", "qwen3-vl-2b"])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-eval-bench"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128], help="ours' concurrent sequences")
+    parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tokenizer = make_tokenizer()
+    bandwidth = copy_bandwidth()
+    results = {"bandwidth_gb_s": bandwidth / 1e9, "archs": []}
+    for arch in args.arch:
+        results["archs"].append(bench_arch(arch, args, tokenizer, bandwidth))
+        torch.cuda.empty_cache()
+
+    commit = args.commit or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    device = torch.cuda.get_device_name()
+    results |= {"device": device, "date": datetime.date.today().isoformat(), "commit": commit}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"eval-{'+'.join(args.arch)}-{device.replace(' ', '_')}-{results['date']}.json"
+    (args.out / name).write_text(json.dumps(results, indent=2))
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device}, commit {commit}")
+    header = f"{'arch':14} {'run':10} {'tok/s':>8} {'smp/s':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7} {'rows':>6} {'prefill s':>9} {'GiB':>6} {'x ref':>6} {'same':>5}"
+    print(header)
+    for arch in results["archs"]:
+        for run, r in arch.items():
+            if not isinstance(r, dict):
+                continue
+            print(
+                f"{arch['arch']:14} {run:10} {r['generated_tokens_per_s']:8.0f} {r['samples_per_s']:7.2f} "
+                f"{r['decode_step_s'] * 1e3:8.1f} {r['bound_step_s'] * 1e3:8.1f} {r['step_over_bound']:7.1f} "
+                f"{r['mean_busy_rows']:6.1f} {r['prefill_s']:9.1f} {r['peak_gib']:6.1f} "
+                f"{r.get('over_reference', 1):6.2f} {r.get('identical_answers', 1):5.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Greedy generation for evaluation: continuous batching over a KV cache allocated once.
+
+`model.generate` pads a batch to its longest prompt, grows its KV cache by concatenation at every
+step, and keeps the batch together until its longest answer ends, so that short answers wait for
+long ones. Here instead:
+
+- the KV cache has `slots` rows, each as long as the longest prompt plus answer, allocated once;
+- a prompt is prefilled alone (no padding) by the model's own forward, vision tower and all, and
+  its keys and values are copied into a free row;
+- each decode step runs the language model's own layers on one token of every row, each row
+  attending to its own length and at its own text position (past the image's M-RoPE positions);
+- a row whose answer ends (end of turn, or its sample's token limit) takes the next prompt before
+  the next step.
+
+The model's layers do all the arithmetic; this module owns only the cache, the mask and the
+schedule, so that the answers are the ones `generate` gives, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from transformers import AttentionInterface
+
+DECODE_ATTENTION = "vlft_slot_decode"
+
+
+@dataclass
+class Request:
+    key: int  # the caller's name for the answer
+    inputs: dict  # the prompt of one sample as model inputs: input_ids (1 x L), pixel_values, ...
+    positions: torch.Tensor  # its M-RoPE positions (3 x 1 x L)
+    max_new_tokens: int
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences, each up to `length` tokens, for every layer.
+
+    A decode step writes one token of each row at that row's own position (`write_at`) and
+    attends over the whole row through a mask of its length: what the model's attention layers
+    call as `past_key_values.update`.
+    """
+
+    def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, device, dtype):
+        shape = (slots, heads, length, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.rows = torch.arange(slots, device=device)
+        self.write_at = torch.zeros(slots, dtype=torch.long, device=device)
+
+    def fill(self, slot: int, prefilled) -> None:
+        """Copy one prefilled sequence's keys and values (a transformers cache) into row `slot`."""
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            source = prefilled.layers[layer]
+            length = source.keys.shape[2]
+            keys[slot, :, :length] = source.keys[0]
+            values[slot, :, :length] = source.values[0]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.keys[layer_idx][self.rows, :, self.write_at] = key_states[:, :, 0]
+        self.values[layer_idx][self.rows, :, self.write_at] = value_states[:, :, 0]
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """One new token of each row against its row of the cache, for a GPU's decode step.
+
+    transformers' SDPA path, given a mask, first repeats every key and value head for each of the
+    query heads that share it (4x the cache's bytes for Qwen3-VL-8B) on CUDA; here each group of
+    query heads meets its shared head in one matmul, so the cache is read once.
+    """
+    rows, query_heads, _, head_dim = query.shape
+    key_heads = key.shape[1]
+    grouped = query.view(rows, key_heads, query_heads // key_heads, head_dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # rows x heads x group x length
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    output = torch.matmul(weights, value)  # rows x heads x group x head_dim
+    return output.view(rows, query_heads, 1, head_dim).transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
+def language_model(model):
+    """The decoder stack of a Qwen-VL model (its embeddings, layers and final norm)."""
+    return model.model.language_model
+
+
+class DecodeStep:
+    """One greedy token for every row of the cache: eagerly on a CPU (through the model's own
+    attention, as `generate` runs it), replayed as one CUDA graph on a GPU (through
+    decode_attention), so that a step costs one launch instead of some ten per layer."""
+
+    def __init__(self, model, cache: SlotCache):
+        self.model, self.cache = model, cache
+        self.text = language_model(model)
+        device = cache.rows.device
+        slots, length = cache.keys[0].shape[0], cache.keys[0].shape[2]
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each row's latest token
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # its next text position
+        self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
+        self.columns = torch.arange(length, device=device)
+        self.graph = None
+        if device.type == "cuda":
+            self.graph = self._capture()
+
+    def _run(self) -> None:
+        mask = self.columns[None, :] <= self.cache.write_at[:, None]
+        slots = self.tokens.shape[0]
+        # Text tokens after the image: all three M-RoPE components at the same position.
+        positions = self.positions.view(1, slots, 1).expand(3, slots, 1)
+        hidden = self.text(
+            input_ids=self.tokens[:, None],
+            attention_mask=mask[:, None, None, :],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).last_hidden_state
+        self.chosen.copy_(self.model.lm_head(hidden[:, -1]).argmax(-1))
+
+    def _capture(self):
+        config = self.text.config
+        eager = config._attn_implementation
+        config._attn_implementation = DECODE_ATTENTION
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up: kernels chosen, workspaces allocated
+                    self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._run()
+        finally:
+            config._attn_implementation = eager
+        return graph
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        return self.chosen
+
+
+def greedy_answers(
+    model,
+    requests: Iterable[Request],
+    slots: int,
+    end_id: int,
+    max_length: int,
+    on_answer: Callable[[int, list[int]], None],
+    stats: dict | None = None,
+) -> None:
+    """Answer every request greedily, `slots` at a time; `on_answer(key, token_ids)` as each ends
+    (its ids end with `end_id` where the model said it, else at the request's token limit).
+    `max_length` bounds a request's prompt plus answer. `stats`, where given, gets the seconds spent
+    in prefills and in decode steps, the steps, and the rows busy over all steps (synchronizing the
+    device around each, which a benchmark can afford)."""
+    text = language_model(model)
+    config = text.config
+    weight = text.embed_tokens.weight
+    timer = _Timer(weight.device) if stats is not None else None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = SlotCache(
+        config.num_hidden_layers, slots, config.num_key_value_heads, max_length, head_dim, weight.device, weight.dtype
+    )
+    step = DecodeStep(model, cache)
+    active = torch.zeros(slots, dtype=torch.long, device=weight.device)  # 1 where a row answers
+    queue = deque(requests)
+    busy: list[Request | None] = [None] * slots
+    answers: list[list[int]] = [[] for _ in range(slots)]
+
+    def finished(slot: int) -> bool:
+        answer = answers[slot]
+        return answer[-1] == end_id or len(answer) >= busy[slot].max_new_tokens
+
+    while queue or any(busy):
+        for slot in range(slots):
+            while busy[slot] is None and queue:
+                request = queue.popleft()
+                timer and timer.start()
+                prefill = model(**request.inputs, position_ids=request.positions, use_cache=True, logits_to_keep=1)
+                first = int(prefill.logits[0, -1].argmax())
+                timer and timer.stop("prefill_s")
+                busy[slot], answers[slot] = request, [first]
+                if finished(slot):
+                    on_answer(request.key, answers[slot])
+                    busy[slot] = None
+                    continue
+                cache.fill(slot, prefill.past_key_values)
+                cache.write_at[slot] = request.inputs["input_ids"].shape[1]
+                step.tokens[slot] = first
+                step.positions[slot] = request.positions.max() + 1
+                active[slot] = 1
+                timer and timer.stop("prefill_s")
+        if not any(busy):
+            break
+
+        # One token of every row; idle rows compute on what they hold, and nothing reads it.
+        timer and timer.start()
+        chosen = step()
+        step.tokens.copy_(chosen)
+        cache.write_at += active
+        step.positions += active
+        chosen = chosen.tolist()
+        if timer:
+            timer.stop("decode_s")
+            timer.add("decode_steps", 1)
+            timer.add("busy_rows", sum(request is not None for request in busy))
+        for slot, token in enumerate(chosen):
+            if busy[slot] is None:
+                continue
+            answers[slot].append(token)
+            if finished(slot):
+                on_answer(busy[slot].key, answers[slot])
+                busy[slot] = None
+                active[slot], cache.write_at[slot] = 0, 0
+    if timer:
+        stats.update(timer.totals)
+
+
+class _Timer:
+    """Seconds between start and stop, summed by name, the device synchronized at each."""
+
+    def __init__(self, device):
+        self.device, self.totals, self.began = device, {}, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.began = self._now()
+
+    def stop(self, name: str) -> None:
+        self.add(name, self._now() - self.began)
+        self.began = self._now()
+
+    def add(self, name: str, amount) -> None:
+        self.totals[name] = self.totals.get(name, 0) + amount
