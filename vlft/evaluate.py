@@ -36,7 +36,8 @@ def evaluate_split(
     stats: dict | None = None,
 ) -> dict:
     """`answer_lengths` (for benchmarks) stops each answer after this many tokens, by record id, as if
-    the model had ended it there; `stats`, where given, gets the generation's timings."""
+    the model had ended it there; `stats`, where given, gets the generation's timings and each
+    answer's token ids."""
     started = time.time()
     group = distributed.join()
     device, dtype = pick_device()
@@ -91,6 +92,12 @@ def evaluate_split(
             inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
             yield Request(index, inputs, positions, min(max_new_tokens, stops.get(record["id"], max_new_tokens)))
 
+    def answer(index: int, ids: list[int]) -> None:
+        texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
+        if stats is not None:  # a benchmark compares the very tokens
+            stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
+
+    loss_done = _synchronized_time(device)
     if mine:
         longest = max(data.samples[data.records[i]["key"]].prompt_length for i in mine) + max_new_tokens
         greedy_answers(
@@ -99,9 +106,11 @@ def evaluate_split(
             slots=min(batch_size, len(mine)),
             end_id=builder.end_of_turn,
             max_length=longest,
-            on_answer=lambda index, ids: texts.__setitem__(index, tokenizer.decode(ids, skip_special_tokens=True)),
+            on_answer=answer,
             stats=stats,
         )
+    if stats is not None:
+        stats["loss_s"], stats["generate_s"] = loss_done - started, _synchronized_time(device) - loss_done
     answered = [
         (
             start,
@@ -153,6 +162,12 @@ def evaluate_split(
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
+
+
+def _synchronized_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 def _prediction(record: dict, text: str, data: StageData) -> dict:
