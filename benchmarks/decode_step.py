@@ -1,0 +1,92 @@
+"""The decode step of vlft.generation alone: its time against rows and cache length, beside the
+bandwidth bound, and where a step's GPU time goes.
+
+    python benchmarks/decode_step.py --arch qwen3-vl-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from eval_speed import copy_bandwidth  # noqa: E402
+from train_speed import build_model, print_kernel_time  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from vlft.generation import DecodeStep, SlotCache, language_model  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen3-vl-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-decode"))
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step before its CUDA graph")
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    model = build_model(args.arch, make_tokenizer(), "cuda").eval()
+    text = language_model(model)
+    config = text.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weights = sum(p.nbytes for p in text.parameters()) + model.lm_head.weight.nbytes
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    print(f"{args.arch}: {weights / 1e9:.1f} GB of weights, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'rows':>5} {'length':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7}")
+    with torch.no_grad():
+        for rows in args.rows:
+            for length in args.lengths:
+                cache = SlotCache(
+                    config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
+                )
+                cache.write_at.fill_(length - 1)  # every row attends to its whole length
+                began = time.perf_counter()
+                step = DecodeStep(model, cache, compile=args.compile)
+                made = time.perf_counter() - began
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                for _ in range(20):
+                    step()
+                torch.cuda.synchronize()
+                seconds = (time.perf_counter() - began) / 20
+                bound = (weights + rows * length * per_token) / bandwidth
+                print(
+                    f"{rows:5d} {length:7d} {seconds * 1e3:8.2f} {bound * 1e3:8.2f} {seconds / bound:7.2f}"
+                    f"   (made in {made:.0f} s)"
+                )
+                del step, cache
+                torch.cuda.empty_cache()
+        if args.no_profile:
+            return
+        # Where the time goes, kernel by kernel, in the largest case (eagerly: the same kernels).
+        rows, length = max(args.rows), max(args.lengths)
+        cache = SlotCache(
+            config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
+        )
+        cache.write_at.fill_(length - 1)
+        step = DecodeStep(model, cache)
+        step.graph = None
+        from vlft.generation import DECODE_ATTENTION
+
+        config._attn_implementation = DECODE_ATTENTION
+        args.work.mkdir(parents=True, exist_ok=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(f"rows {rows}, length {length}, 5 eager steps:")
+        print_kernel_time(prof, args.work)
+
+
+if __name__ == "__main__":
+    main()
