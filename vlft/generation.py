@@ -174,6 +174,8 @@ def greedy_answers(
     weight = text.embed_tokens.weight
     timer = _Timer(weight.device, stats)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
+    max_length = -(-max_length // 256) * 256
     cache = SlotCache(
         config.num_hidden_layers, slots, config.num_key_value_heads, max_length, head_dim, weight.device, weight.dtype
     )
@@ -181,6 +183,7 @@ def greedy_answers(
     # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
     step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
     timer.stop("decode_setup_s")
+    timer.add("max_length", max_length)
     active = torch.zeros(slots, dtype=torch.long, device=weight.device)  # 1 where a row answers
     queue = deque(requests)
     busy: list[Request | None] = [None] * slots
@@ -215,11 +218,12 @@ def greedy_answers(
         # One token of every row; idle rows compute on what they hold, and nothing reads it.
         timer.start()
         chosen = step()
+        timer.stop("step_s")
         step.tokens.copy_(chosen)
         cache.write_at += active
         step.positions += active
         chosen = chosen.tolist()
-        timer.stop("decode_s")
+        timer.stop("bookkeeping_s")
         timer.add("decode_steps", 1)
         timer.add("busy_rows", sum(request is not None for request in busy))
         for slot, token in enumerate(chosen):
