@@ -212,7 +212,7 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
         "prefill_s": run["prefill_s"],
         "decode_s": run["decode_s"],
         # Ours: the step itself, apart from the bookkeeping between steps, and the cache's length.
-        **{k: run[k] for k in ("step_s", "bookkeeping_s", "max_length") if k in run},
+        **{k: run[k] for k in ("step_s", "bookkeeping_s", "max_length", "prefills") if k in run},
         "wall_s": run["wall_s"],
         "setup_s": run.get("setup_s", 0.0),
         "generated_tokens_per_s_with_setup": tokens / (run["wall_s"] + run.get("setup_s", 0.0)),
@@ -306,7 +306,7 @@ def main():
     device = torch.cuda.get_device_name()
     results |= {"device": device, "date": datetime.date.today().isoformat(), "commit": commit}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"eval-{'+'.join(args.arch)}-{device.replace(' ', '_')}-{results['date']}.json"
+    name = f"eval-{'_'.join(args.arch)}-{device.replace(' ', '_')}-{results['date']}.json"
     (args.out / name).write_text(json.dumps(results, indent=2))
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {device}, commit {commit}")
     header = f"{'arch':14} {'run':10} {'tok/s':>8} {'smp/s':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7} {'rows':>6} {'prefill s':>9} {'GiB':>6} {'x ref':>6} {'same':>5}"

@@ -26,6 +26,9 @@ from typing import Callable, Iterable
 import torch
 from transformers import AttentionInterface
 
+from vlft.modeling import unwrapped
+from vlft.packing import use_packed_attention
+
 DECODE_ATTENTION = "vlft_slot_decode"
 
 
@@ -52,13 +55,14 @@ class SlotCache:
         self.rows = torch.arange(slots, device=device)
         self.write_at = torch.zeros(slots, dtype=torch.long, device=device)
 
-    def fill(self, slot: int, prefilled) -> None:
-        """Copy one prefilled sequence's keys and values (a transformers cache) into row `slot`."""
+    def fill(self, slot: int, prefilled, start: int, end: int) -> None:
+        """Copy the keys and values of one prompt, tokens start to end of a packed prefill (a
+        transformers cache), into row `slot`; its next token goes after them."""
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
             source = prefilled.layers[layer]
-            length = source.keys.shape[2]
-            keys[slot, :, :length] = source.keys[0]
-            values[slot, :, :length] = source.values[0]
+            keys[slot, :, : end - start] = source.keys[0, :, start:end]
+            values[slot, :, : end - start] = source.values[0, :, start:end]
+        self.write_at[slot] = end - start
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         self.keys[layer_idx][self.rows, :, self.write_at] = key_states[:, :, 0]
@@ -106,6 +110,8 @@ class DecodeStep:
         self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
         self.columns = torch.arange(length, device=device)
         self.graph = None
+        # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
+        self.attention = DECODE_ATTENTION if device.type == "cuda" else "sdpa"
         # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals,
         # the attention's mask and softmax): on a GPU, some 40 kernels a layer become a few.
         self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
@@ -113,7 +119,15 @@ class DecodeStep:
             self.graph = self._capture()
 
     def _run(self) -> None:
-        self.chosen.copy_(self.next_tokens())
+        # The language model's attention layers read their implementation from its config: the
+        # step's own while it runs (prefills use packed attention).
+        config = self.text.config
+        prefill_attention = config._attn_implementation
+        config._attn_implementation = self.attention
+        try:
+            self.chosen.copy_(self.next_tokens())
+        finally:
+            config._attn_implementation = prefill_attention
 
     def _next_tokens(self) -> torch.Tensor:
         mask = self.columns[None, :] <= self.cache.write_at[:, None]
@@ -130,21 +144,15 @@ class DecodeStep:
         return self.model.lm_head(hidden[:, -1]).argmax(-1)
 
     def _capture(self):
-        config = self.text.config
-        eager = config._attn_implementation
-        config._attn_implementation = DECODE_ATTENTION
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):  # warm-up: kernels chosen, workspaces allocated
-                    self._run()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: compiled, kernels chosen, workspaces allocated
                 self._run()
-        finally:
-            config._attn_implementation = eager
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._run()
         return graph
 
     def __call__(self) -> torch.Tensor:
@@ -155,6 +163,29 @@ class DecodeStep:
         return self.chosen
 
 
+# How a packed prefill lays its prompts' inputs end to end: tokens along the row, images one after another.
+PACKED_INPUTS = {"input_ids": 1, "mm_token_type_ids": 1, "pixel_values": 0, "image_grid_thw": 0}
+
+
+def prefill(model, group: list[Request]):
+    """The prompts of `group` in one forward, packed end to end with no padding (each attending to
+    itself alone, vlft.packing): each prompt's first answer token, the cache, each prompt's span."""
+    inputs = {key: torch.cat([r.inputs[key] for r in group], dim=dim) for key, dim in PACKED_INPUTS.items()}
+    lengths = [r.inputs["input_ids"].shape[1] for r in group]
+    ends = torch.tensor(lengths).cumsum(0)
+    device = inputs["input_ids"].device
+    output = model(
+        **inputs,
+        position_ids=torch.cat([r.positions for r in group], dim=-1),
+        use_cache=True,
+        logits_to_keep=(ends - 1).to(device),  # each prompt's last token predicts its first answer token
+        packed_cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32)]).to(device),
+        packed_max_seqlen=max(lengths),
+    )
+    spans = [(int(end) - length, int(end)) for end, length in zip(ends, lengths)]
+    return output.logits[0].argmax(-1).tolist(), output.past_key_values, spans
+
+
 def greedy_answers(
     model,
     requests: Iterable[Request],
@@ -162,13 +193,17 @@ def greedy_answers(
     end_id: int,
     max_length: int,
     on_answer: Callable[[int, list[int]], None],
+    prefill_tokens: int = 16384,
     stats: dict | None = None,
 ) -> None:
     """Answer every request greedily, `slots` at a time; `on_answer(key, token_ids)` as each ends
     (its ids end with `end_id` where the model said it, else at the request's token limit).
-    `max_length` bounds a request's prompt plus answer. `stats`, where given, gets the seconds spent
-    in prefills and in decode steps, the steps, and the rows busy over all steps (synchronizing the
-    device around each, which a benchmark can afford)."""
+
+    `max_length` bounds a request's prompt plus answer. Free rows are filled by packed prefills of
+    up to `prefill_tokens` prompt tokens (one prompt at least). Requests are read as rows free up,
+    so that their inputs need not all be on the device at once. `stats`, where given, gets the
+    seconds spent in prefills and in decode steps, the steps, and the rows busy over all steps
+    (synchronizing the device around each, which a benchmark can afford)."""
     text = language_model(model)
     config = text.config
     weight = text.embed_tokens.weight
@@ -179,41 +214,67 @@ def greedy_answers(
     cache = SlotCache(
         config.num_hidden_layers, slots, config.num_key_value_heads, max_length, head_dim, weight.device, weight.dtype
     )
-    timer.start()
-    # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
-    step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
-    timer.stop("decode_setup_s")
-    timer.add("max_length", max_length)
-    active = torch.zeros(slots, dtype=torch.long, device=weight.device)  # 1 where a row answers
-    queue = deque(requests)
+    prefill_attention = config._attn_implementation
+    use_packed_attention(model)
+    try:
+        timer.start()
+        # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
+        step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
+        timer.stop("decode_setup_s")
+        timer.add("max_length", max_length)
+        _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
+    finally:
+        unwrapped(model).set_attn_implementation({"text_config": prefill_attention})
+
+
+def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
+    slots = cache.rows.shape[0]
+    active = torch.zeros(slots, dtype=torch.long, device=cache.rows.device)  # 1 where a row answers
     busy: list[Request | None] = [None] * slots
     answers: list[list[int]] = [[] for _ in range(slots)]
+    read_ahead: deque[Request] = deque()
+
+    def next_group(most: int) -> list[Request]:
+        group, tokens = [], 0
+        while len(group) < most:
+            if not read_ahead:
+                request = next(requests, None)
+                if request is None:
+                    break
+                read_ahead.append(request)
+            length = read_ahead[0].inputs["input_ids"].shape[1]
+            if group and tokens + length > prefill_tokens:
+                break
+            group.append(read_ahead.popleft())
+            tokens += length
+        return group
 
     def finished(slot: int) -> bool:
         answer = answers[slot]
         return answer[-1] == end_id or len(answer) >= busy[slot].max_new_tokens
 
-    while queue or any(busy):
-        for slot in range(slots):
-            while busy[slot] is None and queue:
-                request = queue.popleft()
-                timer.start()
-                prefill = model(**request.inputs, position_ids=request.positions, use_cache=True, logits_to_keep=1)
-                first = int(prefill.logits[0, -1].argmax())
-                timer.stop("prefill_s")
+    while True:
+        free = [slot for slot in range(slots) if busy[slot] is None]
+        while free and (group := next_group(len(free))):
+            timer.start()
+            firsts, prefilled, spans = prefill(model, group)
+            for request, first, (start, end) in zip(group, firsts, spans):
+                slot = free.pop(0)
                 busy[slot], answers[slot] = request, [first]
                 if finished(slot):
                     on_answer(request.key, answers[slot])
                     busy[slot] = None
+                    free.insert(0, slot)
                     continue
-                cache.fill(slot, prefill.past_key_values)
-                cache.write_at[slot] = request.inputs["input_ids"].shape[1]
+                cache.fill(slot, prefilled, start, end)
                 step.tokens[slot] = first
                 step.positions[slot] = request.positions.max() + 1
                 active[slot] = 1
-                timer.stop("prefill_s")
+            del prefilled
+            timer.stop("prefill_s")
+            timer.add("prefills", 1)
         if not any(busy):
-            break
+            return
 
         # One token of every row; idle rows compute on what they hold, and nothing reads it.
         timer.start()
