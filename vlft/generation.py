@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -118,18 +119,32 @@ class DecodeStep:
         if device.type == "cuda":
             self.graph = self._capture()
 
-    def _run(self) -> None:
-        # The language model's attention layers read their implementation from its config: the
-        # step's own while it runs (prefills use packed attention).
+    @contextmanager
+    def _own_attention(self):
+        """The language model's attention layers read their implementation from its config: the
+        step's own while it runs (prefills use packed attention)."""
         config = self.text.config
         prefill_attention = config._attn_implementation
         config._attn_implementation = self.attention
         try:
-            self.chosen.copy_(self.next_tokens())
+            yield
         finally:
             config._attn_implementation = prefill_attention
 
+    def _run(self) -> None:
+        with self._own_attention():
+            self.chosen.copy_(self.next_tokens())
+
+    def logits(self) -> torch.Tensor:
+        """Every row's logits for its next token, computed eagerly, to check the step against a
+        full forward; like a step, it writes the rows' latest tokens into the cache."""
+        with self._own_attention():
+            return self._logits()
+
     def _next_tokens(self) -> torch.Tensor:
+        return self._logits().argmax(-1)
+
+    def _logits(self) -> torch.Tensor:
         mask = self.columns[None, :] <= self.cache.write_at[:, None]
         slots = self.tokens.shape[0]
         # Text tokens after the image: all three M-RoPE components at the same position.
@@ -141,7 +156,7 @@ class DecodeStep:
             past_key_values=self.cache,
             use_cache=True,
         ).last_hidden_state
-        return self.model.lm_head(hidden[:, -1]).argmax(-1)
+        return self.model.lm_head(hidden[:, -1])
 
     def _capture(self):
         side = torch.cuda.Stream()

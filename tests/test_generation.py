@@ -1,0 +1,187 @@
+"""Greedy answers of vlft.generation (continuous batching over a slot cache, packed prefills) are
+the token ids transformers' `generate` gives, for every Qwen-VL family, in float32 on the CPU:
+with no adapter, an untrained one and a trained one, at several answer lengths, with rows
+refilled while others still answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
+from vlft.config import stage_defaults
+from vlft.demo.shapes import make_dataset
+from vlft.demo.tiny_model import FAMILIES, make_tiny_model
+from vlft.generation import DecodeStep, Request, SlotCache, greedy_answers, language_model, prefill
+from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.modeling import (
+    load_base_model,
+    load_image_processor,
+    load_tokenizer,
+    rope_index,
+    with_adapter,
+    with_new_adapter,
+)
+from vlft.packing import use_packed_attention
+from vlft.prompts import PromptBuilder
+from vlft.records import prepare_split
+from vlft.stage_data import load_stage_data
+from vlft.train import StageInputs, train_stage
+from conftest import assert_close_normwise
+
+CPU, FLOAT32 = torch.device("cpu"), torch.float32
+# Per sample, in turn: answers stopped after 2, 7 or 24 tokens (or at the end of the turn), so
+# that rows finish at different steps and are refilled while the others answer.
+LIMITS = (2, 7, 24)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """A tiny model of one family, 14 demo records and their pixel cache, and an adapter trained
+    on them (60 steps; its answers are the demo's, not the untrained model's)."""
+    root = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(root / "model", family=request.param)
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 14}, seed=2)
+    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "pixels", pixels)
+    settings = stage_defaults() | {
+        "answer_format": "cot",
+        "dataset": "shapes",
+        "init_from": None,
+        "micro_batch": 7,
+        "max_steps": 60,
+        "learning_rate": 3e-3,
+        "min_pixels": 4096,
+        "max_pixels": 16384,
+        "lora_r": 8,
+        "lora_alpha": 16,
+    }
+    settings = {k: v for k, v in settings.items() if k not in ("resources", "checkpoint_every")}
+    inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
+    stage = root / "stage"
+    train_stage(inputs, settings, stage / "adapter", stage / "log.jsonl", stage / "summary.json", stage / "ckpt", 10**6)
+    return request.param, root
+
+
+def model_with(root, adapter: str):
+    model = load_base_model(root / "model", CPU, FLOAT32)
+    if adapter == "untrained":
+        # A fresh adapter (B = 0) as a stage starts from: merged, the base model's weights again.
+        model = with_new_adapter(model, {**stage_defaults(), "lora_r": 8, "lora_alpha": 16}).merge_and_unload()
+    elif adapter == "trained":
+        model = with_adapter(model, root / "stage/adapter", trainable=False).merge_and_unload()
+    return model.eval()
+
+
+@pytest.mark.parametrize("adapter", ["none", "untrained", "trained"])
+def test_greedy_answers_are_generates_token_for_token(family, adapter):
+    name, root = family
+    model = model_with(root, adapter)
+    tokenizer = load_tokenizer(root / "model")
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    data = load_stage_data(
+        [str(root / "prepared.jsonl")], [str(root / "pixels")], builder, {}, answer_format="cot", max_seq_len=512
+    )
+    samples = [data.samples[r["key"]] for r in data.records]
+    pad_id, longest = tokenizer.pad_token_id, max(LIMITS)
+
+    # The reference: left-padded batches of 5 through `generate`, as an evaluation script runs it;
+    # greedy, so an answer stopped after n tokens is the first n of the longer one.
+    reference = []
+    with torch.no_grad():
+        for start in range(0, len(samples), 5):
+            prompts = collate(samples[start : start + 5], data.images, builder, pad_id, left_pad=True, prompt_only=True)
+            prompts = {k: v for k, v in to_device(prompts, CPU, FLOAT32).items() if k not in NOT_MODEL_INPUTS}
+            out = model.generate(
+                **prompts,
+                max_new_tokens=longest,
+                do_sample=False,
+                eos_token_id=builder.end_of_turn,
+                pad_token_id=pad_id,
+            )
+            reference += out[:, prompts["input_ids"].shape[1] :].tolist()
+    expected = {}
+    for index, ids in enumerate(reference):
+        ids = ids[: LIMITS[index % len(LIMITS)]]
+        expected[index] = ids[: ids.index(builder.end_of_turn) + 1] if builder.end_of_turn in ids else ids
+
+    def requests():
+        for index, sample in enumerate(samples):
+            prompt = to_device(
+                collate([sample], data.images, builder, pad_id, prompt_only=True, rope_index=rope_index(model)),
+                CPU,
+                FLOAT32,
+            )
+            positions = prompt.pop("position_ids")
+            inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
+            yield Request(index, inputs, positions, LIMITS[index % len(LIMITS)])
+
+    answers = {}
+    prompt_tokens = max(s.prompt_length for s in samples)
+    with torch.no_grad():
+        # 4 rows for 14 samples; prefills of up to 3 prompts packed together.
+        greedy_answers(
+            model,
+            requests(),
+            slots=4,
+            end_id=builder.end_of_turn,
+            max_length=prompt_tokens + longest,
+            on_answer=answers.__setitem__,
+            prefill_tokens=3 * prompt_tokens,
+        )
+    assert answers == expected, name
+    lengths = [len(ids) for ids in answers.values()]
+    assert len(set(lengths)) >= 3, lengths  # rows did finish at different steps
+    if adapter == "trained":  # the demo's chain of thought, ended by the model itself
+        assert sum(ids[-1] == builder.end_of_turn for ids in answers.values()) >= 2
+        assert any("Final answer" in tokenizer.decode(ids) for ids in answers.values())
+
+
+def test_a_decode_step_gives_the_logits_of_a_full_forward(family):
+    """Row 2 of 4 (the others idle) after a packed prefill, step by step against the model's own
+    forward over the prompt and the answer so far: the cache, the mask and the position past the
+    image are right, not just close enough to keep the argmax."""
+    name, root = family
+    model = model_with(root, "trained")
+    tokenizer = load_tokenizer(root / "model")
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    data = load_stage_data(
+        [str(root / "prepared.jsonl")], [str(root / "pixels")], builder, {}, answer_format="cot", max_seq_len=512
+    )
+    sample = data.samples[data.records[3]["key"]]
+    prompt = to_device(
+        collate([sample], data.images, builder, 0, prompt_only=True, rope_index=rope_index(model)), CPU, FLOAT32
+    )
+    positions = prompt.pop("position_ids")
+    inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
+    config = language_model(model).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, 256, head_dim, CPU, FLOAT32)
+    with torch.no_grad():
+        use_packed_attention(model)
+        step = DecodeStep(model, cache)
+        (first,), prefilled, ((start, end),) = prefill(model, [Request(0, inputs, positions, 8)])
+        cache.fill(2, prefilled, start, end)
+        step.tokens[2], step.positions[2] = first, positions.max() + 1
+        ids = inputs["input_ids"][0].tolist() + [first]
+        model.set_attn_implementation({"text_config": "sdpa"})
+        for _ in range(8):
+            got = step.logits()[2]
+            full = model(
+                **(
+                    inputs
+                    | {
+                        "input_ids": torch.tensor([ids]),
+                        "mm_token_type_ids": builder.mm_token_type_ids(torch.tensor([ids])),
+                    }
+                )
+            ).logits[0, -1]
+            # float32 (u = 6e-8) over sums of at most a few hundred terms in 2 layers: 1e-5 of the
+            # logits' norm is far above rounding and far below a wrong position or a lost token.
+            assert_close_normwise(got, full, rtol=1e-5, msg=f"{name}, token {len(ids) - end}")
+            token = int(got.argmax())
+            ids.append(token)
+            cache.write_at[2] += 1
+            step.positions[2] += 1
+            step.tokens[2] = token
