@@ -174,7 +174,7 @@ def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, tokeni
     # The answers' ids again from their text would not be exact: evaluate_split records them as text.
     answers = stats.pop("answer_ids")
     stats["decode_s"] = stats["step_s"] + stats["bookkeeping_s"]
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30  # generation's (the loss pass's is apart)
     # Generation alone, as the reference is timed: from the first prompt read off the pixel cache
     # to the last answer (the job also loads the model and computes the validation loss).
     # The decode step's compile and capture are paid once a job; a split of thousands of samples
@@ -212,7 +212,7 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
         "prefill_s": run["prefill_s"],
         "decode_s": run["decode_s"],
         # Ours: the step itself, apart from the bookkeeping between steps, and the cache's length.
-        **{k: run[k] for k in ("step_s", "bookkeeping_s", "max_length", "prefills") if k in run},
+        **{k: run[k] for k in ("step_s", "bookkeeping_s", "max_length", "prefills", "loss_peak_gib") if k in run},
         "wall_s": run["wall_s"],
         "setup_s": run.get("setup_s", 0.0),
         "generated_tokens_per_s_with_setup": tokens / (run["wall_s"] + run.get("setup_s", 0.0)),

@@ -98,6 +98,9 @@ def evaluate_split(
             stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
 
     loss_done = _synchronized_time(device)
+    if stats is not None and device.type == "cuda":  # the loss pass's peak apart from generation's
+        stats["loss_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
     if mine:
         longest = max(data.samples[data.records[i]["key"]].prompt_length for i in mine) + max_new_tokens
         greedy_answers(
