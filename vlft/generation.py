@@ -65,10 +65,33 @@ class SlotCache:
             values[slot, :, : end - start] = source.values[0, :, start:end]
         self.write_at[slot] = end - start
 
+    def move(self, source: int, target: int) -> None:
+        """Row `source`'s keys and values, up to where its next token goes, into row `target`."""
+        length = int(self.write_at[source])
+        for keys, values in zip(self.keys, self.values):
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
+        self.write_at[target] = length
+
+    def window(self, rows: int, length: int) -> "CacheWindow":
+        return CacheWindow(self, rows, length)
+
+
+class CacheWindow:
+    """The first `rows` rows of a SlotCache, their first `length` positions: what a decode step
+    computes on when the rows past them are idle and no row is longer. It writes into the cache
+    itself (so nothing is copied) and hands the attention views of the window."""
+
+    def __init__(self, cache: SlotCache, rows: int, length: int):
+        self.cache, self.length = cache, length
+        self.rows, self.write_at = cache.rows[:rows], cache.write_at[:rows]
+
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        self.keys[layer_idx][self.rows, :, self.write_at] = key_states[:, :, 0]
-        self.values[layer_idx][self.rows, :, self.write_at] = value_states[:, :, 0]
-        return self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys[self.rows, :, self.write_at] = key_states[:, :, 0]
+        values[self.rows, :, self.write_at] = value_states[:, :, 0]
+        rows = self.rows.shape[0]
+        return keys[:rows, :, : self.length], values[:rows, :, : self.length]
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -97,9 +120,11 @@ def language_model(model):
 
 
 class DecodeStep:
-    """One greedy token for every row of the cache: eagerly on a CPU (through the model's own
-    attention, as `generate` runs it), replayed as one CUDA graph on a GPU (through
-    decode_attention), so that a step costs one launch instead of some ten per layer."""
+    """One greedy token for each of the cache's first `rows` rows, attending to their first
+    `length` positions: eagerly on a CPU (through the model's own attention, as `generate` runs
+    it); on a GPU compiled once for any rows and length, and replayed as one CUDA graph per
+    (rows, length) bucket, captured when first needed, so that a step costs one launch instead of
+    some ten per layer and reads no more of the cache than its busy rows need."""
 
     def __init__(self, model, cache: SlotCache, compile: bool = False):
         self.model, self.cache = model, cache
@@ -110,14 +135,14 @@ class DecodeStep:
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # its next text position
         self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
         self.columns = torch.arange(length, device=device)
-        self.graph = None
         # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
         self.attention = DECODE_ATTENTION if device.type == "cuda" else "sdpa"
         # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals,
         # the attention's mask and softmax): on a GPU, some 40 kernels a layer become a few.
-        self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
-        if device.type == "cuda":
-            self.graph = self._capture()
+        self.next_tokens = torch.compile(self._next_tokens, dynamic=True) if compile else self._next_tokens
+        self.graphs = {} if device.type == "cuda" else None
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.capture_s = 0.0  # compiling and capturing, once a job and once a bucket
 
     @contextmanager
     def _own_attention(self):
@@ -131,51 +156,69 @@ class DecodeStep:
         finally:
             config._attn_implementation = prefill_attention
 
-    def _run(self) -> None:
+    def _run(self, rows: int, length: int) -> None:
         with self._own_attention():
-            self.chosen.copy_(self.next_tokens())
+            self.chosen[:rows].copy_(self.next_tokens(rows, length))
 
-    def logits(self) -> torch.Tensor:
-        """Every row's logits for its next token, computed eagerly, to check the step against a
+    def logits(self, rows: int | None = None, length: int | None = None) -> torch.Tensor:
+        """The rows' logits for their next tokens, computed eagerly, to check the step against a
         full forward; like a step, it writes the rows' latest tokens into the cache."""
         with self._own_attention():
-            return self._logits()
+            return self._logits(rows or self.tokens.shape[0], length or self.columns.shape[0])
 
-    def _next_tokens(self) -> torch.Tensor:
-        return self._logits().argmax(-1)
+    def _next_tokens(self, rows: int, length: int) -> torch.Tensor:
+        return self._logits(rows, length).argmax(-1)
 
-    def _logits(self) -> torch.Tensor:
-        mask = self.columns[None, :] <= self.cache.write_at[:, None]
-        slots = self.tokens.shape[0]
+    def _logits(self, rows: int, length: int) -> torch.Tensor:
+        window = self.cache.window(rows, length)
+        mask = self.columns[None, :length] <= window.write_at[:, None]
         # Text tokens after the image: all three M-RoPE components at the same position.
-        positions = self.positions.view(1, slots, 1).expand(3, slots, 1)
+        positions = self.positions[:rows].view(1, rows, 1).expand(3, rows, 1)
         hidden = self.text(
-            input_ids=self.tokens[:, None],
+            input_ids=self.tokens[:rows, None],
             attention_mask=mask[:, None, None, :],
             position_ids=positions,
-            past_key_values=self.cache,
+            past_key_values=window,
             use_cache=True,
         ).last_hidden_state
         return self.model.lm_head(hidden[:, -1])
 
-    def _capture(self):
+    def _capture(self, rows: int, length: int):
+        # Warm-up (compiles on first use, picks kernels): it writes each row's latest token where
+        # the step itself will, the same values, so the rows that answer are not disturbed.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up: compiled, kernels chosen, workspaces allocated
-                self._run()
+            for _ in range(2):
+                self._run(rows, length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._run()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run(rows, length)
         return graph
 
-    def __call__(self) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
+    def __call__(self, rows: int, length: int) -> torch.Tensor:
+        """The next token of rows 0 to `rows` - 1 (its first `rows` entries)."""
+        if self.graphs is None:
+            self._run(rows, length)
         else:
-            self._run()
+            if (rows, length) not in self.graphs:
+                began = time.perf_counter()
+                self.graphs[rows, length] = self._capture(rows, length)
+                torch.cuda.synchronize()
+                self.capture_s += time.perf_counter() - began
+            self.graphs[rows, length].replay()
         return self.chosen
+
+
+def bucket(needed: int, most: int, granule: int | None) -> int:
+    """What a step computes on: on a GPU the next multiple of `granule` (or power of two), so that
+    a few CUDA graphs serve every step; exactly what is needed on a CPU (granule None)."""
+    if granule is None:
+        return needed
+    if granule == 0:
+        return min(most, 1 << (needed - 1).bit_length())
+    return min(most, -(-needed // granule) * granule)
 
 
 # How a packed prefill lays its prompts' inputs end to end: tokens along the row, images one after another.
@@ -232,29 +275,36 @@ def greedy_answers(
     prefill_attention = config._attn_implementation
     use_packed_attention(model)
     try:
-        timer.start()
         # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
         step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
-        timer.stop("decode_setup_s")
         timer.add("max_length", max_length)
         _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
+        # The steps that first met a bucket captured its graph (the first also compiled): apart.
+        timer.add("decode_setup_s", step.capture_s)
+        timer.add("step_s", -step.capture_s)
+        timer.add("graphs", len(step.graphs or {}))
     finally:
         unwrapped(model).set_attn_implementation({"text_config": prefill_attention})
 
 
 def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
-    slots = cache.rows.shape[0]
+    slots, most_length = cache.rows.shape[0], cache.keys[0].shape[2]
+    on_gpu = cache.rows.device.type == "cuda"
     active = torch.zeros(slots, dtype=torch.long, device=cache.rows.device)  # 1 where a row answers
     busy: list[Request | None] = [None] * slots
     answers: list[list[int]] = [[] for _ in range(slots)]
+    written = [0] * slots  # each row's length in the cache, as cache.write_at holds it on the device
     read_ahead: deque[Request] = deque()
+    exhausted = False
 
     def next_group(most: int) -> list[Request]:
+        nonlocal exhausted
         group, tokens = [], 0
         while len(group) < most:
             if not read_ahead:
                 request = next(requests, None)
                 if request is None:
+                    exhausted = True
                     break
                 read_ahead.append(request)
             length = read_ahead[0].inputs["input_ids"].shape[1]
@@ -267,6 +317,19 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
     def finished(slot: int) -> bool:
         answer = answers[slot]
         return answer[-1] == end_id or len(answer) >= busy[slot].max_new_tokens
+
+    def release(slot: int) -> None:
+        on_answer(busy[slot].key, answers[slot])
+        busy[slot], written[slot] = None, 0
+        active[slot], cache.write_at[slot] = 0, 0
+
+    def move(source: int, target: int) -> None:
+        cache.move(source, target)
+        for state in (step.tokens, step.positions, active):
+            state[target] = state[source]
+        busy[target], answers[target], written[target] = busy[source], answers[source], written[source]
+        busy[source], written[source] = None, 0
+        active[source], cache.write_at[source] = 0, 0
 
     while True:
         free = [slot for slot in range(slots) if busy[slot] is None]
@@ -282,34 +345,46 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
                     free.insert(0, slot)
                     continue
                 cache.fill(slot, prefilled, start, end)
+                written[slot] = end - start
                 step.tokens[slot] = first
                 step.positions[slot] = request.positions.max() + 1
                 active[slot] = 1
             del prefilled
             timer.stop("prefill_s")
             timer.add("prefills", 1)
-        if not any(busy):
+        if exhausted and not read_ahead:
+            # No prompt is left to fill a free row: the rows still answering move down to the
+            # lowest ones, so that steps compute on fewer rows as answers end.
+            free = [slot for slot in range(slots) if busy[slot] is None]
+            for source in reversed(range(slots)):
+                if busy[source] is not None and free and free[0] < source:
+                    move(source, free.pop(0))
+                    free.append(source)
+                    free.sort()
+        answering = [slot for slot in range(slots) if busy[slot] is not None]
+        if not answering:
             return
 
-        # One token of every row; idle rows compute on what they hold, and nothing reads it.
+        # One token of each row up to the last that answers, over the cache up to the longest;
+        # idle rows among them compute on what they hold, and nothing reads it.
+        rows = bucket(answering[-1] + 1, slots, 0 if on_gpu else None)
+        length = bucket(max(written[slot] for slot in answering) + 1, most_length, 256 if on_gpu else None)
         timer.start()
-        chosen = step()
+        chosen = step(rows, length)
         timer.stop("step_s")
-        step.tokens.copy_(chosen)
+        step.tokens[:rows].copy_(chosen[:rows])
         cache.write_at += active
         step.positions += active
-        chosen = chosen.tolist()
+        chosen = chosen[:rows].tolist()
         timer.stop("bookkeeping_s")
         timer.add("decode_steps", 1)
-        timer.add("busy_rows", sum(request is not None for request in busy))
-        for slot, token in enumerate(chosen):
-            if busy[slot] is None:
-                continue
-            answers[slot].append(token)
+        timer.add("busy_rows", len(answering))
+        timer.add("computed_rows", rows)
+        for slot in answering:
+            answers[slot].append(chosen[slot])
+            written[slot] += 1
             if finished(slot):
-                on_answer(busy[slot].key, answers[slot])
-                busy[slot] = None
-                active[slot], cache.write_at[slot] = 0, 0
+                release(slot)
 
 
 class _Timer:
