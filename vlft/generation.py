@@ -139,7 +139,10 @@ class DecodeStep:
         self.attention = DECODE_ATTENTION if device.type == "cuda" else "sdpa"
         # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals,
         # the attention's mask and softmax): on a GPU, some 40 kernels a layer become a few.
-        self.next_tokens = torch.compile(self._next_tokens, dynamic=True) if compile else self._next_tokens
+        # Static shapes, one bucket on a GPU (all rows, the cache's length): compiled for dynamic
+        # shapes with a graph per bucket, the benchmark did not finish in 280 s for the 8B or the
+        # 2B, where one static bucket's finishes in about 260 s (8B); not yet understood.
+        self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
         self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.capture_s = 0.0  # compiling and capturing, once a job and once a bucket
@@ -212,12 +215,10 @@ class DecodeStep:
 
 
 def bucket(needed: int, most: int, granule: int | None) -> int:
-    """What a step computes on: on a GPU the next multiple of `granule` (or power of two), so that
-    a few CUDA graphs serve every step; exactly what is needed on a CPU (granule None)."""
+    """What a step computes on: the next multiple of `granule`, so that a few CUDA graphs serve
+    every step on a GPU; exactly what is needed on a CPU (granule None)."""
     if granule is None:
         return needed
-    if granule == 0:
-        return min(most, 1 << (needed - 1).bit_length())
     return min(most, -(-needed // granule) * granule)
 
 
@@ -367,8 +368,8 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
 
         # One token of each row up to the last that answers, over the cache up to the longest;
         # idle rows among them compute on what they hold, and nothing reads it.
-        rows = bucket(answering[-1] + 1, slots, 0 if on_gpu else None)
-        length = bucket(max(written[slot] for slot in answering) + 1, most_length, 256 if on_gpu else None)
+        rows = bucket(answering[-1] + 1, slots, slots if on_gpu else None)
+        length = bucket(max(written[slot] for slot in answering) + 1, most_length, most_length if on_gpu else None)
         timer.start()
         chosen = step(rows, length)
         timer.stop("step_s")
