@@ -356,7 +356,7 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
         if exhausted and not read_ahead and not on_gpu:
             # No prompt is left to fill a free row: the rows still answering move down to the
             # lowest ones, so that steps compute on fewer rows as answers end. (Not on a GPU, whose
-            # step computes every row as yet: there the moves cost 2 s of 15 on the 8B benchmark.)
+            # step computes every row as yet: there they would only cost copies.)
             free = [slot for slot in range(slots) if busy[slot] is None]
             for source in reversed(range(slots)):
                 if busy[source] is not None and free and free[0] < source:
