@@ -27,9 +27,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--cache-length", type=int, default=2048, help="positions a row of the cache holds")
+    parser.add_argument(
+        "--live", type=int, nargs="+", default=[256, 1024, 2048], help="positions each row attends to (its length)"
+    )
+    parser.add_argument("--attention", default=None, help="the step's attention (default: the GPU's own)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-decode"))
-    parser.add_argument("--compile", action="store_true", help="torch.compile the step before its CUDA graph")
+    parser.add_argument("--no-compile", action="store_true", help="a CUDA graph of the eager step")
     parser.add_argument("--no-profile", action="store_true")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -40,52 +44,45 @@ def main():
     weights = sum(p.nbytes for p in text.parameters()) + model.lm_head.weight.nbytes
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
     print(f"{args.arch}: {weights / 1e9:.1f} GB of weights, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'rows':>5} {'length':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7}")
+    print(f"cache of {args.cache_length} positions a row; bound: the weights and each row's live positions, read once")
+    print(f"{'rows':>5} {'live':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7}")
+    length = args.cache_length
     with torch.no_grad():
         for rows in args.rows:
-            for length in args.lengths:
-                cache = SlotCache(
-                    config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
-                )
-                cache.write_at.fill_(length - 1)  # every row attends to its whole length
-                began = time.perf_counter()
-                step = DecodeStep(model, cache, compile=args.compile)
-                made = time.perf_counter() - began
+            cache = SlotCache(
+                config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
+            )
+            began = time.perf_counter()
+            step = DecodeStep(model, cache, compile=not args.no_compile, attention=args.attention)
+            for live in args.live:
+                cache.write_at.fill_(live - 1)  # every row attends to its first `live` positions
                 for _ in range(3):
-                    step()
+                    step(rows, length)
                 torch.cuda.synchronize()
-                began = time.perf_counter()
+                made, began = time.perf_counter() - began, time.perf_counter()
                 for _ in range(20):
-                    step()
+                    step(rows, length)
                 torch.cuda.synchronize()
                 seconds = (time.perf_counter() - began) / 20
-                bound = (weights + rows * length * per_token) / bandwidth
+                bound = (weights + rows * live * per_token) / bandwidth
                 print(
-                    f"{rows:5d} {length:7d} {seconds * 1e3:8.2f} {bound * 1e3:8.2f} {seconds / bound:7.2f}"
-                    f"   (made in {made:.0f} s)"
+                    f"{rows:5d} {live:7d} {seconds * 1e3:8.2f} {bound * 1e3:8.2f} {seconds / bound:7.2f}"
+                    f"   (compiled and captured in {made:.0f} s)"
                 )
+                began = time.perf_counter()
+            if args.no_profile or rows != max(args.rows):
                 del step, cache
                 torch.cuda.empty_cache()
-        if args.no_profile:
-            return
-        # Where the time goes, kernel by kernel, in the largest case (eagerly: the same kernels).
-        rows, length = max(args.rows), max(args.lengths)
-        cache = SlotCache(
-            config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
-        )
-        cache.write_at.fill_(length - 1)
-        step = DecodeStep(model, cache)
-        step.graph = None
-        from vlft.generation import DECODE_ATTENTION
-
-        config._attn_implementation = DECODE_ATTENTION
-        args.work.mkdir(parents=True, exist_ok=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        print(f"rows {rows}, length {length}, 5 eager steps:")
-        print_kernel_time(prof, args.work)
+                continue
+            # Where the time goes, kernel by kernel, in the largest case (the step as compiled,
+            # launched without its graph: the same kernels).
+            args.work.mkdir(parents=True, exist_ok=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step._run(rows, length)
+                torch.cuda.synchronize()
+            print(f"rows {rows}, live {args.live[-1]} of {length}, 5 steps:")
+            print_kernel_time(prof, args.work)
 
 
 if __name__ == "__main__":

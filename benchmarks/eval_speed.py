@@ -189,6 +189,9 @@ def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, tokeni
     }
 
 
+PHASES = ("read_s", "prefill_s", "schedule_s", "step_s", "bookkeeping_s", "answers_s")
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -211,8 +214,9 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
         "mean_busy_rows": mean_rows,
         "prefill_s": run["prefill_s"],
         "decode_s": run["decode_s"],
-        # Ours: the step itself, apart from the bookkeeping between steps, and the cache's length.
-        **{k: run[k] for k in ("step_s", "bookkeeping_s", "max_length", "prefills", "loss_peak_gib") if k in run},
+        # Ours: where generation's time goes (reading prompts off the cache, prefills, choosing a
+        # step's rows, steps, the bookkeeping after each, handing answers over), the cache's length.
+        **{k: run[k] for k in ("max_length", "prefills", "loss_peak_gib", *PHASES) if k in run},
         "wall_s": run["wall_s"],
         "setup_s": run.get("setup_s", 0.0),
         "generated_tokens_per_s_with_setup": tokens / (run["wall_s"] + run.get("setup_s", 0.0)),
@@ -329,6 +333,12 @@ def main():
                 print(
                     f"{'':25} same first token {r['same_first_token']:.2f}, "
                     f"{r['mean_tokens_before_parting']:.1f} tokens alike before answers part"
+                )
+                phases = {k: r[k] for k in PHASES if k in r}
+                print(
+                    f"{'':25} {r['wall_s']:.2f} s: "
+                    + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in phases.items())
+                    + f", the rest {r['wall_s'] - sum(phases.values()):.2f}"
                 )
 
 

@@ -5,15 +5,19 @@ step, and keeps the batch together until its longest answer ends, so that short 
 long ones. Here instead:
 
 - the KV cache has `slots` rows, each as long as the longest prompt plus answer, allocated once;
-- a prompt is prefilled alone (no padding) by the model's own forward, vision tower and all, and
-  its keys and values are copied into a free row;
+- prompts are prefilled packed end to end, without padding, by the model's own forward (vision
+  tower and all, through vlft.packing's attention), and each one's keys and values are copied
+  into a free row;
 - each decode step runs the language model's own layers on one token of every row, each row
   attending to its own length and at its own text position (past the image's M-RoPE positions);
+  on a GPU it is compiled and replayed as a CUDA graph, its attention reading each shared key and
+  value head once;
 - a row whose answer ends (end of turn, or its sample's token limit) takes the next prompt before
   the next step.
 
 The model's layers do all the arithmetic; this module owns only the cache, the mask and the
-schedule, so that the answers are the ones `generate` gives, token for token.
+schedule, so that the answers are the ones `generate` gives, token for token (on a CPU in float32,
+where the step runs transformers' own attention; tests/test_generation.py).
 """
 
 from __future__ import annotations
@@ -121,12 +125,13 @@ def language_model(model):
 
 class DecodeStep:
     """One greedy token for each of the cache's first `rows` rows, attending to their first
-    `length` positions: eagerly on a CPU (through the model's own attention, as `generate` runs
-    it); on a GPU compiled once for any rows and length, and replayed as one CUDA graph per
-    (rows, length) bucket, captured when first needed, so that a step costs one launch instead of
-    some ten per layer and reads no more of the cache than its busy rows need."""
+    `length` positions.
 
-    def __init__(self, model, cache: SlotCache, compile: bool = False):
+    On a CPU: eagerly, through transformers' SDPA, as `generate` runs it, on the rows and length in
+    use. On a GPU: always every row and the cache's whole length, so that one shape is compiled
+    once and replayed as one CUDA graph (one launch a step instead of some ten a layer)."""
+
+    def __init__(self, model, cache: SlotCache, compile: bool = False, attention: str | None = None):
         self.model, self.cache = model, cache
         self.text = language_model(model)
         device = cache.rows.device
@@ -136,16 +141,15 @@ class DecodeStep:
         self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
         self.columns = torch.arange(length, device=device)
         # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
-        self.attention = DECODE_ATTENTION if device.type == "cuda" else "sdpa"
+        self.attention = attention or (DECODE_ATTENTION if device.type == "cuda" else "sdpa")
         # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals,
         # the attention's mask and softmax): on a GPU, some 40 kernels a layer become a few.
-        # Static shapes, one bucket on a GPU (all rows, the cache's length): compiled for dynamic
-        # shapes with a graph per bucket, the benchmark did not finish in 280 s for the 8B or the
-        # 2B, where one static bucket's finishes in about 260 s (8B); not yet understood.
+        # One static shape: compiled for dynamic shapes with a graph per (rows, length) bucket,
+        # the benchmark did not finish in 280 s for the 8B or the 2B.
         self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
         self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.capture_s = 0.0  # compiling and capturing, once a job and once a bucket
+        self.capture_s = 0.0  # compiling and capturing, once a job
 
     @contextmanager
     def _own_attention(self):
@@ -214,14 +218,6 @@ class DecodeStep:
         return self.chosen
 
 
-def bucket(needed: int, most: int, granule: int | None) -> int:
-    """What a step computes on: the next multiple of `granule`, so that a few CUDA graphs serve
-    every step on a GPU; exactly what is needed on a CPU (granule None)."""
-    if granule is None:
-        return needed
-    return min(most, -(-needed // granule) * granule)
-
-
 # How a packed prefill lays its prompts' inputs end to end: tokens along the row, images one after another.
 PACKED_INPUTS = {"input_ids": 1, "mm_token_type_ids": 1, "pixel_values": 0, "image_grid_thw": 0}
 
@@ -280,7 +276,7 @@ def greedy_answers(
         step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
         timer.add("max_length", max_length)
         _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
-        # The steps that first met a bucket captured its graph (the first also compiled): apart.
+        # The first step compiled and captured the step's graph: apart.
         timer.add("decode_setup_s", step.capture_s)
         timer.add("step_s", -step.capture_s)
         timer.add("graphs", len(step.graphs or {}))
@@ -290,7 +286,9 @@ def greedy_answers(
 
 def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
     slots, most_length = cache.rows.shape[0], cache.keys[0].shape[2]
-    on_gpu = cache.rows.device.type == "cuda"
+    # The GPU's step computes on every row and the whole cache (one shape, compiled once, one CUDA
+    # graph); the CPU's on the rows and length in use.
+    whole = step.attention == DECODE_ATTENTION
     active = torch.zeros(slots, dtype=torch.long, device=cache.rows.device)  # 1 where a row answers
     busy: list[Request | None] = [None] * slots
     answers: list[list[int]] = [[] for _ in range(slots)]
@@ -332,10 +330,11 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
         busy[source], written[source] = None, 0
         active[source], cache.write_at[source] = 0, 0
 
+    timer.start()
     while True:
         free = [slot for slot in range(slots) if busy[slot] is None]
         while free and (group := next_group(len(free))):
-            timer.start()
+            timer.stop("read_s")
             firsts, prefilled, spans = prefill(model, group)
             for request, first, (start, end) in zip(group, firsts, spans):
                 slot = free.pop(0)
@@ -353,10 +352,10 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
             del prefilled
             timer.stop("prefill_s")
             timer.add("prefills", 1)
-        if exhausted and not read_ahead and not on_gpu:
+        timer.stop("read_s")
+        if exhausted and not read_ahead and not whole:
             # No prompt is left to fill a free row: the rows still answering move down to the
-            # lowest ones, so that steps compute on fewer rows as answers end. (Not on a GPU, whose
-            # step computes every row as yet: there they would only cost copies.)
+            # lowest ones, so that steps compute on fewer rows as answers end.
             free = [slot for slot in range(slots) if busy[slot] is None]
             for source in reversed(range(slots)):
                 if busy[source] is not None and free and free[0] < source:
@@ -369,9 +368,10 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
 
         # One token of each row up to the last that answers, over the cache up to the longest;
         # idle rows among them compute on what they hold, and nothing reads it.
-        rows = bucket(answering[-1] + 1, slots, slots if on_gpu else None)
-        length = bucket(max(written[slot] for slot in answering) + 1, most_length, most_length if on_gpu else None)
-        timer.start()
+        rows, length = slots, most_length
+        if not whole:
+            rows, length = answering[-1] + 1, max(written[slot] for slot in answering) + 1
+        timer.stop("schedule_s")
         chosen = step(rows, length)
         timer.stop("step_s")
         step.tokens[:rows].copy_(chosen[:rows])
@@ -387,6 +387,7 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
             written[slot] += 1
             if finished(slot):
                 release(slot)
+        timer.stop("answers_s")
 
 
 class _Timer:
@@ -406,9 +407,11 @@ class _Timer:
             self.began = self._now()
 
     def stop(self, name: str) -> None:
+        """The seconds since the last start or stop, to `name`."""
         if self.totals is not None:
-            self.add(name, self._now() - self.began)
-            self.began = self._now()
+            now = self._now()
+            self.add(name, now - self.began)
+            self.began = now
 
     def add(self, name: str, amount) -> None:
         if self.totals is not None:
