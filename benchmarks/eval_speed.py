@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, make_workload  # noqa: E402
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.files import read_jsonl  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
@@ -225,8 +224,6 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
 
 
 def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     work = args.work / arch
     work.mkdir(parents=True, exist_ok=True)
     raw = make_workload(work, args.samples, tokenizer)
@@ -242,14 +239,7 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in text.parameters()) + model.lm_head.weight.nbytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
-    vision = model.config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-    )
+    image_processor = image_processor_for(model)
     model_dir = work / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -301,12 +291,7 @@ def main():
         results["archs"].append(bench_arch(arch, args, tokenizer, bandwidth))
         torch.cuda.empty_cache()
 
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = commit_of(args.commit)
     device = torch.cuda.get_device_name()
     results |= {"device": device, "date": datetime.date.today().isoformat(), "commit": commit}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, SAMPLES_PER_STEP, build_model, make_workload, our_settings  # noqa: E402
+from train_speed import (  # noqa: E402
+    MAX_PIXELS,
+    MIN_PIXELS,
+    SAMPLES_PER_STEP,
+    build_model,
+    commit_of,
+    image_processor_for,
+    make_workload,
+    our_settings,
+)
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.records import prepare_split  # noqa: E402
@@ -39,8 +48,6 @@ from vlft.records import prepare_split  # noqa: E402
 
 def prepare(work: Path, arch: str, images: int) -> Path:
     """The workload, the model saved as a checkpoint directory, its pixel and vision caches."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     from vlft.vision_cache import build_vision_cache
 
     tokenizer = make_tokenizer()
@@ -48,14 +55,7 @@ def prepare(work: Path, arch: str, images: int) -> Path:
     prepare_split(raw, work / "images", work / "prepared.jsonl")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: to try it on a tiny model
     model = build_model(arch, tokenizer, device)
-    vision = model.config.vision_config
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-    )
+    processor = image_processor_for(model)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     processor.save_pretrained(work / "model")
@@ -173,12 +173,7 @@ def main():
         if "error" not in result and "error" not in evaluations.get(1, {"error": 1}):
             result["same_predictions_as_1_gpu"] = same_predictions(work, n)
 
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = commit_of(args.commit)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     report = {
         "arch": args.arch,

@@ -98,6 +98,30 @@ def build_model(arch: str, tokenizer, device):
     return model
 
 
+def commit_of(given: str | None) -> str:
+    """The commit the code is at: `given` where the checkout has no git history, else git's."""
+    return (
+        given
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    )
+
+
+def image_processor_for(model):
+    """The image processor a checkpoint of `model` ships with, at the workload's pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = model.config.vision_config
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+
+
 def parameter_counts(model) -> tuple[int, int]:
     language = sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}" and "lora_" not in n)
     vision = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
@@ -365,16 +389,7 @@ def main():
     model = build_model(args.arch, tokenizer, "cuda")
     language_params, vision_params = parameter_counts(model)
     flops_per_token = 4 * language_params  # LoRA on a frozen base: forward + input gradients; see README
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    vision = model.config.vision_config
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-    )
+    image_processor = image_processor_for(model)
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
     results = {}
 
@@ -434,12 +449,7 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
 
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = commit_of(args.commit)
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),

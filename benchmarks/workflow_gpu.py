@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, make_workload  # noqa: E402
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, image_processor_for, make_workload  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 
 STARTED = re.compile(r"; started (\S+ \S+)")
@@ -38,8 +38,6 @@ WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlf
 
 
 def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: int) -> Path:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     tokenizer = make_tokenizer()
     raw = make_workload(work / "data", n_train + n_val, tokenizer)
     rows = raw.read_text().splitlines()
@@ -49,17 +47,10 @@ def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: 
     import torch
 
     model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
-    vision = model.config.vision_config
     model_dir = work / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-    ).save_pretrained(model_dir)
+    image_processor_for(model).save_pretrained(model_dir)
     del model
 
     config = {

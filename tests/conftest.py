@@ -69,6 +69,36 @@ def assert_close_normwise(got, want, rtol: float, msg: str = "") -> None:
     assert error <= rtol * scale, f"{msg}: relative error {error / scale:.2e} > {rtol:.0e}"
 
 
+def tiny_family_data(root: Path, family: str, raw: Path) -> Path:
+    """A tiny model of `family` in root/model, and the records of `raw` (images in root/images)
+    prepared and pixel-cached as a stage reads them: root/prepared.jsonl, root/pixels."""
+    from vlft.demo.tiny_model import make_tiny_model
+    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.modeling import load_image_processor
+    from vlft.records import prepare_split
+
+    make_tiny_model(root / "model", family=family)
+    prepare_split(raw, root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "pixels", pixels)
+    return root
+
+
+def tiny_stage_settings(**overrides) -> dict:
+    """A tiny model's stage settings as the train rule hands them over: the schema's defaults, the
+    pixel bounds of tiny_family_data, rank 8, and `overrides`."""
+    from vlft.config import stage_defaults
+
+    settings = stage_defaults() | {
+        "init_from": None,
+        "min_pixels": 4096,
+        "max_pixels": 16384,
+        "lora_r": 8,
+        "lora_alpha": 16,
+    }
+    return {k: v for k, v in (settings | overrides).items() if k not in ("resources", "checkpoint_every")}
+
+
 # The README's quick start, after its install: the whole demo pipeline.
 DEMO_COMMAND = "snakemake --cores all"
 # The threads each job of it gets: the rules ask for 8, `--cores all` caps them at the machine's.

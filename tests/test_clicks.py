@@ -14,17 +14,17 @@ from PIL import Image, ImageDraw
 
 from vlft import clicks
 from vlft.clicks import Convention, Frame, parse_point, score
-from vlft.config import stage_defaults
-from vlft.demo.tiny_model import FAMILIES, PATCH_SIZE, make_tiny_model
+from vlft.demo.tiny_model import FAMILIES, PATCH_SIZE
 from vlft.errors import InputError
 from vlft.evaluate import evaluate_split
 from vlft.files import read_jsonl, write_jsonl
-from vlft.image_cache import PixelSettings, build_image_cache
-from vlft.modeling import load_base_model, load_image_processor, load_tokenizer
+from vlft.image_cache import PixelSettings
+from vlft.modeling import load_base_model, load_tokenizer
 from vlft.prompts import PromptBuilder
 from vlft.records import prepare_split
 from vlft.stage_data import load_stage_data
 from vlft.train import StageInputs, train_stage
+from conftest import tiny_family_data, tiny_stage_settings
 
 # (width, height) of screenshots and photos, landscape, portrait, odd sizes.
 SIZES = [(1920, 1080), (1280, 720), (720, 1280), (333, 517), (96, 160)]
@@ -145,12 +145,8 @@ def make_click_split(root, name: str, n: int, seed: int) -> None:
 @pytest.fixture(scope="module", params=FAMILIES)
 def click_family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"click-{request.param}")
-    make_tiny_model(root / "model", family=request.param)
     make_click_split(root, "raw", 16, seed=3)
-    prepare_split(root / "raw.jsonl", root / "images", root / "prepared.jsonl")
-    pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "pixels", pixels)
-    return request.param, root
+    return request.param, tiny_family_data(root, request.param, root / "raw.jsonl")
 
 
 def test_a_click_stage_trains_on_targets_in_the_familys_coordinates_and_is_scored_in_pixels(click_family, tmp_path):
@@ -177,19 +173,9 @@ def test_a_click_stage_trains_on_targets_in_the_familys_coordinates_and_is_score
         if family == "qwen2_5_vl":
             assert (frame.resized_width, frame.resized_height) != (frame.width, frame.height)
 
-    settings = stage_defaults() | {
-        "answer_format": "click",
-        "dataset": "clicks",
-        "init_from": None,
-        "micro_batch": 8,
-        "max_steps": 40,
-        "learning_rate": 3e-3,
-        "min_pixels": 4096,
-        "max_pixels": 16384,
-        "lora_r": 8,
-        "lora_alpha": 16,
-    }
-    settings = {k: v for k, v in settings.items() if k not in ("resources", "checkpoint_every")}
+    settings = tiny_stage_settings(
+        answer_format="click", dataset="clicks", micro_batch=8, max_steps=40, learning_rate=3e-3
+    )
     out = tmp_path / "stage"
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
     train_stage(

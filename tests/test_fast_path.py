@@ -16,15 +16,14 @@ from vlft.batching import collate, to_device, token_budget_batches
 from vlft.demo.shapes import make_dataset
 from vlft.errors import ConfigError
 from vlft.files import read_jsonl
-from vlft.image_cache import ImageCache, PixelSettings, build_image_cache
+from vlft.image_cache import ImageCache
 from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
-from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index, with_new_adapter
+from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
 from vlft.packing import pack, packed_attention, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
-from vlft.records import prepare_split
 from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
-from vlft.demo.tiny_model import FAMILIES, make_tiny_model
-from conftest import FLOAT64_RTOL, assert_close_normwise
+from vlft.demo.tiny_model import FAMILIES
+from conftest import FLOAT64_RTOL, assert_close_normwise, tiny_family_data
 
 FLOAT64 = torch.float64
 LORA = {
@@ -39,12 +38,8 @@ LORA = {
 def family_setup(request, tmp_path_factory):
     """A tiny model of one family, 12 demo records of varied answer lengths, and their pixel cache."""
     root = tmp_path_factory.mktemp(request.param)
-    make_tiny_model(root / "model", family=request.param)
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 12}, seed=1)
-    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
-    settings = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "pixels", settings)
-    return root
+    return tiny_family_data(root, request.param, root / "train.jsonl")
 
 
 def lora_model(model_dir, dtype=FLOAT64):

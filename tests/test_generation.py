@@ -11,12 +11,10 @@ import torch
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
-from vlft.demo.tiny_model import FAMILIES, make_tiny_model
+from vlft.demo.tiny_model import FAMILIES
 from vlft.generation import DecodeStep, Request, SlotCache, greedy_answers, language_model, prefill
-from vlft.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import (
     load_base_model,
-    load_image_processor,
     load_tokenizer,
     rope_index,
     with_adapter,
@@ -24,10 +22,9 @@ from vlft.modeling import (
 )
 from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
-from vlft.records import prepare_split
 from vlft.stage_data import load_stage_data
 from vlft.train import StageInputs, train_stage
-from conftest import assert_close_normwise
+from conftest import assert_close_normwise, tiny_family_data, tiny_stage_settings
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
 # Per sample, in turn: answers stopped after 2, 7 or 24 tokens (or at the end of the turn), so
@@ -40,24 +37,11 @@ def family(request, tmp_path_factory):
     """A tiny model of one family, 14 demo records and their pixel cache, and an adapter trained
     on them (60 steps; its answers are the demo's, not the untrained model's)."""
     root = tmp_path_factory.mktemp(request.param)
-    make_tiny_model(root / "model", family=request.param)
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 14}, seed=2)
-    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
-    pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "pixels", pixels)
-    settings = stage_defaults() | {
-        "answer_format": "cot",
-        "dataset": "shapes",
-        "init_from": None,
-        "micro_batch": 7,
-        "max_steps": 60,
-        "learning_rate": 3e-3,
-        "min_pixels": 4096,
-        "max_pixels": 16384,
-        "lora_r": 8,
-        "lora_alpha": 16,
-    }
-    settings = {k: v for k, v in settings.items() if k not in ("resources", "checkpoint_every")}
+    tiny_family_data(root, request.param, root / "train.jsonl")
+    settings = tiny_stage_settings(
+        answer_format="cot", dataset="shapes", micro_batch=7, max_steps=60, learning_rate=3e-3
+    )
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
     stage = root / "stage"
     train_stage(inputs, settings, stage / "adapter", stage / "log.jsonl", stage / "summary.json", stage / "ckpt", 10**6)
