@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eval_speed import copy_bandwidth  # noqa: E402
+from eval_speed import copy_bandwidth, step_weight_bytes  # noqa: E402
 from train_speed import build_model, print_kernel_time  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.generation import DecodeStep, SlotCache, language_model  # noqa: E402
+from vlft.generation import DecodeStep, SlotCache  # noqa: E402
 
 
 def main():
@@ -38,20 +38,14 @@ def main():
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     model = build_model(args.arch, make_tokenizer(), "cuda").eval()
-    text = language_model(model)
-    config = text.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    weights = sum(p.nbytes for p in text.parameters()) + model.lm_head.weight.nbytes
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    weights, per_token = step_weight_bytes(model), SlotCache.bytes_per_token(model)
     print(f"{args.arch}: {weights / 1e9:.1f} GB of weights, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"cache of {args.cache_length} positions a row; bound: the weights and each row's live positions, read once")
     print(f"{'rows':>5} {'live':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7}")
     length = args.cache_length
     with torch.no_grad():
         for rows in args.rows:
-            cache = SlotCache(
-                config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim, "cuda", torch.bfloat16
-            )
+            cache = SlotCache(model, rows, length)
             began = time.perf_counter()
             step = DecodeStep(model, cache, compile=not args.no_compile, attention=args.attention)
             for live in args.live:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.files import read_jsonl  # noqa: E402
+from vlft.generation import SlotCache, language_model  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.prompts import PromptBuilder  # noqa: E402
 from vlft.records import prepare_split  # noqa: E402
@@ -188,6 +189,11 @@ def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, tokeni
     }
 
 
+def step_weight_bytes(model) -> int:
+    """The weights a decode step reads: the language model's and its head's."""
+    return sum(p.nbytes for p in language_model(model).parameters()) + model.lm_head.weight.nbytes
+
+
 PHASES = ("read_s", "prefill_s", "schedule_s", "step_s", "bookkeeping_s", "answers_s")
 
 
@@ -234,11 +240,7 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     lengths = {r["id"]: len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) + 1 for r in records}
 
     model = build_model(arch, tokenizer, "cuda").eval()
-    text = model.model.language_model
-    config = text.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in text.parameters()) + model.lm_head.weight.nbytes
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    weight_bytes, kv_bytes_per_token = step_weight_bytes(model), SlotCache.bytes_per_token(model)
     image_processor = image_processor_for(model)
     model_dir = work / "model"
     model.save_pretrained(model_dir)

@@ -12,14 +12,9 @@ from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
-from vlft.generation import DecodeStep, Request, SlotCache, greedy_answers, language_model, prefill
-from vlft.modeling import (
-    load_base_model,
-    load_tokenizer,
-    rope_index,
-    with_adapter,
-    with_new_adapter,
-)
+from vlft.evaluate import prompt_request
+from vlft.generation import DecodeStep, SlotCache, greedy_answers, prefill
+from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
 from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import load_stage_data
@@ -58,15 +53,21 @@ def model_with(root, adapter: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("adapter", ["none", "untrained", "trained"])
-def test_greedy_answers_are_generates_token_for_token(family, adapter):
-    name, root = family
-    model = model_with(root, adapter)
+def stage_data(root, model):
+    """The tokenizer, prompt builder and records of the family's stage, as evaluation reads them."""
     tokenizer = load_tokenizer(root / "model")
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
     data = load_stage_data(
         [str(root / "prepared.jsonl")], [str(root / "pixels")], builder, {}, answer_format="cot", max_seq_len=512
     )
+    return tokenizer, builder, data
+
+
+@pytest.mark.parametrize("adapter", ["none", "untrained", "trained"])
+def test_greedy_answers_are_generates_token_for_token(family, adapter):
+    name, root = family
+    model = model_with(root, adapter)
+    tokenizer, builder, data = stage_data(root, model)
     samples = [data.samples[r["key"]] for r in data.records]
     pad_id, longest = tokenizer.pad_token_id, max(LIMITS)
 
@@ -92,14 +93,7 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
 
     def requests():
         for index, sample in enumerate(samples):
-            prompt = to_device(
-                collate([sample], data.images, builder, pad_id, prompt_only=True, rope_index=rope_index(model)),
-                CPU,
-                FLOAT32,
-            )
-            positions = prompt.pop("position_ids")
-            inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
-            yield Request(index, inputs, positions, LIMITS[index % len(LIMITS)])
+            yield prompt_request(index, sample, data, builder, pad_id, model, CPU, FLOAT32, LIMITS[index % len(LIMITS)])
 
     answers = {}
     prompt_tokens = max(s.prompt_length for s in samples)
@@ -128,24 +122,14 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family):
     image are right, not just close enough to keep the argmax."""
     name, root = family
     model = model_with(root, "trained")
-    tokenizer = load_tokenizer(root / "model")
-    builder = PromptBuilder(tokenizer, model.config.image_token_id)
-    data = load_stage_data(
-        [str(root / "prepared.jsonl")], [str(root / "pixels")], builder, {}, answer_format="cot", max_seq_len=512
-    )
-    sample = data.samples[data.records[3]["key"]]
-    prompt = to_device(
-        collate([sample], data.images, builder, 0, prompt_only=True, rope_index=rope_index(model)), CPU, FLOAT32
-    )
-    positions = prompt.pop("position_ids")
-    inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
-    config = language_model(model).config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, 256, head_dim, CPU, FLOAT32)
+    tokenizer, builder, data = stage_data(root, model)
+    request = prompt_request(0, data.samples[data.records[3]["key"]], data, builder, 0, model, CPU, FLOAT32, 8)
+    inputs, positions = request.inputs, request.positions
+    cache = SlotCache(model, 4, 256)
     with torch.no_grad():
         use_packed_attention(model)
         step = DecodeStep(model, cache)
-        (first,), prefilled, ((start, end),) = prefill(model, [Request(0, inputs, positions, 8)])
+        (first,), prefilled, ((start, end),) = prefill(model, [request])
         cache.fill(2, prefilled, start, end)
         step.tokens[2], step.positions[2] = first, positions.max() + 1
         ids = inputs["input_ids"][0].tolist() + [first]

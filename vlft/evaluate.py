@@ -79,18 +79,8 @@ def evaluate_split(
     def requests():
         for index in mine:
             record = data.records[index]
-            prompt = collate(
-                [data.samples[record["key"]]],
-                data.images,
-                builder,
-                pad_id,
-                prompt_only=True,
-                rope_index=rope_index(model),
-            )
-            prompt = to_device(prompt, device, dtype)
-            positions = prompt.pop("position_ids")
-            inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
-            yield Request(index, inputs, positions, min(max_new_tokens, stops.get(record["id"], max_new_tokens)))
+            limit = min(max_new_tokens, stops.get(record["id"], max_new_tokens))
+            yield prompt_request(index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit)
 
     def answer(index: int, ids: list[int]) -> None:
         texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
@@ -165,6 +155,16 @@ def evaluate_split(
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
+
+
+def prompt_request(key, sample, data: StageData, builder, pad_id: int, model, device, dtype, max_new_tokens: int):
+    """One sample's prompt as vlft.generation answers it (a Request): its model inputs on the
+    device and its M-RoPE positions."""
+    prompt = collate([sample], data.images, builder, pad_id, prompt_only=True, rope_index=rope_index(model))
+    prompt = to_device(prompt, device, dtype)
+    positions = prompt.pop("position_ids")
+    inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
+    return Request(key, inputs, positions, max_new_tokens)
 
 
 def _synchronized_time(device: torch.device) -> float:

@@ -53,12 +53,22 @@ class SlotCache:
     call as `past_key_values.update`.
     """
 
-    def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, device, dtype):
-        shape = (slots, heads, length, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.rows = torch.arange(slots, device=device)
-        self.write_at = torch.zeros(slots, dtype=torch.long, device=device)
+    def __init__(self, model, slots: int, length: int):
+        """For `model`'s language model, on its device and in its dtype."""
+        text = language_model(model)
+        config, weight = text.config, text.embed_tokens.weight
+        shape = (slots, config.num_key_value_heads, length, _head_dim(config))
+        self.keys = [torch.zeros(shape, device=weight.device, dtype=weight.dtype) for _ in text.layers]
+        self.values = [torch.zeros(shape, device=weight.device, dtype=weight.dtype) for _ in text.layers]
+        self.rows = torch.arange(slots, device=weight.device)
+        self.write_at = torch.zeros(slots, dtype=torch.long, device=weight.device)
+
+    @staticmethod
+    def bytes_per_token(model) -> int:
+        """One token's keys and values over all layers of `model`'s language model."""
+        text = language_model(model)
+        config = text.config
+        return 2 * len(text.layers) * config.num_key_value_heads * _head_dim(config) * text.embed_tokens.weight.itemsize
 
     def fill(self, slot: int, prefilled, start: int, end: int) -> None:
         """Copy the keys and values of one prompt, tokens start to end of a packed prefill (a
@@ -121,6 +131,10 @@ AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 def language_model(model):
     """The decoder stack of a Qwen-VL model (its embeddings, layers and final norm)."""
     return model.model.language_model
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class DecodeStep:
@@ -263,12 +277,9 @@ def greedy_answers(
     config = text.config
     weight = text.embed_tokens.weight
     timer = _Timer(weight.device, stats)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
     max_length = -(-max_length // 256) * 256
-    cache = SlotCache(
-        config.num_hidden_layers, slots, config.num_key_value_heads, max_length, head_dim, weight.device, weight.dtype
-    )
+    cache = SlotCache(model, slots, max_length)
     prefill_attention = config._attn_implementation
     use_packed_attention(model)
     try:
