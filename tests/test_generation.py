@@ -13,7 +13,16 @@ from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
 from vlft.evaluate import prompt_request
-from vlft.generation import DecodeStep, SlotCache, greedy_answers, prefill
+from vlft.generation import (
+    DECODE_ATTENTION,
+    KV_BLOCK,
+    DecodeStep,
+    SlotCache,
+    greedy_answers,
+    live_blocks,
+    prefill,
+    refresh_live_blocks,
+)
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
 from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
@@ -116,10 +125,13 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
         assert any("Final answer" in tokenizer.decode(ids) for ids in answers.values())
 
 
-def test_a_decode_step_gives_the_logits_of_a_full_forward(family):
+@pytest.mark.parametrize("attention", ["sdpa", DECODE_ATTENTION])
+def test_a_decode_step_gives_the_logits_of_a_full_forward(family, attention):
     """Row 2 of 4 (the others idle) after a packed prefill, step by step against the model's own
     forward over the prompt and the answer so far: the cache, the mask and the position past the
-    image are right, not just close enough to keep the argmax."""
+    image are right, not just close enough to keep the argmax. Through transformers' SDPA, as a
+    CPU runs the step, and through the GPU's attention (flex_attention over the live blocks,
+    here its eager form, which applies the mask but reads every block)."""
     name, root = family
     model = model_with(root, "trained")
     tokenizer, builder, data = stage_data(root, model)
@@ -128,7 +140,7 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family):
     cache = SlotCache(model, 4, 256)
     with torch.no_grad():
         use_packed_attention(model)
-        step = DecodeStep(model, cache)
+        step = DecodeStep(model, cache, attention=attention)
         (first,), prefilled, ((start, end),) = prefill(model, [request])
         cache.fill(2, prefilled, start, end)
         step.tokens[2], step.positions[2] = first, positions.max() + 1
@@ -147,9 +159,27 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family):
             ).logits[0, -1]
             # float32 (u = 6e-8) over sums of at most a few hundred terms in 2 layers: 1e-5 of the
             # logits' norm is far above rounding and far below a wrong position or a lost token.
-            assert_close_normwise(got, full, rtol=1e-5, msg=f"{name}, token {len(ids) - end}")
+            assert_close_normwise(got, full, rtol=1e-5, msg=f"{name}, {attention}, token {len(ids) - end}")
             token = int(got.argmax())
             ids.append(token)
             cache.write_at[2] += 1
             step.positions[2] += 1
             step.tokens[2] = token
+
+
+def test_a_gpu_step_reads_each_rows_blocks_up_to_its_length_and_no_further():
+    """The blocks flex_attention's kernel reads for each row (which its eager form above does not
+    show) are those its mask leaves any position in, as flex_attention itself derives them from
+    the mask: at block edges, for an idle row, and after the rows grow."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length = 4 * KV_BLOCK
+    write_at = torch.tensor([0, KV_BLOCK - 1, KV_BLOCK, 2 * KV_BLOCK + 5, length - 1])
+    live = live_blocks(write_at, length)
+    for grown in range(3):
+        derived = create_block_mask(live.mask_mod, len(write_at), None, 1, length, device="cpu", BLOCK_SIZE=KV_BLOCK)
+        # It names the blocks all of whose positions are in apart from those only some are.
+        read = derived.kv_num_blocks + derived.full_kv_num_blocks
+        assert live.kv_num_blocks.flatten().tolist() == read.flatten().tolist(), grown
+        write_at[:-1] += KV_BLOCK // 2
+        refresh_live_blocks(live, write_at)

@@ -10,8 +10,8 @@ long ones. Here instead:
   into a free row;
 - each decode step runs the language model's own layers on one token of every row, each row
   attending to its own length and at its own text position (past the image's M-RoPE positions);
-  on a GPU it is compiled and replayed as a CUDA graph, its attention reading each shared key and
-  value head once;
+  on a GPU it is compiled and replayed as a CUDA graph, its attention a flex_attention kernel
+  that reads each row's cache only to its length;
 - a row whose answer ends (end of turn, or its sample's token limit) takes the next prompt before
   the next step.
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 from vlft.modeling import unwrapped
@@ -108,21 +109,47 @@ class CacheWindow:
         return keys[:rows, :, : self.length], values[:rows, :, : self.length]
 
 
-def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+# The cache in blocks of this many positions: a GPU's step reads a row's blocks up to its length.
+KV_BLOCK = 128
+
+
+def live_blocks(write_at: torch.Tensor, length: int) -> BlockMask:
+    """flex_attention's block mask over a cache of `length` positions a row: each row attends to
+    its positions up to `write_at` (where its newest token goes), and the kernel reads none of the
+    blocks past it. `refresh_live_blocks` keeps it in step as the rows grow."""
+    slots, blocks = write_at.shape[0], length // KV_BLOCK
+    every_block = torch.arange(blocks, dtype=torch.int32, device=write_at.device).expand(slots, 1, 1, blocks)
+
+    def within(row, head, query, position):
+        return position <= write_at[row]
+
+    mask = BlockMask.from_kv_blocks(
+        torch.ones(slots, 1, 1, dtype=torch.int32, device=write_at.device),
+        every_block.contiguous(),
+        BLOCK_SIZE=KV_BLOCK,
+        mask_mod=within,
+        seq_lengths=(1, length),
+        compute_q_blocks=False,  # nothing is differentiated
+    )
+    refresh_live_blocks(mask, write_at)
+    return mask
+
+
+def refresh_live_blocks(mask: BlockMask, write_at: torch.Tensor) -> None:
+    mask.kv_num_blocks.copy_((write_at // KV_BLOCK + 1).view(-1, 1, 1))
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, live=None, **kwargs):
     """One new token of each row against its row of the cache, for a GPU's decode step.
 
-    transformers' SDPA path, given a mask, first repeats every key and value head for each of the
-    query heads that share it (4x the cache's bytes for Qwen3-VL-8B) on CUDA; here each group of
-    query heads meets its shared head in one matmul, so the cache is read once.
+    transformers' SDPA path, given a mask, reads every row's cache to its full length, and first
+    repeats every key and value head for each query head that shares it (4x the cache's bytes for
+    Qwen3-VL-8B). flex_attention's decoding kernel, given the rows' live blocks (`live`), reads
+    each shared head once and each row only up to its own length: an idle row, or the unwritten
+    end of a row, costs nothing.
     """
-    rows, query_heads, _, head_dim = query.shape
-    key_heads = key.shape[1]
-    grouped = query.view(rows, key_heads, query_heads // key_heads, head_dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # rows x heads x group x length
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    output = torch.matmul(weights, value)  # rows x heads x group x head_dim
-    return output.view(rows, query_heads, 1, head_dim).transpose(1, 2), None
+    output = flex_attention(query, key, value, block_mask=live, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2), None
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
@@ -143,7 +170,9 @@ class DecodeStep:
 
     On a CPU: eagerly, through transformers' SDPA, as `generate` runs it, on the rows and length in
     use. On a GPU: always every row and the cache's whole length, so that one shape is compiled
-    once and replayed as one CUDA graph (one launch a step instead of some ten a layer)."""
+    once and replayed as one CUDA graph (one launch a step instead of some ten a layer); its
+    attention (flex_attention over the rows' live blocks) still reads each row only to its own
+    length."""
 
     def __init__(self, model, cache: SlotCache, compile: bool = False, attention: str | None = None):
         self.model, self.cache = model, cache
@@ -156,8 +185,10 @@ class DecodeStep:
         self.columns = torch.arange(length, device=device)
         # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
         self.attention = attention or (DECODE_ATTENTION if device.type == "cuda" else "sdpa")
-        # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals,
-        # the attention's mask and softmax): on a GPU, some 40 kernels a layer become a few.
+        # flex_attention's live blocks cover every row to the cache's length: its steps do too.
+        self.live = live_blocks(cache.write_at, length) if self.attention == DECODE_ATTENTION else None
+        # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals)
+        # and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a few.
         # One static shape: compiled for dynamic shapes with a graph per (rows, length) bucket,
         # the benchmark did not finish in 280 s for the 8B or the 2B.
         self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
@@ -193,6 +224,10 @@ class DecodeStep:
     def _logits(self, rows: int, length: int) -> torch.Tensor:
         window = self.cache.window(rows, length)
         mask = self.columns[None, :length] <= window.write_at[:, None]
+        live = {}
+        if self.live is not None:
+            refresh_live_blocks(self.live, self.cache.write_at)
+            live["live"] = self.live
         # Text tokens after the image: all three M-RoPE components at the same position.
         positions = self.positions[:rows].view(1, rows, 1).expand(3, rows, 1)
         hidden = self.text(
@@ -201,6 +236,7 @@ class DecodeStep:
             position_ids=positions,
             past_key_values=window,
             use_cache=True,
+            **live,
         ).last_hidden_state
         return self.model.lm_head(hidden[:, -1])
 
@@ -297,9 +333,9 @@ def greedy_answers(
 
 def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
     slots, most_length = cache.rows.shape[0], cache.keys[0].shape[2]
-    # The GPU's step computes on every row and the whole cache (one shape, compiled once, one CUDA
-    # graph); the CPU's on the rows and length in use.
-    whole = step.attention == DECODE_ATTENTION
+    # With flex_attention's live blocks a step reads each row only to its own length, so it computes
+    # on the whole cache (one shape, one CUDA graph); otherwise on the rows and length in use.
+    whole = step.live is not None
     active = torch.zeros(slots, dtype=torch.long, device=cache.rows.device)  # 1 where a row answers
     busy: list[Request | None] = [None] * slots
     answers: list[list[int]] = [[] for _ in range(slots)]
