@@ -183,3 +183,32 @@ def test_a_gpu_step_reads_each_rows_blocks_up_to_its_length_and_no_further():
         assert live.kv_num_blocks.flatten().tolist() == read.flatten().tolist(), grown
         write_at[:-1] += KV_BLOCK // 2
         refresh_live_blocks(live, write_at)
+
+
+def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
+    """The GPU's step as it runs there, compiled (flex_attention's kernel, reading each row's live
+    blocks only), against the CPU's eager SDPA step on the same cache: rows at lengths that end
+    in the first, second, third and fourth block of 128, over random keys and values."""
+    from vlft.demo.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", family="qwen3_vl")
+    model = load_base_model(tmp_path / "model", CPU, FLOAT32).eval()
+    config = language_model(model).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    logits = {}
+    for attention in ("sdpa", DECODE_ATTENTION):
+        torch.manual_seed(0)
+        cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, 4 * KV_BLOCK, head_dim, CPU, FLOAT32)
+        for keys, values in zip(cache.keys, cache.values):
+            keys.normal_()
+            values.normal_()
+        cache.write_at.copy_(torch.tensor([0, KV_BLOCK + 2, 2 * KV_BLOCK - 1, 3 * KV_BLOCK + 17]))
+        step = DecodeStep(model, cache, attention=attention)
+        step.tokens.copy_(torch.tensor([5, 17, 33, 2]))
+        step.positions.copy_(cache.write_at + 40)
+        compute = torch.compile(step._logits, dynamic=False) if attention == DECODE_ATTENTION else step._logits
+        with torch.no_grad(), step._own_attention():
+            logits[attention] = compute(4, 4 * KV_BLOCK)
+    # float32 over sums of at most 401 terms in 2 layers, as in the full-forward test above; a
+    # block read too few or too many changes a row's attention outright.
+    assert_close_normwise(logits[DECODE_ATTENTION], logits["sdpa"], rtol=1e-5, msg="compiled flex step")
