@@ -193,12 +193,10 @@ def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
 
     make_tiny_model(tmp_path / "model", family="qwen3_vl")
     model = load_base_model(tmp_path / "model", CPU, FLOAT32).eval()
-    config = language_model(model).config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     logits = {}
     for attention in ("sdpa", DECODE_ATTENTION):
         torch.manual_seed(0)
-        cache = SlotCache(config.num_hidden_layers, 4, config.num_key_value_heads, 4 * KV_BLOCK, head_dim, CPU, FLOAT32)
+        cache = SlotCache(model, 4, 4 * KV_BLOCK)
         for keys, values in zip(cache.keys, cache.values):
             keys.normal_()
             values.normal_()
