@@ -313,6 +313,7 @@ def greedy_answers(
     config = text.config
     weight = text.embed_tokens.weight
     timer = _Timer(weight.device, stats)
+    timer.start()
     # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
     max_length = -(-max_length // 256) * 256
     cache = SlotCache(model, slots, max_length)
@@ -321,6 +322,7 @@ def greedy_answers(
     try:
         # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
         step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
+        timer.stop("setup_s")
         timer.add("max_length", max_length)
         _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
         # The first step compiled and captured the step's graph: apart.
@@ -329,6 +331,7 @@ def greedy_answers(
         timer.add("graphs", len(step.graphs or {}))
     finally:
         unwrapped(model).set_attn_implementation({"text_config": prefill_attention})
+        timer.stop("setup_s")  # once a job, before the first prompt and after the last answer
 
 
 def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
@@ -377,7 +380,6 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
         busy[source], written[source] = None, 0
         active[source], cache.write_at[source] = 0, 0
 
-    timer.start()
     while True:
         free = [slot for slot in range(slots) if busy[slot] is None]
         while free and (group := next_group(len(free))):
