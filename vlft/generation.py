@@ -117,6 +117,8 @@ def live_blocks(write_at: torch.Tensor, length: int) -> BlockMask:
     """flex_attention's block mask over a cache of `length` positions a row: each row attends to
     its positions up to `write_at` (where its newest token goes), and the kernel reads none of the
     blocks past it. `refresh_live_blocks` keeps it in step as the rows grow."""
+    if length % KV_BLOCK:
+        raise ValueError(f"a GPU's decode step needs a cache length that is a multiple of {KV_BLOCK}, not {length}")
     slots, blocks = write_at.shape[0], length // KV_BLOCK
     every_block = torch.arange(blocks, dtype=torch.int32, device=write_at.device).expand(slots, 1, 1, blocks)
 
@@ -307,8 +309,10 @@ def greedy_answers(
     `max_length` bounds a request's prompt plus answer. Free rows are filled by packed prefills of
     up to `prefill_tokens` prompt tokens (one prompt at least). Requests are read as rows free up,
     so that their inputs need not all be on the device at once. `stats`, where given, gets the
-    seconds spent in prefills and in decode steps, the steps, and the rows busy over all steps
-    (synchronizing the device around each, which a benchmark can afford)."""
+    seconds of each phase (setting up, reading prompts, prefills, choosing rows, steps, their
+    bookkeeping, handing answers over; the step's compile and capture apart), the steps, and the
+    rows busy over all steps (synchronizing the device around each, which a benchmark can
+    afford)."""
     text = language_model(model)
     config = text.config
     weight = text.embed_tokens.weight
@@ -322,11 +326,11 @@ def greedy_answers(
     try:
         # Compiled on a GPU (about a minute for an 8B, once a job), where it halves a step.
         step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
-        timer.stop("setup_s")
+        timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
         timer.add("max_length", max_length)
         _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
         # The first step compiled and captured the step's graph: apart.
-        timer.add("decode_setup_s", step.capture_s)
+        timer.add("compile_s", step.capture_s)
         timer.add("step_s", -step.capture_s)
         timer.add("graphs", len(step.graphs or {}))
     finally:
