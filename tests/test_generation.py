@@ -210,3 +210,39 @@ def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
     # float32 over sums of at most 401 terms in 2 layers, as in the full-forward test above; a
     # block read too few or too many changes a row's attention outright.
     assert_close_normwise(logits[DECODE_ATTENTION], logits["sdpa"], rtol=1e-5, msg="compiled flex step")
+
+
+def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path):
+    """The validation loss the evaluate rule reports (batches of 4, the head applied to answer
+    tokens alone through the fused loss) is the model's own forward over one padded batch of all
+    14 records, full logits, cross-entropy summed over the answer tokens and divided by their count."""
+    from vlft.evaluate import evaluate_split
+
+    name, root = family
+    settings = tiny_stage_settings(answer_format="cot", dataset="shapes", max_seq_len=512)
+    settings = {k: settings[k] for k in ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")}
+    metrics = evaluate_split(
+        str(root / "model"),
+        str(root / "stage/adapter"),
+        str(root / "prepared.jsonl"),
+        str(root / "pixels"),
+        settings | {"max_new_tokens": 2, "batch_size": 4},
+        tmp_path / "predictions.jsonl",
+        tmp_path / "metrics.json",
+    )
+
+    model = model_with(root, "trained")
+    tokenizer, builder, data = stage_data(root, model)
+    batch = collate([data.samples[r["key"]] for r in data.records], data.images, builder, tokenizer.pad_token_id)
+    batch = to_device(batch, CPU, FLOAT32)
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    answer_tokens = int((targets != -100).sum())
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / answer_tokens
+    # Both sum positive float32 terms, one an answer token each, in different orders and batches:
+    # their rounding differs by at most about n * eps of the sum (n the terms), while one token
+    # left out or shifted moves the mean by about 1/n of it (n = 245 here: n * eps = 3e-5 and
+    # 1/n = 4e-3; measured 2e-8 to 6e-8).
+    assert metrics["loss"] == pytest.approx(plain.item(), rel=answer_tokens * torch.finfo(FLOAT32).eps), name
+    assert answer_tokens > 100
