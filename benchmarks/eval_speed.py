@@ -220,7 +220,7 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
         "decode_s": run["decode_s"],
         # Ours: where generation's time goes (reading prompts off the cache, prefills, choosing a
         # step's rows, steps, the bookkeeping after each, handing answers over), the cache's length.
-        **{k: run[k] for k in ("max_length", "prefills", "loss_peak_gib", *PHASES) if k in run},
+        **{k: run[k] for k in ("max_length", "prefills", "loss_s", "loss_peak_gib", "job_s", *PHASES) if k in run},
         "wall_s": run["wall_s"],
         "compile_s": run.get("compile_s", 0.0),
         "generated_tokens_per_s_with_compile": tokens / (run["wall_s"] + run.get("compile_s", 0.0)),
@@ -325,6 +325,10 @@ def main():
                 print(
                     f"{'':25} same first token {r['same_first_token']:.2f}, "
                     f"{r['mean_tokens_before_parting']:.1f} tokens alike before answers part"
+                )
+                print(
+                    f"{'':25} the whole job {r['job_s']:.1f} s, its validation-loss pass {r['loss_s']:.1f} s"
+                    f" (peak {r['loss_peak_gib']:.1f} GiB)"
                 )
                 phases = {k: r[k] for k in PHASES if k in r}
                 print(

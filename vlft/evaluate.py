@@ -66,8 +66,9 @@ def evaluate_split(
     batch_size = settings["batch_size"]
     losses, mine = [], []  # (first record's index, loss sum, answer tokens) of each of this process's batches
     # Loss of the reference answers, in the format the stage was trained on, as training computes
-    # it: a batch's samples packed end to end in rows of up to LOSS_ROW_TOKENS, with no padding
-    # (padded batches of 128 cost 1.44x the tokens, and on the 8B 1.7x the time of batches of 32).
+    # it: a batch's samples packed end to end in rows of up to LOSS_ROW_TOKENS, with no padding.
+    # Padded, batches of 128 were 1.44x the tokens; on the 8B their pass took 21.0 s and 47 GiB
+    # against 15.9 s and 20 GiB packed (benchmarks/README.md).
     use_packed_attention(model)
     positions = rope_index(model)
     for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
