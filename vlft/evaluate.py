@@ -16,14 +16,11 @@ from vlft.answers import final_answer, is_correct
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
-from vlft.generation import Request, greedy_answers
+from vlft.generation import PACKED_ROW_TOKENS, Request, greedy_answers
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.packing import pack, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import StageData, load_stage_data
-
-# The longest packed row of the validation-loss pass: as long as a prefill's (vlft.generation).
-LOSS_ROW_TOKENS = 16384
 
 
 @torch.no_grad()
@@ -66,7 +63,7 @@ def evaluate_split(
     batch_size = settings["batch_size"]
     losses, mine = [], []  # (first record's index, loss sum, answer tokens) of each of this process's batches
     # Loss of the reference answers, in the format the stage was trained on, as training computes
-    # it: a batch's samples packed end to end in rows of up to LOSS_ROW_TOKENS, with no padding.
+    # it: a batch's samples packed end to end in rows of up to PACKED_ROW_TOKENS, with no padding.
     # Padded, batches of 128 were 1.44x the tokens; on the 8B their pass took 21.0 s and 47 GiB
     # against 15.9 s and 20 GiB packed (benchmarks/README.md).
     use_packed_attention(model)
@@ -74,7 +71,7 @@ def evaluate_split(
     for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
         records = data.records[start : start + batch_size]
         loss, tokens = 0.0, 0
-        for row in packed_batches([data.samples[r["key"]] for r in records], LOSS_ROW_TOKENS):
+        for row in packed_batches([data.samples[r["key"]] for r in records], PACKED_ROW_TOKENS):
             row_loss, row_tokens = answer_loss_sum(
                 model, to_device(pack(row, data.images, builder, positions), device, dtype)
             )
