@@ -99,6 +99,17 @@ def tiny_stage_settings(**overrides) -> dict:
     return {k: v for k, v in (settings | overrides).items() if k not in ("resources", "checkpoint_every")}
 
 
+# Fixtures that run whole pipelines: a test that uses one is slow, whatever its own marks say, so
+# that `-m "not slow"` (the README's fast part) never starts a demo or a cluster run.
+PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PIPELINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 # The README's quick start, after its install: the whole demo pipeline.
 DEMO_COMMAND = "snakemake --cores all"
 # The threads each job of it gets: the rules ask for 8, `--cores all` caps them at the machine's.

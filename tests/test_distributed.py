@@ -158,13 +158,18 @@ def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> l
     ]
 
 
+# A 2-process run of this many steps is long enough that a signal, sent once step 3 is logged, finds
+# the job running: steps take 50 ms or more here, so the rest leave it over 7 s to arrive, where
+# the test sends it within 50 ms.
+SIGNALLED_RUN_STEPS = 150
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_400_steps(small_stage, tmp_path_factory):
-    """A 2-process run of 400 steps: long enough that a signal, sent once step 3 is logged, finds
-    the job running (steps take 50 ms or more here, so 400 of them leave it seconds to arrive)."""
+def uninterrupted_run(small_stage, tmp_path_factory):
+    """The signalled run's stage, uninterrupted, in 2 processes."""
     inputs, settings = small_stage
     whole = tmp_path_factory.mktemp("whole")
-    command = train_command(inputs, settings | {"max_steps": 400}, whole, 2)
+    command = train_command(inputs, settings | {"max_steps": SIGNALLED_RUN_STEPS}, whole, 2)
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     return whole
 
@@ -175,11 +180,12 @@ def uninterrupted_400_steps(small_stage, tmp_path_factory):
     ids=["SIGTERM-to-every-process-as-SLURM-sends-it", "SIGUSR1-to-the-launcher-as-kill-sends-it"],
 )
 def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_rerun_resumes_there(
-    small_stage, uninterrupted_400_steps, sig, to_every_process, tmp_path
+    small_stage, uninterrupted_run, sig, to_every_process, tmp_path
 ):
     inputs, settings = small_stage
-    settings = settings | {"max_steps": 400}
-    whole = uninterrupted_400_steps
+    steps = SIGNALLED_RUN_STEPS
+    settings = settings | {"max_steps": steps}
+    whole = uninterrupted_run
 
     split = tmp_path / "split"
     job = subprocess.Popen(
@@ -200,11 +206,11 @@ def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_re
     output, _ = job.communicate(timeout=120)
     assert job.returncode != 0, output
     name = signal.Signals(sig).name
-    saving = re.findall(rf"{name} received after step (\d+) of 400: saving a checkpoint", output)
+    saving = re.findall(rf"{name} received after step (\d+) of {steps}: saving a checkpoint", output)
     assert len(saving) == 1, output  # said once, by the process that saves
     step = int(saving[0])
-    assert 3 <= step < 400
-    assert f"stopped: {name} received: stopped after step {step} of 400 with a checkpoint saved" in output
+    assert 3 <= step < steps
+    assert f"stopped: {name} received: stopped after step {step} of {steps} with a checkpoint saved" in output
     assert [p.name for p in split.glob("ckpt/*/step-*")] == [f"step-{step:08d}"]
     assert not (split / "adapter").exists()
 
@@ -212,7 +218,7 @@ def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_re
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming from step {step}" in resumed.stdout
     assert json.loads((split / "summary.json").read_text())["resumed_from_step"] == step
-    assert [row["step"] for row in read_jsonl(split / "log.jsonl")] == list(range(1, 401))
+    assert [row["step"] for row in read_jsonl(split / "log.jsonl")] == list(range(1, steps + 1))
     # The very computation, stopped and resumed: equal bit for bit.
     a, b = (load_file(root / "adapter/adapter_model.safetensors") for root in (whole, split))
     assert all(torch.equal(a[key], b[key]) for key in a)

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import DEMO_THREADS, copy_workflow, site_profile, snakemake
+from conftest import copy_workflow, site_profile, snakemake
 
 from vlft.files import read_jsonl
 
@@ -125,9 +125,9 @@ def test_slurm_output_of_each_job_lands_under_snakemake_slurm_logs(slurm_demo):
     assert train_output.stem == job and gpus in {"0", "1"}
 
 
-def long_stage_workflow(directory, epochs=25, runtime=1):
-    """The demo workflow with one training stage of `epochs` (25: about 3.5 minutes of a 2-core
-    machine) under a time limit of `runtime` minutes x attempt."""
+def long_stage_workflow(directory, epochs, runtime=1):
+    """The demo workflow with one training stage of `epochs` (50 steps each) under a time limit of
+    `runtime` minutes x attempt."""
     workdir = copy_workflow(directory)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     stage = {
@@ -143,6 +143,11 @@ def long_stage_workflow(directory, epochs=25, runtime=1):
 
 
 LONG_ADAPTER = "results/train/long/main/adapter"
+# Epochs of the stage that must outlast its first one-minute attempt. An attempt stops once 20 s
+# for saving and two steps would no longer fit, so after its start-up (about 10 s) it trains for
+# about 30 s; 25 epochs (1,250 steps) took 69 s on one thread of a 2-core machine, so the stage
+# needs a second attempt even on a machine twice as fast, and a third at most on one twice as slow.
+RESUMED_STAGE_EPOCHS = 25
 
 
 def job_outputs_of_long_stage(workdir):
@@ -151,12 +156,26 @@ def job_outputs_of_long_stage(workdir):
 
 
 def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):
-    workdir = long_stage_workflow(tmp_path / "work")
-    # Attempts get 1, 2, 3 (and 4) minutes for about 3.5 minutes of work: one retry more than the
-    # profile's keeps a slower machine from running out of attempts.
-    profile = site_profile(tmp_path / "site", retries=3)
-
-    slurm_run(workdir, profile, LONG_ADAPTER)
+    workdir = long_stage_workflow(tmp_path / "work", RESUMED_STAGE_EPOCHS)
+    # The same stage, uninterrupted, in a copy of the same workflow on this machine, side by side
+    # with the SLURM run, which mostly waits (for its time limit, for the driver's status checks).
+    # One thread each (`--cores 1` here, `max-threads: 1` there), so that neither run's threads
+    # wait on the other's: both compute with the same threads as they would alone.
+    reference = shutil.copytree(workdir, tmp_path / "reference")
+    uninterrupted_run = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
+        cwd=reference,
+        stdout=(tmp_path / "reference.out").open("w"),
+        stderr=subprocess.STDOUT,
+        env=os.environ | {"OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    # Attempts get 1, 2, 3 (and 4) minutes: one retry more than the profile's keeps a slower
+    # machine from running out of attempts.
+    profile = site_profile(tmp_path / "site", retries=3, **{"max-threads": 1})
+    try:
+        slurm_run(workdir, profile, LONG_ADAPTER)
+    finally:
+        assert uninterrupted_run.wait(timeout=900) == 0, (tmp_path / "reference.out").read_text()[-3000:]
 
     job_outputs = job_outputs_of_long_stage(workdir)
     states = sacct_states([p.stem for p in job_outputs])
@@ -183,11 +202,13 @@ def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_unint
     attempts = (workdir / "results/logs/train/long/main.attempts.log").read_text()
     assert re.findall(r"^attempt (\d+)", attempts, re.MULTILINE) == [str(n + 1) for n in range(len(job_outputs))]
 
-    interrupted = load_file(workdir / LONG_ADAPTER / "adapter_model.safetensors")
-    # The same stage again, uninterrupted, on this machine with the same threads.
-    snakemake(workdir, "--cores", str(DEMO_THREADS), "--forcerun", LONG_ADAPTER, LONG_ADAPTER)
-    uninterrupted = load_file(workdir / LONG_ADAPTER / "adapter_model.safetensors")
-    assert "resuming" not in (workdir / "results/logs/train/long/main.log").read_text()
+    # Both runs started from the same model and pixels (each workflow built its own, by seed).
+    for built in ("results/demo/tiny-qwen3-vl/model.safetensors", "results/prepared/shapes/train.jsonl"):
+        assert (workdir / built).read_bytes() == (reference / built).read_bytes(), built
+    assert "resuming" not in (reference / "results/logs/train/long/main.log").read_text()
+    interrupted, uninterrupted = (
+        load_file(root / LONG_ADAPTER / "adapter_model.safetensors") for root in (workdir, reference)
+    )
     # A resumed run restores every tensor and random state of the step it stopped after, then
     # repeats the uninterrupted run's operations on the same values: equal to the last bit.
     assert interrupted.keys() == uninterrupted.keys()

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PIL import ExifTags, Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlft.errors import InputError
 from vlft.files import write_jsonl
@@ -97,6 +96,10 @@ def _check_image(path: Path) -> tuple[int, int] | str:
                 width, height = height, width
     except Exception as err:  # PIL raises many types for corrupt files
         return f"cannot be read as an image ({type(err).__name__}: {err})"
+    # Imported here, not at the top: the workflow's plan (workflow/rules/common.smk) imports this
+    # module, and transformers brings torch with it, 3 s added to every Snakemake start.
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
     try:
         # The Qwen-VL image processor's own check (an aspect-ratio limit), which would otherwise
         # stop the pixel cache later; the size arguments do not matter to it.
