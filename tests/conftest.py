@@ -8,10 +8,17 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Pipelines run side by side in this suite (the demo through SLURM beside the local demo and other
+# tests) on few cores. Threads of jobs that share a core must sleep at their barriers, not spin, or
+# each waits on the other's descheduled threads (scripts/slurm_cluster.sh sets the same for SLURM
+# jobs). How threads wait changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
 
 
@@ -23,6 +30,22 @@ def copy_workflow(target: Path) -> Path:
             shutil.copytree(source, target / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target / part)
+    return target
+
+
+# What the demo's run made that a stage's jobs start from: its datasets and model, prepared records,
+# image caches, and Snakemake's records of them.
+DEMO_UPSTREAM = ("demo", "prepared", "cache")
+
+
+def copy_demo_upstream(demo_workdir: Path, target: Path) -> Path:
+    """A copy of the finished demo without its trainings, evaluations, report, logs and checkpoints:
+    a workflow whose config keeps the demo's data and model finds them done and runs only stages."""
+
+    def leave_out(directory, names):
+        return [n for n in names if Path(directory) == demo_workdir / "results" and n not in DEMO_UPSTREAM]
+
+    shutil.copytree(demo_workdir, target, symlinks=True, ignore=leave_out)
     return target
 
 
@@ -101,7 +124,7 @@ def tiny_stage_settings(**overrides) -> dict:
 
 # Fixtures that run whole pipelines: a test that uses one is slow, whatever its own marks say, so
 # that `-m "not slow"` (the README's fast part) never starts a demo or a cluster run.
-PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo"}
+PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo_run"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -160,6 +183,39 @@ def slurm_cluster():
         pytest.fail(f"SLURM required (VLFT_REQUIRE_SLURM=1) but {problem}")
     if problem:
         pytest.skip(problem)
+
+
+SLURM_DEMO_RUN = pytest.StashKey[SimpleNamespace]()
+
+
+@pytest.fixture(scope="session")
+def slurm_demo_run(slurm_cluster, tmp_path_factory, request) -> SimpleNamespace:
+    """The whole demo through `--profile profiles/slurm`, its driver started in the background as the
+    session begins (start_the_slurm_demo_early), so that while it waits on the cluster's status
+    checks the local demo and other tests use the cores. tests/test_slurm.py waits for it."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("slurm-demo"))
+    profile = site_profile(tmp_path_factory.mktemp("site"))
+    output = workdir.parent / "driver.out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), "all"],
+        cwd=workdir,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    run = SimpleNamespace(workdir=workdir, driver=driver, output=output)
+    request.session.stash[SLURM_DEMO_RUN] = run
+    yield run
+    if driver.poll() is None:  # the session ended early (a failure with -x, Ctrl-C): stop it
+        driver.terminate()
+        driver.wait(timeout=120)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_the_slurm_demo_early(request):
+    """Starts slurm_demo_run before the first test where a test of this session reads it and a
+    cluster answers."""
+    if slurm_problem() is None and any("slurm_demo_run" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("slurm_demo_run")
 
 
 def site_profile(directory: Path, **extra) -> Path:

@@ -82,6 +82,21 @@ def run_test_suite(command, fixture, tmp_path):
     assert TEST_COMMAND in (REPO / ".ci/run").read_text()
 
 
+FAST_PART = 'python -m pytest -m "not slow"'
+# Tests whose whole file runs a pipeline, a killed driver or a browser: none is in the fast part.
+PIPELINE_FILES = ("test_demo_pipeline.py", "test_slurm.py", "test_killed_driver.py", "test_report_browser.py")
+
+
+def run_fast_part(command, fixture, tmp_path):
+    """Listed as written with --collect-only, not run a second time: this very run runs every test."""
+    assert command == FAST_PART
+    listed = shell(f"{command} --collect-only -q", REPO)
+    selected = [line for line in listed.splitlines() if "::" in line]
+    assert len(selected) > 100, listed[-2000:]
+    assert not [test for test in selected if test.split("::")[0].endswith(PIPELINE_FILES)]
+    assert not [test for test in selected if "test_readme_command_runs_as_written" in test]
+
+
 def run_dry_run(command, fixture, tmp_path):
     assert "Nothing to be done" in shell(command, fixture("demo_workdir"))
 
@@ -241,6 +256,7 @@ def run_click_plan(command, fixture, tmp_path):
 RUNNERS = {
     "pip install -e . && snakemake --cores all": run_quick_start_demo,
     TEST_COMMAND: run_test_suite,
+    FAST_PART: run_fast_part,
     "snakemake -n": run_dry_run,
     "snakemake --dag | dot -Tsvg > dag.svg": run_dag,
     f"snakemake --configfile {EXAMPLE} -n": run_kvasir_plan,

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import copy_workflow, site_profile, snakemake
+from conftest import SLURM_DEMO_RUN, copy_demo_upstream, site_profile, snakemake
 
 from vlft.files import read_jsonl
 
@@ -56,11 +56,20 @@ def sacct_states(job_ids):
 
 
 @pytest.fixture(scope="module")
-def slurm_demo(slurm_cluster, tmp_path_factory):
-    workdir = copy_workflow(tmp_path_factory.mktemp("slurm-demo"))
-    profile = site_profile(tmp_path_factory.mktemp("site"))
-    slurm_run(workdir, profile, "all")
-    return workdir
+def slurm_demo(slurm_demo_run):
+    """The demo through sbatch, as the run started when the session began (conftest) finished it."""
+    status = slurm_demo_run.driver.wait(timeout=3600)
+    assert status == 0, f"the demo through SLURM failed:\n{slurm_demo_run.output.read_text()[-5000:]}"
+    return slurm_demo_run.workdir
+
+
+@pytest.fixture
+def cluster_to_itself(slurm_cluster, request):
+    """A cluster that runs no other test's jobs: tests that read its whole queue first wait for the
+    demo this session started in the background, where it started one."""
+    run = request.session.stash.get(SLURM_DEMO_RUN, None)
+    if run is not None:
+        run.driver.wait(timeout=3600)
 
 
 def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workdir):
@@ -125,10 +134,11 @@ def test_slurm_output_of_each_job_lands_under_snakemake_slurm_logs(slurm_demo):
     assert train_output.stem == job and gpus in {"0", "1"}
 
 
-def long_stage_workflow(directory, epochs, runtime=1):
+def long_stage_workflow(demo_workdir, directory, epochs, runtime=1):
     """The demo workflow with one training stage of `epochs` (50 steps each) under a time limit of
-    `runtime` minutes x attempt."""
-    workdir = copy_workflow(directory)
+    `runtime` minutes x attempt, its data, model and caches those the demo made: the stage's job is
+    the only one to run."""
+    workdir = copy_demo_upstream(demo_workdir, directory)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     stage = {
         "name": "main",
@@ -155,8 +165,10 @@ def job_outputs_of_long_stage(workdir):
     return sorted((workdir / ".snakemake/slurm_logs/rule_train/long_main").glob("*.log"), key=lambda p: int(p.stem))
 
 
-def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):
-    workdir = long_stage_workflow(tmp_path / "work", RESUMED_STAGE_EPOCHS)
+def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(
+    cluster_to_itself, demo_workdir, tmp_path
+):
+    workdir = long_stage_workflow(demo_workdir, tmp_path / "work", RESUMED_STAGE_EPOCHS)
     # The same stage, uninterrupted, in a copy of the same workflow on this machine, side by side
     # with the SLURM run, which mostly waits (for its time limit, for the driver's status checks).
     # One thread each (`--cores 1` here, `max-threads: 1` there), so that neither run's threads
@@ -202,9 +214,6 @@ def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_unint
     attempts = (workdir / "results/logs/train/long/main.attempts.log").read_text()
     assert re.findall(r"^attempt (\d+)", attempts, re.MULTILINE) == [str(n + 1) for n in range(len(job_outputs))]
 
-    # Both runs started from the same model and pixels (each workflow built its own, by seed).
-    for built in ("results/demo/tiny-qwen3-vl/model.safetensors", "results/prepared/shapes/train.jsonl"):
-        assert (workdir / built).read_bytes() == (reference / built).read_bytes(), built
     assert "resuming" not in (reference / "results/logs/train/long/main.log").read_text()
     interrupted, uninterrupted = (
         load_file(root / LONG_ADAPTER / "adapter_model.safetensors") for root in (workdir, reference)
@@ -250,8 +259,10 @@ def training_steps_done(workdir) -> int:
 STATUS_CHECK_BOUND_S = 180 + 20
 
 
-def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound(slurm_cluster, tmp_path):
-    workdir = long_stage_workflow(tmp_path / "work", epochs=8, runtime=30)
+def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound(
+    cluster_to_itself, demo_workdir, tmp_path
+):
+    workdir = long_stage_workflow(demo_workdir, tmp_path / "work", epochs=8, runtime=30)
     profile = site_profile(tmp_path / "site")
     driver = start_driver(workdir, profile, LONG_ADAPTER)
     try:
@@ -274,8 +285,8 @@ def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_
     print(f"the driver resubmitted the cancelled job {reaction_s:.0f} s after scancel")
 
 
-def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(slurm_cluster, tmp_path):
-    workdir = long_stage_workflow(tmp_path / "work", epochs=2, runtime=30)
+def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(cluster_to_itself, demo_workdir, tmp_path):
+    workdir = long_stage_workflow(demo_workdir, tmp_path / "work", epochs=2, runtime=30)
     profile = site_profile(tmp_path / "site")
     driver = start_driver(workdir, profile, LONG_ADAPTER)
     wait_for(lambda: training_steps_done(workdir) >= 10, 300, "the job to train")
