@@ -215,8 +215,10 @@ def train_stage(
             progress.update(1)
             done = step + 1
             reason = stop.reason() if stop is not None and done < len(steps) else None
-            if group.size > 1 and distributed.any_of(reason is not None, device) and not reason:
-                reason = "another process of this job was asked to stop"  # all stop at the same step
+            if group.size > 1 and distributed.any_of(reason is not None, device):
+                # All stop at this step, for the first reason by rank: a signal sent to every
+                # process may not yet have reached the one that saves, which then says what came.
+                reason = next(r for r in distributed.gathered(reason) if r)
             if reason:
                 if group.is_main:
                     # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
