@@ -7,6 +7,7 @@ attention mask, full-vocabulary logits), for every Qwen-VL family."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -60,11 +61,15 @@ def samples_and_images(root, cache):
     records = read_jsonl(root / "prepared.jsonl")
     samples = [
         builder.sample(
-            r["id"], r["question"], r["answer"] + " because" * (3 * i), cache.num_image_tokens(r["id"]), 1024
+            r["id"],
+            r["question"],
+            r["answer"] + " because" * (3 * i),
+            cache.num_image_tokens(cache.image_of(r["id"])),
+            1024,
         )
         for i, r in enumerate(records)
     ]
-    return samples, {r["id"]: (cache, r["id"]) for r in records}, builder, tokenizer.pad_token_id
+    return samples, {r["id"]: (cache, cache.image_of(r["id"])) for r in records}, builder, tokenizer.pad_token_id
 
 
 def plain_loss_sum(model, batch):
@@ -307,24 +312,55 @@ def test_packed_batches_fill_rows_under_the_budget_and_keep_every_sample():
     assert len(rows) == 1 + -(-sum(lengths[:4] + lengths[5:]) // 1000)
 
 
+@pytest.mark.parametrize("shared_prefix", [False, True])
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_packed_attention_attends_within_each_sample_only(device):
-    """Against SDPA with a block-diagonal causal mask, forward and backward; 8 query heads share 2
-    key/value heads, as in Qwen-VL. On a GPU in bf16 this is the variable-length flash kernel."""
+def test_packed_attention_attends_within_each_sample_only(device, shared_prefix):
+    """Against SDPA with an explicit mask over the row, forward and backward; 8 query heads share
+    2 key/value heads, as in Qwen-VL. On a GPU in bf16 this is the variable-length flash kernel.
+    With a shared prefix (an image group, vlft.image_groups): a 6-token prefix laid out with the
+    first of three samples, the other two after it attending to the prefix and causally to
+    themselves, then a sample alone."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else FLOAT64
-    lengths = [5, 17, 1, 9]
+    if shared_prefix:
+        prefix, own = 6, [4, 3, 5]
+        lengths = [prefix + own[0], own[1], own[2], 7]  # query segments as pack_groups lays them out
+        key_ranges = [[(0, 10)], [(0, 6), (10, 13)], [(0, 6), (13, 18)], [(18, 25)]]
+    else:
+        lengths = [5, 17, 1, 9]
+        bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+        key_ranges = [[(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
     total = sum(lengths)
     query = torch.randn(1, 8, total, 64, device=device, dtype=dtype, requires_grad=True)
     key, value = (torch.randn(1, 2, total, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     cu_seqlens = torch.tensor([0] + lengths, device=device).cumsum(0, dtype=torch.int32)
+    extra = {}
+    if shared_prefix:
+        key_lengths = [sum(b - a for a, b in ranges) for ranges in key_ranges]
+        extra = {
+            "packed_key_index": torch.cat([torch.arange(a, b) for ranges in key_ranges for a, b in ranges]).to(device),
+            "packed_cu_seqlens_k": torch.tensor([0] + key_lengths, device=device).cumsum(0, dtype=torch.int32),
+            "packed_max_seqlen_k": max(key_lengths),
+        }
     packed, _ = packed_attention(
-        None, query, key, value, None, scaling=0.125, packed_cu_seqlens=cu_seqlens, packed_max_seqlen=max(lengths)
+        None,
+        query,
+        key,
+        value,
+        None,
+        scaling=0.125,
+        packed_cu_seqlens=cu_seqlens,
+        packed_max_seqlen=max(lengths),
+        **extra,
     )
-    sample = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    # The mask over the row itself: a query sees the keys of its segment's ranges up to itself.
+    mask = torch.zeros(total, total, dtype=torch.bool, device=device)
+    bounds = cu_seqlens.tolist()
+    for segment, ranges in enumerate(key_ranges):
+        for position in range(bounds[segment], bounds[segment + 1]):
+            for a, b in ranges:
+                mask[position, a : min(b, position + 1)] = True
     reference = torch.float32 if dtype == torch.bfloat16 else dtype  # the bf16 values, computed exactly enough
-    mask = causal & (sample[:, None] == sample[None, :])
     expected = torch.nn.functional.scaled_dot_product_attention(
         *(x.to(reference).repeat_interleave(1 if x is query else 4, dim=1) for x in (query, key, value)),
         attn_mask=mask,
@@ -356,3 +392,98 @@ def test_training_on_packed_rows_follows_the_padded_loss_curve(demo_workdir, tmp
     )
     assert len(packed) == 12
     assert packed == pytest.approx(padded, rel=FLOAT64_RTOL)
+
+
+# Records of the grouped fixture by the image they ask about: groups of 5, 3, 2, 1 and 1 questions.
+IMAGE_OF_RECORD = [0, 0, 0, 0, 0, 5, 5, 5, 8, 8, 10, 11]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def grouped_family_setup(request, tmp_path_factory):
+    """A tiny model of one family and 12 records asking 1 to 5 questions each about 5 images of
+    three sizes (the questions of one image differ, as Kvasir's do), prepared and pixel-cached."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp(f"grouped-{request.param}")
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": 12}, seed=2)
+    records = read_jsonl(root / "raw.jsonl")
+    for record, owner in zip(records, IMAGE_OF_RECORD):
+        record["image"] = records[owner]["image"] if owner < record_index(records, record) else record["image"]
+    for owner, size in ((5, (128, 64)), (8, (64, 112))):  # other sizes than the demo's 96 x 96
+        path = root / "images" / records[owner]["image"]
+        Image.open(path).resize(size).save(path)
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tiny_family_data(root, request.param, root / "train.jsonl")
+
+
+def record_index(records, record):
+    return next(i for i, r in enumerate(records) if r is record)
+
+
+@pytest.mark.parametrize("source", ["pixels", "vision cache"])
+def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(grouped_family_setup, source):
+    """A grouped step: every image's prefix (template header and image) once, its questions after
+    it, in packed rows with the fused loss, the largest group cut across rows by the token budget;
+    against every sample computed separately on the plain path, in float64 with lora_dropout 0."""
+    from vlft.image_groups import ImageGroup, by_image, group_rows
+    from vlft.packing import pack_groups
+
+    root = grouped_family_setup
+    pixels = ImageCache(root / "pixels")
+    assert len(pixels.entries) == 5 and len(pixels.records) == 12  # the cache holds each image once
+    model = lora_model(root / "model")
+    samples, pixel_images, builder, pad_id = samples_and_images(root, pixels)
+    cpu = torch.device("cpu")
+
+    # Plain: each sample in a row of its own (a padded batch with its mask), pixels, full logits.
+    model.zero_grad()
+    batch = to_device(collate(samples, pixel_images, builder, pad_id), cpu, FLOAT64)
+    plain = plain_loss_sum(model, batch)
+    n_targets = int((batch["labels"][:, 1:] != -100).sum())
+    (plain / n_targets).backward()
+    plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    grouped_model = copy.deepcopy(model)
+    images = pixel_images
+    if source == "vision cache":
+        build_vision_cache(root / "pixels", model.get_base_model(), root / "vision", max_gb=1, device=cpu)
+        vision = VisionCache(root / "vision")
+        use_vision_cache(grouped_model)
+        images = {key: (vision, image_id) for key, (_, image_id) in pixel_images.items()}
+    use_packed_attention(grouped_model)
+    grouped_model.zero_grad()
+    tower_calls = []
+    grouped_model.get_base_model().model.visual.register_forward_hook(
+        lambda m, args, kwargs, out: tower_calls.append(kwargs.get("grid_thw", args[1:2] and args[1])),
+        with_kwargs=True,
+    )
+
+    by_id = {s.record_id: s for s in samples}
+    records = [{"key": s.record_id} for s in samples]
+    groups = [ImageGroup.of([by_id[r["key"]] for r in g]) for g in by_image(records, images)]
+    assert [len(g.samples) for g in groups] == [5, 3, 2, 1, 1]
+    # The shared prefix holds the whole image: header, vision start, image tokens, vision end.
+    image_tokens = [pixels.num_image_tokens(pixels.image_of(g.samples[0].record_id)) for g in groups[:3]]
+    assert all(g.shared >= n + 3 for g, n in zip(groups, image_tokens))
+    budget = groups[0].tokens - 1  # the 5-question group cannot stay whole
+    rows = group_rows(groups, budget, None)
+    assert all(sum(g.tokens for g in row) <= budget for row in rows) and len(rows) > 1
+    parts = [g for row in rows for g in row]
+    assert sorted(len(g.samples) for g in parts if g.samples[0] in groups[0].samples)[-1] < 5
+    assert sorted(s.record_id for g in parts for s in g.samples) == sorted(by_id)
+
+    loss_sum, counted, laid_out = 0.0, 0, 0
+    for row in rows:
+        host = pack_groups(row, images, builder, rope_index(grouped_model))
+        assert host["input_ids"].shape[1] == sum(g.tokens for g in row)
+        loss, n = answer_loss_sum(grouped_model, to_device(host, cpu, FLOAT64))
+        (loss / n_targets).backward()
+        loss_sum, counted, laid_out = loss_sum + loss.item(), counted + n, laid_out + host["input_ids"].shape[1]
+    # The tower (or the cache standing in for it) saw each group part's image once.
+    assert sum(len(grids) for grids in tower_calls) == len(parts)
+    # Every prefix laid out once per group part, nothing else left out.
+    assert laid_out == sum(len(s.input_ids) for s in samples) - sum((len(g.samples) - 1) * g.shared for g in parts)
+    assert counted == n_targets
+    assert loss_sum == pytest.approx(plain.item(), rel=FLOAT64_RTOL)
+    for name, grad in plain_grads.items():
+        assert_close_normwise(dict(grouped_model.named_parameters())[name].grad, grad, FLOAT64_RTOL, name)

@@ -156,10 +156,11 @@ def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_
             size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
             return_tensors="pt",
         )
-        assert cache.grid_thw(name) == expected["image_grid_thw"][0].tolist(), name
-        assert torch.equal(to_patches(cache.tensor(name), cache.settings), expected["pixel_values"]), name
+        image = cache.image_of(name)
+        assert cache.grid_thw(image) == expected["image_grid_thw"][0].tolist(), name
+        assert torch.equal(to_patches(cache.tensor(image), cache.settings), expected["pixel_values"]), name
     # The rotated photo is cached upright: taller than wide, as a person and the processor see it.
-    _, grid_h, grid_w = cache.grid_thw("exif-rotated.jpg")
+    _, grid_h, grid_w = cache.grid_thw(cache.image_of("exif-rotated.jpg"))
     assert grid_h > grid_w
 
 

@@ -83,16 +83,17 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def share_by_tokens(samples: list, parts: int) -> list[list]:
-    """`samples` shared out into `parts` lists of near-equal token counts: each sample, longest
-    first, goes to the part with the fewest tokens so far (ties to the lowest part). Each part keeps
-    the samples' own order. The same on every process: it depends on the samples alone."""
+def share_by_tokens(samples: list, parts: int, length=lambda sample: len(sample.input_ids)) -> list[list]:
+    """`samples` (or image groups, never cut, with their `length`) shared out into `parts` lists
+    of near-equal token counts: each sample, longest first, goes to the part with the fewest tokens
+    so far (ties to the lowest part). Each part keeps the samples' own order. The same on every
+    process: it depends on the samples alone."""
     loads = [(0, part) for part in range(parts)]
     shares: list[list[int]] = [[] for _ in range(parts)]
-    for index in sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids)):
+    for index in sorted(range(len(samples)), key=lambda i: -length(samples[i])):
         tokens, part = heapq.heappop(loads)
         shares[part].append(index)
-        heapq.heappush(loads, (tokens + len(samples[index].input_ids), part))
+        heapq.heappush(loads, (tokens + length(samples[index]), part))
     return [[samples[i] for i in sorted(share)] for share in shares]
 
 

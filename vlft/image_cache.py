@@ -1,4 +1,5 @@
-"""The pixel cache: every image of a split decoded and resized once, stored as uint8 safetensors shards.
+"""The pixel cache: every distinct image of a split decoded and resized once, stored as uint8
+safetensors shards (one entry per image file, however many records ask about it: vlft.shards).
 
 Training and evaluation read these tensors and never decode a JPEG. Pixels are stored resized
 but not normalized (uint8 is 4x smaller than float32 patches); `to_patches` turns them into
@@ -8,6 +9,7 @@ the model runs on. Shards and index as vlft.shards writes them: a cache that exi
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,18 +78,28 @@ def build_image_cache(
     threads: int = 4,
     shard_bytes: int = 1 << 30,
 ) -> int:
-    """Resize every image of a prepared split (many threads: PIL releases the GIL) into shards."""
+    """Resize every distinct image of a prepared split (many threads: PIL releases the GIL) into
+    shards; returns the number of images."""
     records = read_jsonl(prepared_jsonl)
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         writer = ShardWriter(tmp, shard_bytes)
+        writer.records = {record["id"]: image_id(record["image_path"]) for record in records}
+        # dict.fromkeys: each image once, in the order of the first record asking about it.
+        images = list(dict.fromkeys(writer.records.values()))
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            # map() keeps the input order, so shards are written in record order.
-            for record, pixels in zip(records, pool.map(lambda r: load_resized(r["image_path"], settings), records)):
+            # map() keeps the input order, so shards are written in that order.
+            for image, pixels in zip(images, pool.map(lambda path: load_resized(path, settings), images)):
                 height, width = pixels.shape[:2]
                 grid = [1, height // settings.patch_size, width // settings.patch_size]
-                writer.add({"id": record["id"], "grid_thw": grid}, torch.from_numpy(pixels.copy()))
+                writer.add({"id": image, "grid_thw": grid}, torch.from_numpy(pixels.copy()))
         return finish_cache(tmp, writer, ImageCache.KIND, settings=asdict(settings))
+
+
+def image_id(path: str) -> str:
+    """An image's identity in the caches: its resolved path, so that two records naming one file
+    (through different relative paths or links) share its entry."""
+    return os.path.realpath(path)
 
 
 class ImageCache(ShardedCache):

@@ -7,6 +7,7 @@ only real tokens. What keeps the samples apart:
 - positions: each sample's M-RoPE positions are its own, computed as if it were alone (`pack`);
 - attention: causal within each sample and never across, from the samples' boundaries
   (`cu_seqlens`, as flash-attention's variable-length kernels take them), in `packed_attention`;
+  with image groups (vlft.image_groups) the samples on one image share its prefix, laid out once;
 - the loss: only answer tokens are scored, and the last token of one sample predicts nothing.
 
 So a packed micro-batch gives each sample the loss and gradients it gets alone or padded.
@@ -21,6 +22,7 @@ import torch
 from transformers import AttentionInterface
 
 from vlft.batching import collate, pinned
+from vlft.image_groups import ImageGroup
 from vlft.modeling import unwrapped
 from vlft.prompts import PromptBuilder, Sample
 
@@ -56,30 +58,64 @@ def packed_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]
 
 
 def pack(samples: list[Sample], images: dict, builder: PromptBuilder, rope_index: Callable, pin: bool = False) -> dict:
-    """One packed row on the host: each sample collated alone (so its positions are its own), then
-    laid end to end; `packed_cu_seqlens` marks where each sample starts and ends, and
-    `packed_max_seqlen` is the longest (the attention kernel's two extra inputs)."""
-    # A batch of one has no padding, so the pad id is never written.
-    alone = [collate([s], images, builder, pad_id=0, rope_index=rope_index) for s in samples]
-    lengths = [len(s.input_ids) for s in samples]
-    cu_seqlens = torch.tensor([0] + lengths).cumsum(0, dtype=torch.int32)
-    row = {key: torch.cat([one[key] for one in alone], dim=1) for key in ("input_ids", "labels", "mm_token_type_ids")}
-    row["position_ids"] = torch.cat([one["position_ids"] for one in alone], dim=-1)
-    row["image_grid_thw"] = torch.cat([one["image_grid_thw"] for one in alone])
-    # Each sample alone is a batch of one: its answer positions are offsets within it.
-    row["answer_positions"] = torch.cat([one["answer_positions"] + start for one, start in zip(alone, cu_seqlens)])
-    row["answer_targets"] = torch.cat([one["answer_targets"] for one in alone])
-    row["packed_cu_seqlens"] = cu_seqlens
-    row["packed_max_seqlen"] = max(lengths)
-    row["images"] = [image for one in alone for image in one["images"]]
+    """One packed row of samples, each alone (a group of one)."""
+    return pack_groups([ImageGroup([s], 0) for s in samples], images, builder, rope_index, pin)
+
+
+def pack_groups(
+    groups: list[ImageGroup], images: dict, builder: PromptBuilder, rope_index: Callable, pin: bool = False
+) -> dict:
+    """One packed row on the host: each group's first sample whole, then its other samples without
+    the prefix they share (vlft.image_groups). Every sample is collated alone first, so its
+    positions are its own; the row is then cut into query segments (`packed_cu_seqlens`): the
+    first sample of a group with the prefix, then each other sample's own tokens. A segment attends
+    causally to its keys: its own tokens, after the group's prefix for the samples that share it
+    (`packed_key_index`, the row positions of each segment's keys, and `packed_cu_seqlens_k`; absent
+    where every segment's keys are its own tokens, as in a row of samples alone)."""
+    pieces: dict[str, list] = {key: [] for key in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
+    grids, row_images, answer_positions, answer_targets = [], [], [], []
+    query_lengths, key_lengths, key_index = [], [], []
+    start = 0
+    for group in groups:
+        prefix = torch.arange(start, start + group.shared)
+        for n, sample in enumerate(group.samples):
+            # A batch of one has no padding, so the pad id is never written.
+            alone = collate([sample], images, builder, pad_id=0, rope_index=rope_index, read_images=n == 0)
+            drop = group.shared if n else 0  # the prefix, laid out with the group's first sample
+            for key in pieces:
+                pieces[key].append(alone[key][..., drop:])
+            if n == 0:
+                grids.append(alone["image_grid_thw"])
+                row_images += alone["images"]
+            own = len(sample.input_ids) - drop
+            key_index += [torch.arange(start, start + own)] if n == 0 else [prefix, torch.arange(start, start + own)]
+            query_lengths.append(own)
+            key_lengths.append(len(sample.input_ids))
+            # Each sample alone is a batch of one: its answer positions are offsets within it.
+            answer_positions.append(alone["answer_positions"] - drop + start)
+            answer_targets.append(alone["answer_targets"])
+            start += own
+    row = {key: torch.cat(values, dim=-1) for key, values in pieces.items()}
+    row["image_grid_thw"] = torch.cat(grids)
+    row["answer_positions"] = torch.cat(answer_positions)
+    row["answer_targets"] = torch.cat(answer_targets)
+    row["packed_cu_seqlens"] = torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32)
+    row["packed_max_seqlen"] = max(query_lengths)
+    if key_lengths != query_lengths:
+        row["packed_key_index"] = torch.cat(key_index)
+        row["packed_cu_seqlens_k"] = torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32)
+        row["packed_max_seqlen_k"] = max(key_lengths)
+    row["images"] = row_images
     return pinned(row) if pin else row
 
 
 def _varlen_kernel() -> Callable | None:
     """Causal variable-length flash attention on (tokens, heads, dim) tensors, where one is installed."""
+    # Causal with fewer queries than keys aligns the queries with the last keys (bottom right), in
+    # flash-attention and in torch's kernel built on it: what a sample after a shared prefix needs.
     if flash_attn_varlen_func is not None:
-        return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True
+        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True
         )
     if varlen_attn is not None:
         parameters = inspect.signature(varlen_attn).parameters
@@ -87,7 +123,9 @@ def _varlen_kernel() -> Callable | None:
         causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
         if "enable_gqa" in parameters:
             causal["enable_gqa"] = True
-        return lambda q, k, v, cu, longest, scale: varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **causal)
+        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal
+        )
     return None
 
 
@@ -104,27 +142,46 @@ def packed_attention(
     scaling=None,
     packed_cu_seqlens=None,
     packed_max_seqlen=None,
+    packed_key_index=None,
+    packed_cu_seqlens_k=None,
+    packed_max_seqlen_k=None,
     **kwargs,
 ):
-    """Attention over a packed row: causal within each sample, none across samples.
+    """Attention over a packed row: each query segment causally over its keys, nothing else.
 
     Takes and returns transformers' attention-interface shapes (query (1, heads, tokens, dim),
-    output (1, tokens, heads, dim)). On a GPU with bf16 or fp16, one variable-length flash kernel
-    call; elsewhere (the CPU, float32) SDPA per sample.
+    output (1, tokens, heads, dim)). A segment's keys are its own tokens, or, with
+    `packed_key_index`, the row positions it names: a shared prefix and then the segment's own
+    tokens, the segment's queries aligned with the last of them. On a GPU with bf16 or fp16, one
+    variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.packing.pack)")
+    cu_k, max_k = packed_cu_seqlens, packed_max_seqlen
+    if packed_key_index is not None:
+        # The prefix's keys and values gathered once for each sample on it: the backward pass sums
+        # the samples' gradients back into the one prefix.
+        key, value = key.index_select(2, packed_key_index), value.index_select(2, packed_key_index)
+        cu_k, max_k = packed_cu_seqlens_k, packed_max_seqlen_k
     if VARLEN_KERNEL is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
-        return VARLEN_KERNEL(q, k, v, packed_cu_seqlens, packed_max_seqlen, scaling)[None], None
-    bounds = packed_cu_seqlens.tolist()
+        return VARLEN_KERNEL(q, k, v, packed_cu_seqlens, cu_k, packed_max_seqlen, max_k, scaling)[None], None
+    query_bounds, key_bounds = packed_cu_seqlens.tolist(), cu_k.tolist()
     pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for q_start, q_end, k_start, k_end in zip(query_bounds[:-1], query_bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        queries, keys = q_end - q_start, k_end - k_start
+        # Causal, the queries aligned with the last keys (what is_causal does for equal lengths).
+        mask = (
+            None
+            if queries == keys
+            else torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+        )
         piece = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
+            query[:, :, q_start:q_end],
+            key[:, :, k_start:k_end],
+            value[:, :, k_start:k_end],
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scaling,
             enable_gqa=key.shape[1] != query.shape[1],
         )

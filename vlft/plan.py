@@ -17,6 +17,10 @@ from vlft.errors import ConfigError
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every")
 
+# Options added after studies already ran, left out of a stage's parameters while off, so that
+# adding them reruns nothing a study has already trained. The training job reads them as off when absent.
+LEFT_OUT_WHEN_OFF = {"image_groups": False}
+
 # Settings that must match between a stage and the stage it starts from (the adapter's shape).
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
 
@@ -42,7 +46,11 @@ class Stage:
 
     def train_params(self) -> dict:
         """What the training job computes from: everything but run-only keys."""
-        return {k: v for k, v in self.settings.items() if k not in RUN_ONLY_KEYS}
+        return {
+            k: v
+            for k, v in self.settings.items()
+            if k not in RUN_ONLY_KEYS and not (k in LEFT_OUT_WHEN_OFF and v == LEFT_OUT_WHEN_OFF[k])
+        }
 
     def pixels(self) -> str:
         return pixels_tag(self.settings["min_pixels"], self.settings["max_pixels"])
@@ -189,6 +197,8 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         raise ConfigError(f"{key}.order_field: order 'by_field' needs the field to sort by")
     if settings["min_pixels"] > settings["max_pixels"]:
         raise ConfigError(f"{key}.min_pixels: larger than max_pixels")
+    if settings["image_groups"] and not settings["packing"]:
+        raise ConfigError(f"{key}.image_groups: needs packing: true (a group is laid out in one packed row)")
 
 
 def _check_init_from(plan: Plan, stage: Stage) -> None:

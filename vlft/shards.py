@@ -1,5 +1,10 @@
-"""The shard store both caches use: tensors, in record order, in safetensors shards of about a set
-size, and a JSON index naming each record's shard and key, its grid, and the cache's kind.
+"""The shard store both caches use: one tensor per distinct image, in safetensors shards of about a
+set size, and a JSON index naming each image's shard and key and its grid, which image each record
+asks about, and the cache's kind.
+
+An image is identified by its resolved path (symbolic links followed): the records of a split that
+ask several questions about one image file point to one entry, so an image is decoded, resized,
+stored and run through the vision tower once however many questions it has (vlft.image_groups).
 
 A cache is complete when its index exists: builders write into a temporary directory
 (vlft.files.atomic_path), end through `finish_cache`, which writes the index last, and the directory
@@ -18,15 +23,17 @@ from safetensors.torch import save_file
 from vlft.errors import InputError
 
 INDEX = "index.json"
-FORMAT = 2  # 2: the index names the cache's kind
+FORMAT = 3  # 2: the index names the cache's kind; 3: one entry per image, records point to it
 
 
 class ShardWriter:
-    """Tensors, in order, into safetensors shards of about `shard_bytes`; each entry notes its shard and key."""
+    """Image tensors, in order, into safetensors shards of about `shard_bytes`; each entry notes its
+    shard and key; `records` maps each record id to the id of its image."""
 
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
         self.shards, self.entries = [], []
+        self.records: dict[str, str] = {}
         self._shard, self._size = {}, 0
 
     def add(self, entry: dict, tensor: torch.Tensor) -> None:
@@ -48,7 +55,14 @@ class ShardWriter:
 def finish_cache(directory: Path, writer: ShardWriter, kind: str, **metadata) -> int:
     """Write the last shard, then the index: last, since its presence marks the cache complete."""
     writer.flush()
-    index = {"format": FORMAT, "kind": kind, **metadata, "shards": writer.shards, "records": writer.entries}
+    index = {
+        "format": FORMAT,
+        "kind": kind,
+        **metadata,
+        "shards": writer.shards,
+        "images": writer.entries,
+        "records": writer.records,
+    }
     (directory / INDEX).write_text(json.dumps(index))
     return len(writer.entries)
 
@@ -61,8 +75,9 @@ def read_index(directory: str | Path) -> dict:
 
 
 class ShardedCache:
-    """Read access to a cache directory of one kind: per record id, a tensor in a shard and the
-    image's grid. Subclasses say what the model takes from the tensor."""
+    """Read access to a cache directory of one kind: per image id, a tensor in a shard and the
+    image's grid; per record id, the id of its image. Subclasses say what the model takes from the
+    tensor."""
 
     KIND = ""
 
@@ -71,21 +86,23 @@ class ShardedCache:
         self.index = read_index(directory)
         if self.index["kind"] != self.KIND:
             raise InputError(directory, f"a {self.index['kind']} cache, where a {self.KIND} cache was expected")
-        self.entries = {entry["id"]: entry for entry in self.index["records"]}
+        self.entries = {entry["id"]: entry for entry in self.index["images"]}
+        self.records: dict[str, str] = self.index["records"]
         self._shards = {}
 
-    def __contains__(self, record_id: str) -> bool:
-        return record_id in self.entries
+    def image_of(self, record_id: str) -> str:
+        """The id of the image a record asks about (KeyError for a record the cache does not hold)."""
+        return self.records[record_id]
 
-    def grid_thw(self, record_id: str) -> list[int]:
-        return self.entries[record_id]["grid_thw"]
+    def grid_thw(self, image_id: str) -> list[int]:
+        return self.entries[image_id]["grid_thw"]
 
-    def num_image_tokens(self, record_id: str) -> int:
-        t, h, w = self.grid_thw(record_id)
+    def num_image_tokens(self, image_id: str) -> int:
+        t, h, w = self.grid_thw(image_id)
         return t * h * w // self.merge_size**2
 
-    def tensor(self, record_id: str) -> torch.Tensor:
-        entry = self.entries[record_id]
+    def tensor(self, image_id: str) -> torch.Tensor:
+        entry = self.entries[image_id]
         if entry["shard"] not in self._shards:
             self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
         return self._shards[entry["shard"]].get_tensor(entry["key"])
@@ -94,5 +111,5 @@ class ShardedCache:
         """What the model takes for an image, from its cached tensor already on the device."""
         raise NotImplementedError
 
-    def model_input(self, record_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self.device_input(self.tensor(record_id).to(device), dtype)
+    def model_input(self, image_id: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.device_input(self.tensor(image_id).to(device), dtype)

@@ -50,14 +50,14 @@ def load_stage_data(
         cache = open_cache(cache_dir)
         split_records = select_records(read_jsonl(split_path), filters, split_path)
         for record in split_records:
-            if record["id"] not in cache:
+            if record["id"] not in cache.records:
                 raise InputError(cache_dir, f"record {record['id']} of {split_path} is not in the image cache")
             key = f"{split_path}#{record['id']}"
             records.append(dict(record, key=key))
-            images[key] = (cache, record["id"])
+            images[key] = (cache, cache.image_of(record["id"]))
     frames = {}
     if answer_format == "click":
-        frames = {r["key"]: convention.frame(r, cache_of(images, r["key"]).grid_thw(r["id"])) for r in records}
+        frames = {r["key"]: convention.frame(r, grid_of(images, r["key"])) for r in records}
 
     def target(record: dict) -> str:
         if answer_format == "click":
@@ -65,9 +65,7 @@ def load_stage_data(
         return target_text(record["answer"], answer_format)
 
     samples = {
-        r["key"]: builder.sample(
-            r["key"], r["question"], target(r), cache_of(images, r["key"]).num_image_tokens(r["id"]), max_seq_len
-        )
+        r["key"]: builder.sample(r["key"], r["question"], target(r), image_tokens_of(images, r["key"]), max_seq_len)
         for r in records
     }
     return StageData(records, images, samples, frames)
@@ -79,3 +77,13 @@ def uses_vision_cache(data: StageData) -> bool:
 
 def cache_of(images: dict, key: str) -> ImageCache | VisionCache:
     return images[key][0]
+
+
+def grid_of(images: dict, key: str) -> list[int]:
+    cache, image_id = images[key]
+    return cache.grid_thw(image_id)
+
+
+def image_tokens_of(images: dict, key: str) -> int:
+    cache, image_id = images[key]
+    return cache.num_image_tokens(image_id)

@@ -40,7 +40,8 @@ from vlft.modeling import (
     with_adapter,
     with_new_adapter,
 )
-from vlft.packing import pack, packed_batches, use_packed_attention
+from vlft.image_groups import ImageGroup, group_rows, grouped_steps
+from vlft.packing import pack, pack_groups, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.records import order_records
 from vlft.shards import INDEX
@@ -141,7 +142,8 @@ def train_stage(
         max_seq_len=settings["max_seq_len"],
         convention=clicks.Convention.of(model.config) if settings["answer_format"] == "click" else None,
     )
-    steps = plan_steps(data.records, settings)
+    image_groups = settings.get("image_groups", False)  # absent while off (vlft.plan.LEFT_OUT_WHEN_OFF)
+    steps = grouped_steps(data.records, data.images, settings) if image_groups else plan_steps(data.records, settings)
 
     # Model: the adapter to train, on the base model as the stage's data and settings want it.
     model = _setup_model(model, inputs.init_adapter, settings, uses_vision_cache(data), device)
@@ -161,6 +163,8 @@ def train_stage(
     positions, pin = rope_index(model), device.type == "cuda"
 
     def host_batches(step: int) -> list[dict]:
+        if image_groups:
+            return grouped_host_batches(step)
         micro_batches = [[data.samples[key] for key in keys] for keys in steps[step]]
         if group.size > 1:  # this process's share of the step, cut as the step's own micro-batches are
             share = distributed.share_by_tokens([s for b in micro_batches for s in b], group.size)[group.rank]
@@ -173,6 +177,15 @@ def train_stage(
         if settings["packing"]:
             return [pack(b, data.images, builder, positions, pin=pin) for b in micro_batches]
         return [collate(b, data.images, builder, pad_id, rope_index=positions, pin=pin) for b in micro_batches]
+
+    def grouped_host_batches(step: int) -> list[dict]:
+        groups = [ImageGroup.of([data.samples[key] for key in keys]) for keys in steps[step]]
+        if group.size > 1:  # this process's share of the step: whole groups, balanced by tokens
+            groups = distributed.share_by_tokens(groups, group.size, length=lambda g: g.tokens)[group.rank]
+        # Rows under the token budget, or of at most micro_batch samples without one.
+        budget = settings["max_batch_tokens"]
+        rows = group_rows(groups, budget, None if budget else settings["micro_batch"])
+        return [pack_groups(row, data.images, builder, positions, pin=pin) for row in rows]
 
     progress = tqdm(
         total=len(steps),

@@ -1,4 +1,4 @@
-"""The frozen-vision cache: the vision tower's outputs for every image of a split, computed once.
+"""The frozen-vision cache: the vision tower's outputs for every distinct image of a split, computed once.
 
 LoRA trains the language model only, so the vision tower's output for an image is the same at every
 step of every epoch and every stage. Stored here per image, in safetensors shards in the model's
@@ -65,6 +65,7 @@ def build_vision_cache(
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         writer = ShardWriter(tmp, shard_bytes)
+        writer.records = pixels.records
         start, levels = 0, []
         while start < len(ids):
             batch, patches = [], 0

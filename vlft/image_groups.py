@@ -1,0 +1,138 @@
+"""Image groups: the questions asked about one image, computed with the image once.
+
+Every prompt starts with the template's header and then the image; the question follows. For the
+questions on one image that prefix is the same token for token, and under causal attention its
+hidden states do not depend on anything after it. So a group is laid out as the prefix once and
+each question's own tokens after it (vlft.packing.pack_groups): each question attends to the whole
+prefix and causally to itself, never to another question, at the M-RoPE positions it has alone. Its
+logits, loss and gradients are then the ones it gets alone: the backward pass sums the questions'
+gradients into the one prefix, as separate copies would sum them into the weights (summation order
+aside). The vision tower, or the vision cache, is read once per group too.
+
+Not the same with LoRA dropout > 0: the prefix draws one dropout mask for all its questions instead
+of one each (the same expectation, correlated draws). Across optimizer steps nothing is shared: the
+adapter changes the language model's view of the image every step.
+
+Which samples share a step changes with grouping (all of an image's questions go into one step),
+so it is a stage option (`image_groups`), off by default; with it off every group is one sample and
+the layout is the plain packed row.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from vlft.prompts import Sample
+from vlft.records import order_records
+
+
+@dataclass
+class ImageGroup:
+    """Samples laid out with their first `shared` tokens once: the header and the image they share."""
+
+    samples: list[Sample]
+    shared: int
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> "ImageGroup":
+        return cls(samples, shared_prefix_length(samples))
+
+    @property
+    def tokens(self) -> int:
+        """The group's length laid out: the shared prefix once, then each sample's own tokens."""
+        return self.shared + sum(len(s.input_ids) - self.shared for s in self.samples)
+
+
+def shared_prefix_length(samples: list[Sample]) -> int:
+    """The leading tokens every sample has in common, short of each one's last prompt token (it
+    predicts the sample's first answer token, so each keeps its own); 0 for a sample alone."""
+    if len(samples) < 2:
+        return 0
+    limit = min(s.prompt_length for s in samples) - 1
+    first = samples[0].input_ids
+    length = 0
+    while length < limit and all(s.input_ids[length] == first[length] for s in samples):
+        length += 1
+    return length
+
+
+def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | None) -> list[ImageGroup]:
+    """A group cut into groups of at most `max_tokens` tokens and `max_samples` samples, each
+    with the prefix of its own (a sample that exceeds the budget alone gets a group of its own)."""
+    parts, current = [], []
+    for sample in group.samples:
+        candidate = ImageGroup(current + [sample], group.shared)
+        too_long = max_tokens is not None and candidate.tokens > max_tokens
+        too_many = max_samples is not None and len(candidate.samples) > max_samples
+        if current and (too_long or too_many):
+            parts.append(current)
+            current = []
+        current.append(sample)
+    parts.append(current)
+    return [ImageGroup.of(part) for part in parts]
+
+
+def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: int | None) -> list[list[ImageGroup]]:
+    """A step's groups in rows of at most `max_tokens` tokens (and `max_samples` samples): groups
+    cut to fit, then first fit by decreasing length, as vlft.packing.packed_batches does samples."""
+    parts = [part for group in groups for part in within_budget(group, max_tokens, max_samples)]
+    rows: list[list[ImageGroup]] = []
+    room: list[tuple[float, float]] = []
+    for part in sorted(parts, key=lambda g: g.tokens, reverse=True):
+        size = (part.tokens, len(part.samples))
+        row = next((i for i, left in enumerate(room) if left[0] >= size[0] and left[1] >= size[1]), None)
+        if row is None:
+            rows.append([])
+            room.append((max_tokens or float("inf"), max_samples or float("inf")))
+            row = len(rows) - 1
+        rows[row].append(part)
+        room[row] = (room[row][0] - size[0], room[row][1] - size[1])
+    return rows
+
+
+def by_image(records: list[dict], images: dict) -> list[list[dict]]:
+    """Records grouped by the image they ask about (`images`: record key -> (cache, image id); the
+    id is the image's resolved path, the same in every split's cache), in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(images[record["key"]][1], []).append(record)
+    return list(groups.values())
+
+
+def grouped_steps(records: list[dict], images: dict, settings: dict) -> list[list[list[str]]]:
+    """Every optimizer step of a stage with image groups, as its groups of record keys.
+
+    Each epoch takes the groups in the stage's order: shuffled with the seed (`random`), or placed
+    where their first question falls in the records' own order (`given`, or sorted `by_field`: a
+    group goes where its easiest question would). A step takes whole groups until it holds at least
+    micro_batch x grad_accum samples; an epoch's last step may hold fewer. `max_steps` cuts the
+    steps short, or runs further epochs; otherwise `epochs` epochs."""
+    step_size = settings["micro_batch"] * settings["grad_accum"]
+    groups = by_image(records, images)
+    steps: list[list[list[str]]] = []
+    epoch = 0
+    while (len(steps) < settings["max_steps"]) if settings["max_steps"] else epoch < settings["epochs"]:
+        if settings["order"] == "random":
+            ordered = list(groups)
+            random.Random(settings["seed"] * 100_003 + epoch).shuffle(ordered)
+        else:
+            in_order = order_records(
+                records,
+                settings["order"],
+                settings["order_field"],
+                settings["order_descending"],
+                settings["seed"],
+                epoch,
+            )
+            ordered = by_image(in_order, images)
+        current: list[list[str]] = []
+        for group in ordered:
+            current.append([r["key"] for r in group])
+            if sum(map(len, current)) >= step_size:
+                steps.append(current)
+                current = []
+        if current:
+            steps.append(current)
+        epoch += 1
+    return steps[: settings["max_steps"]] if settings["max_steps"] else steps
