@@ -56,27 +56,36 @@ WORDS = "the red blue green circle square triangle left right top bottom count o
 # ---------------------------------------------------------------- workload
 
 
-def make_workload(root: Path, n: int, tokenizer, seed: int = 0) -> Path:
-    """n JPEGs of mixed sizes and textured content, and raw records with 20-400 token answers."""
+def make_workload(
+    root: Path, n: int, tokenizer, seed: int = 0, questions_per_image: int = 1, short_answers: bool = False
+) -> Path:
+    """n raw records on JPEGs of mixed sizes and textured content, `questions_per_image` records
+    (different questions) on each image, as Kvasir-VQA asks about 9; answers of 20-400 tokens (a
+    chain of thought) or, with `short_answers`, of 1-16 tokens (Kvasir's own answers)."""
     rng = np.random.default_rng(seed)
     words = random.Random(seed)
     images = root / "images"
     images.mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(n):
-        width, height = SIZES[i % len(SIZES)]
-        # Smooth noise, so the JPEGs are of realistic size rather than flat or incompressible.
-        small = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
-        Image.fromarray(small).resize((width, height), Image.BILINEAR).save(images / f"{i}.jpg", quality=90)
-        target = int(rng.integers(20, 401))
+        image = i // questions_per_image
+        width, height = SIZES[image % len(SIZES)]
+        if i % questions_per_image == 0:
+            # Smooth noise, so the JPEGs are of realistic size rather than flat or incompressible.
+            small = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
+            Image.fromarray(small).resize((width, height), Image.BILINEAR).save(images / f"{image}.jpg", quality=90)
+        target = int(rng.integers(1, 17) if short_answers else rng.integers(20, 401))
         text = []
         while len(tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]) < target - 6:
             text.append(words.choice(WORDS))
+        question = "Describe the image step by step."
+        if questions_per_image > 1:
+            question = f"Question {i % questions_per_image}: is there a " + " ".join(words.choices(WORDS, k=8)) + "?"
         rows.append(
             {
                 "id": str(i),
-                "image": f"{i}.jpg",
-                "question": "Describe the image step by step.",
+                "image": f"{image}.jpg",
+                "question": question,
                 "answer": " ".join(text) + ". Final answer: three",
             }
         )
@@ -277,8 +286,9 @@ def run_ours(
         print_kernel_time(prof, work)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
     return {
-        "step_s": [SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
-        "tokens": [row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in log],
+        "step_s": [row["samples"] / row["samples_per_s"] for row in log],
+        "samples": [row["samples"] for row in log],
+        "tokens": [row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in log],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 
@@ -336,7 +346,7 @@ def print_kernel_time(prof, work: Path) -> None:
 
 def summarize(run: dict, flops_per_token: float, peak_tflops: float) -> dict:
     seconds, tokens = sum(run["step_s"]), sum(run["tokens"])
-    samples = SAMPLES_PER_STEP * len(run["step_s"])
+    samples = sum(run["samples"]) if "samples" in run else SAMPLES_PER_STEP * len(run["step_s"])
     return {
         "samples_per_s": samples / seconds,
         "tokens_per_s": tokens / seconds,
@@ -373,13 +383,24 @@ def main():
     )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     parser.add_argument("--skip", choices=["reference", "ours"], help="run one side only")
+    parser.add_argument(
+        "--questions-per-image", type=int, default=1, help="records on each image (Kvasir-VQA: about 9)"
+    )
+    parser.add_argument("--short-answers", action="store_true", help="answers of 1-16 tokens instead of 20-400")
+    parser.add_argument(
+        "--image-groups",
+        action="store_true",
+        help="also run ours with image_groups (each image's questions in one step, the image computed once)",
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)
 
     tokenizer = make_tokenizer()
-    raw = make_workload(work, args.images, tokenizer)
+    raw = make_workload(
+        work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
+    )
     prepare_split(raw, work / "images", work / "prepared.jsonl")
     from vlft.files import read_jsonl
 
@@ -422,10 +443,12 @@ def main():
         del model
         torch.cuda.empty_cache()
         settings = our_settings(args.steps)
-        runs = [(f"ours@{budget}", budget, True) for budget in args.max_batch_tokens]
+        runs = [(f"ours@{budget}", budget, dict(packing=True)) for budget in args.max_batch_tokens]
         if args.grouped:
-            runs += [(f"ours grouped@{budget}", budget, False) for budget in args.max_batch_tokens]
-        for name, budget, packing in runs:
+            runs += [(f"ours grouped@{budget}", budget, dict(packing=False)) for budget in args.max_batch_tokens]
+        if args.image_groups:
+            runs += [(f"ours images@{budget}", budget, dict(image_groups=True)) for budget in args.max_batch_tokens]
+        for name, budget, options in runs:
             try:
                 ours = run_ours(
                     model_dir,
@@ -433,7 +456,7 @@ def main():
                     work / "vision",
                     args.steps,
                     args.warmup,
-                    dict(settings, max_batch_tokens=budget, packing=packing),
+                    dict(settings, max_batch_tokens=budget, **options),
                     work / name.replace(" ", "-"),
                     args.profile,
                 )
@@ -441,6 +464,10 @@ def main():
                     "pixel_cache_s": pixel_cache_s,
                     "vision_cache_s": vision_cache_s,
                 }
+                if options.get("image_groups"):
+                    # Its tokens/s counts each question's whole prompt, the shared image in it too,
+                    # though the image is computed once: no utilization can be read from it.
+                    results[name]["mfu"] = float("nan")
             except torch.OutOfMemoryError as error:
                 results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
             import gc
@@ -457,6 +484,8 @@ def main():
         "commit": commit or "unknown",
         "command": " ".join(sys.argv),
         "images": args.images,
+        "questions_per_image": args.questions_per_image,
+        "answers": "1-16 tokens" if args.short_answers else "20-400 tokens",
         "matmul_peak_tflops": peak,
         "language_params": language_params,
         "vision_params": vision_params,
@@ -471,6 +500,13 @@ def main():
             for name, r in results.items()
             if name != "reference" and "error" not in r
         }
+    if args.image_groups:
+        report["image_groups_speedup"] = {
+            budget: results[f"ours images@{budget}"]["samples_per_s"] / results[f"ours@{budget}"]["samples_per_s"]
+            for budget in args.max_batch_tokens
+            if "error" not in results.get(f"ours images@{budget}", {"error": 1})
+            and "error" not in results.get(f"ours@{budget}", {"error": 1})
+        }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
@@ -484,6 +520,8 @@ def main():
         print(
             f"{side:22} {r['samples_per_s']:10.2f} {r['tokens_per_s']:10.0f} {r['mfu']:6.3f} {r['peak_gib']:9.1f} {ratio:6.2f}"
         )
+    for budget, speedup in report.get("image_groups_speedup", {}).items():
+        print(f"image groups at {budget} tokens: {speedup:.2f}x the samples/s without them")
     print(json.dumps(report))
 
 

@@ -354,6 +354,7 @@ def _log_record(step: int, loss: float, lr: float, grad_norm: float, samples: li
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
+        "samples": len(samples),
         "samples_per_s": len(samples) / elapsed,
         "tokens_per_s": sum(len(s.input_ids) for s in samples) / elapsed,
         "memory_gb": memory_gb(device),
