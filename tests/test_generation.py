@@ -1,7 +1,7 @@
 """Greedy answers of vlft.generation (continuous batching over a slot cache, packed prefills) are
 the token ids transformers' `generate` gives, for every Qwen-VL family, in float32 on the CPU:
 with no adapter, an untrained one and a trained one, at several answer lengths, with rows
-refilled while others still answer."""
+refilled while others still answer, several questions on one image prefilled with its prefix once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
+from vlft.files import read_jsonl, write_jsonl
 from vlft.evaluate import prompt_request
 from vlft.generation import (
     DECODE_ATTENTION,
@@ -36,12 +37,28 @@ CPU, FLOAT32 = torch.device("cpu"), torch.float32
 LIMITS = (2, 7, 24)
 
 
+# The image each record asks about, by record: 4, 3, 1, 2 and 4 questions on five images (of three
+# sizes), in turn, as Kvasir asks several of each; the prefills share each image's prefix.
+IMAGE_OF_RECORD = [0, 0, 0, 0, 4, 4, 4, 7, 8, 8, 10, 10, 10, 10]
+IMAGE_SIZES = {4: (128, 64), 8: (64, 112)}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """A tiny model of one family, 14 demo records and their pixel cache, and an adapter trained
-    on them (60 steps; its answers are the demo's, not the untrained model's)."""
+    """A tiny model of one family, 14 demo records asking 1 to 4 questions each about 5 images,
+    their pixel cache, and an adapter trained on them (60 steps; its answers are the demo's, not
+    the untrained model's)."""
+    from PIL import Image
+
     root = tmp_path_factory.mktemp(request.param)
-    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 14}, seed=2)
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": 14}, seed=2)
+    records = read_jsonl(root / "raw.jsonl")
+    for record, owner in zip(records, IMAGE_OF_RECORD):
+        record["image"] = records[owner]["image"]
+    for owner, size in IMAGE_SIZES.items():
+        path = root / "images" / records[owner]["image"]
+        Image.open(path).resize(size).save(path)
+    write_jsonl(root / "train.jsonl", records)
     tiny_family_data(root, request.param, root / "train.jsonl")
     settings = tiny_stage_settings(
         answer_format="cot", dataset="shapes", micro_batch=7, max_steps=60, learning_rate=3e-3
@@ -104,7 +121,7 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
         for index, sample in enumerate(samples):
             yield prompt_request(index, sample, data, builder, pad_id, model, CPU, FLOAT32, LIMITS[index % len(LIMITS)])
 
-    answers = {}
+    answers, stats = {}, {}
     prompt_tokens = max(s.prompt_length for s in samples)
     with torch.no_grad():
         # 4 rows for 14 samples; prefills of up to 3 prompts packed together.
@@ -116,8 +133,11 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
             max_length=prompt_tokens + longest,
             on_answer=answers.__setitem__,
             prefill_tokens=3 * prompt_tokens,
+            stats=stats,
         )
     assert answers == expected, name
+    # Prompts on one image that met in a prefill shared its prefix: fewer tokens than the prompts.
+    assert stats["prefill_tokens"] < sum(s.prompt_length for s in samples)
     lengths = [len(ids) for ids in answers.values()]
     assert len(set(lengths)) >= 3, lengths  # rows did finish at different steps
     if adapter == "trained":  # the demo's chain of thought, ended by the model itself
@@ -141,8 +161,8 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family, attention):
     with torch.no_grad():
         use_packed_attention(model)
         step = DecodeStep(model, cache, attention=attention)
-        (first,), prefilled, ((start, end),) = prefill(model, [request])
-        cache.fill(2, prefilled, start, end)
+        (first,), prefilled, (spans,) = prefill(model, [request])
+        prompt_length = cache.fill(2, prefilled, spans)
         step.tokens[2], step.positions[2] = first, positions.max() + 1
         ids = inputs["input_ids"][0].tolist() + [first]
         model.set_attn_implementation({"text_config": "sdpa"})
@@ -159,7 +179,7 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family, attention):
             ).logits[0, -1]
             # float32 (u = 6e-8) over sums of at most a few hundred terms in 2 layers: 1e-5 of the
             # logits' norm is far above rounding and far below a wrong position or a lost token.
-            assert_close_normwise(got, full, rtol=1e-5, msg=f"{name}, {attention}, token {len(ids) - end}")
+            assert_close_normwise(got, full, rtol=1e-5, msg=f"{name}, {attention}, token {len(ids) - prompt_length}")
             token = int(got.argmax())
             ids.append(token)
             cache.write_at[2] += 1

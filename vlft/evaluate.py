@@ -18,7 +18,8 @@ from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
 from vlft.generation import PACKED_ROW_TOKENS, Request, greedy_answers
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
-from vlft.packing import pack, packed_batches, use_packed_attention
+from vlft.image_groups import ImageGroup, by_image, group_rows
+from vlft.packing import pack_groups, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import StageData, load_stage_data
 
@@ -63,17 +64,19 @@ def evaluate_split(
     batch_size = settings["batch_size"]
     losses, mine = [], []  # (first record's index, loss sum, answer tokens) of each of this process's batches
     # Loss of the reference answers, in the format the stage was trained on, as training computes
-    # it: a batch's samples packed end to end in rows of up to PACKED_ROW_TOKENS, with no padding.
-    # Padded, batches of 128 were 1.44x the tokens; on the 8B their pass took 21.0 s and 47 GiB
-    # against 15.9 s and 20 GiB packed (benchmarks/README.md).
+    # it: a batch's samples packed end to end in rows of up to PACKED_ROW_TOKENS, with no padding,
+    # the questions on one image with its prefix once (vlft.image_groups: each question's loss is
+    # the one it gets alone). Padded, batches of 128 were 1.44x the tokens; on the 8B their pass
+    # took 21.0 s and 47 GiB against 15.9 s and 20 GiB packed (benchmarks/README.md).
     use_packed_attention(model)
     positions = rope_index(model)
     for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
         records = data.records[start : start + batch_size]
         loss, tokens = 0.0, 0
-        for row in packed_batches([data.samples[r["key"]] for r in records], PACKED_ROW_TOKENS):
+        groups = [ImageGroup.of([data.samples[r["key"]] for r in g]) for g in by_image(records, data.images)]
+        for row in group_rows(groups, PACKED_ROW_TOKENS, None):
             row_loss, row_tokens = answer_loss_sum(
-                model, to_device(pack(row, data.images, builder, positions), device, dtype)
+                model, to_device(pack_groups(row, data.images, builder, positions), device, dtype)
             )
             loss, tokens = loss + row_loss.item(), tokens + row_tokens
         losses.append((start, loss, tokens))
@@ -172,7 +175,7 @@ def prompt_request(key, sample, data: StageData, builder, pad_id: int, model, de
     prompt = to_device(prompt, device, dtype)
     positions = prompt.pop("position_ids")
     inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
-    return Request(key, inputs, positions, max_new_tokens)
+    return Request(key, inputs, positions, max_new_tokens, image=data.images[sample.record_id][1])
 
 
 def _synchronized_time(device: torch.device) -> float:

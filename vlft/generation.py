@@ -6,8 +6,8 @@ long ones. Here instead:
 
 - the KV cache has `slots` rows, each as long as the longest prompt plus answer, allocated once;
 - prompts are prefilled packed end to end, without padding, by the model's own forward (vision
-  tower and all, through vlft.packing's attention), and each one's keys and values are copied
-  into a free row;
+  tower and all, through vlft.packing's attention), consecutive prompts on one image with its
+  prefix once (vlft.image_groups), and each one's keys and values are copied into a free row;
 - each decode step runs the language model's own layers on one token of every row, each row
   attending to its own length and at its own text position (past the image's M-RoPE positions);
   on a GPU it is compiled and replayed as a CUDA graph, its attention a flex_attention kernel
@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 from vlft.modeling import unwrapped
+from vlft.image_groups import RowLayout, common_prefix
 from vlft.packing import use_packed_attention
 
 DECODE_ATTENTION = "vlft_slot_decode"
@@ -44,6 +45,7 @@ class Request:
     inputs: dict  # the prompt of one sample as model inputs: input_ids (1 x L), pixel_values, ...
     positions: torch.Tensor  # its M-RoPE positions (3 x 1 x L)
     max_new_tokens: int
+    image: str | None = None  # the image's id in its cache: prompts on one image share its prefix
 
 
 class SlotCache:
@@ -71,14 +73,18 @@ class SlotCache:
         config = text.config
         return 2 * len(text.layers) * config.num_key_value_heads * _head_dim(config) * text.embed_tokens.weight.itemsize
 
-    def fill(self, slot: int, prefilled, start: int, end: int) -> None:
-        """Copy the keys and values of one prompt, tokens start to end of a packed prefill (a
-        transformers cache), into row `slot`; its next token goes after them."""
+    def fill(self, slot: int, prefilled, spans: list[tuple[int, int]]) -> int:
+        """Copy the keys and values of one prompt, its stretches of a packed prefill (a
+        transformers cache) in order (a shared prefix, then its own tokens), into row `slot`; its
+        next token goes after them. Returns the prompt's length."""
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            source = prefilled.layers[layer]
-            keys[slot, :, : end - start] = source.keys[0, :, start:end]
-            values[slot, :, : end - start] = source.values[0, :, start:end]
-        self.write_at[slot] = end - start
+            source, at = prefilled.layers[layer], 0
+            for start, end in spans:
+                keys[slot, :, at : at + end - start] = source.keys[0, :, start:end]
+                values[slot, :, at : at + end - start] = source.values[0, :, start:end]
+                at += end - start
+        self.write_at[slot] = at
+        return at
 
     def move(self, source: int, target: int) -> None:
         """Row `source`'s keys and values, up to where its next token goes, into row `target`."""
@@ -274,27 +280,62 @@ class DecodeStep:
 # pass's samples): on the 8B with 128 rows of 2,048 positions the job peaked at 58 GiB.
 PACKED_ROW_TOKENS = 16384
 
-# How a packed prefill lays its prompts' inputs end to end: tokens along the row, images one after another.
-PACKED_INPUTS = {"input_ids": 1, "mm_token_type_ids": 1, "pixel_values": 0, "image_grid_thw": 0}
-
 
 def prefill(model, group: list[Request]):
-    """The prompts of `group` in one forward, packed end to end with no padding (each attending to
-    itself alone, vlft.packing): each prompt's first answer token, the cache, each prompt's span."""
-    inputs = {key: torch.cat([r.inputs[key] for r in group], dim=dim) for key, dim in PACKED_INPUTS.items()}
-    lengths = [r.inputs["input_ids"].shape[1] for r in group]
-    ends = torch.tensor(lengths).cumsum(0)
-    device = inputs["input_ids"].device
+    """The prompts of `group` in one forward, packed end to end with no padding: consecutive prompts
+    on one image share its prefix, laid out once (vlft.image_groups), each prompt attending to the
+    prefix and to itself alone. Each prompt's first answer token, the cache, and each prompt's
+    stretches of the cache in order."""
+    runs = _image_runs(group)
+    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in run]) for shared, run in runs])
+    pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
+    images = {"pixel_values": [], "image_grid_thw": []}
+    for shared, run in runs:
+        for n, request in enumerate(run):
+            drop = shared if n else 0
+            pieces["input_ids"].append(request.inputs["input_ids"][:, drop:])
+            pieces["mm_token_type_ids"].append(request.inputs["mm_token_type_ids"][:, drop:])
+            pieces["positions"].append(request.positions[..., drop:])
+            if n == 0:  # the image once for the run
+                for key in images:
+                    images[key].append(request.inputs[key])
+    device = pieces["input_ids"][0].device
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.attention_inputs().items()}
     output = model(
-        **inputs,
-        position_ids=torch.cat([r.positions for r in group], dim=-1),
+        input_ids=torch.cat(pieces["input_ids"], dim=1),
+        mm_token_type_ids=torch.cat(pieces["mm_token_type_ids"], dim=1),
+        pixel_values=torch.cat(images["pixel_values"]),
+        image_grid_thw=torch.cat(images["image_grid_thw"]),
+        position_ids=torch.cat(pieces["positions"], dim=-1),
         use_cache=True,
-        logits_to_keep=(ends - 1).to(device),  # each prompt's last token predicts its first answer token
-        packed_cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32)]).to(device),
-        packed_max_seqlen=max(lengths),
+        # Each prompt's last token predicts its first answer token.
+        logits_to_keep=torch.tensor([end - 1 for _, end in layout.segments], device=device),
+        **attention,
     )
-    spans = [(int(end) - length, int(end)) for end, length in zip(ends, lengths)]
-    return output.logits[0].argmax(-1).tolist(), output.past_key_values, spans
+    return output.logits[0].argmax(-1).tolist(), output.past_key_values, layout.key_spans
+
+
+def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
+    """Consecutive requests on one image, each run with the prompt prefix its requests share (0 for
+    a request alone). The image's id decides, not its tokens: two images of one size have the very
+    same placeholder tokens."""
+    runs: list[list[Request]] = []
+    for request in group:
+        if runs and request.image is not None and runs[-1][0].image == request.image:
+            runs[-1].append(request)
+        else:
+            runs.append([request])
+    shared = [
+        (
+            common_prefix(
+                [r.inputs["input_ids"][0].tolist() for r in run], min(r.inputs["input_ids"].shape[1] for r in run) - 1
+            )
+            if len(run) > 1
+            else 0
+        )
+        for run in runs
+    ]
+    return list(zip(shared, runs))
 
 
 def greedy_answers(
@@ -393,7 +434,7 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
         while free and (group := next_group(len(free))):
             timer.stop("read_s")
             firsts, prefilled, spans = prefill(model, group)
-            for request, first, (start, end) in zip(group, firsts, spans):
+            for request, first, prompt_spans in zip(group, firsts, spans):
                 slot = free.pop(0)
                 busy[slot], answers[slot] = request, [first]
                 if finished(slot):
@@ -401,14 +442,14 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
                     busy[slot] = None
                     free.insert(0, slot)
                     continue
-                cache.fill(slot, prefilled, start, end)
-                written[slot] = end - start
+                written[slot] = cache.fill(slot, prefilled, prompt_spans)
                 step.tokens[slot] = first
                 step.positions[slot] = request.positions.max() + 1
                 active[slot] = 1
             del prefilled
             timer.stop("prefill_s")
             timer.add("prefills", 1)
+            timer.add("prefill_tokens", max(end for prompt in spans for _, end in prompt))  # shared prefixes once
         timer.stop("read_s")
         if exhausted and not read_ahead and not whole:
             # No prompt is left to fill a free row: the rows still answering move down to the

@@ -23,6 +23,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import torch
+
 from vlft.prompts import Sample
 from vlft.records import order_records
 
@@ -49,12 +51,55 @@ def shared_prefix_length(samples: list[Sample]) -> int:
     predicts the sample's first answer token, so each keeps its own); 0 for a sample alone."""
     if len(samples) < 2:
         return 0
-    limit = min(s.prompt_length for s in samples) - 1
-    first = samples[0].input_ids
-    length = 0
-    while length < limit and all(s.input_ids[length] == first[length] for s in samples):
+    return common_prefix([s.input_ids for s in samples], min(s.prompt_length for s in samples) - 1)
+
+
+def common_prefix(sequences: list[list[int]], limit: int) -> int:
+    """How many leading tokens all `sequences` have in common, at most `limit`."""
+    first, length = sequences[0], 0
+    while length < limit and all(seq[length] == first[length] for seq in sequences):
         length += 1
     return length
+
+
+@dataclass
+class RowLayout:
+    """Where the samples of image groups lie in one row, and which row positions each attends to.
+
+    A group's first sample lies whole (the prefix with it), each other sample's own tokens after
+    it; each sample's keys are the group's prefix, then its own tokens."""
+
+    segments: list[tuple[int, int]]  # each sample's own stretch of the row, its queries
+    key_spans: list[list[tuple[int, int]]]  # each sample's keys: the row's stretches, in order
+
+    @classmethod
+    def of(cls, groups: list[tuple[int, list[int]]]) -> "RowLayout":
+        """From each group's shared prefix length and its samples' whole lengths."""
+        segments, key_spans, start = [], [], 0
+        for shared, lengths in groups:
+            prefix = (start, start + shared)
+            for n, length in enumerate(lengths):
+                own = length - (shared if n else 0)
+                segments.append((start, start + own))
+                key_spans.append([(start, start + own)] if n == 0 else [prefix, (start, start + own)])
+                start += own
+        return cls(segments, key_spans)
+
+    def attention_inputs(self) -> dict:
+        """What vlft.packing.packed_attention takes for this row (on the host): the segments'
+        bounds, and where a segment's keys are not just its own tokens, the keys' row positions."""
+        query_lengths = [end - start for start, end in self.segments]
+        key_lengths = [sum(end - start for start, end in spans) for spans in self.key_spans]
+        inputs = {
+            "packed_cu_seqlens": torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32),
+            "packed_max_seqlen": max(query_lengths),
+        }
+        if key_lengths != query_lengths:
+            spans = [span for sample in self.key_spans for span in sample]
+            inputs["packed_key_index"] = torch.cat([torch.arange(start, end) for start, end in spans])
+            inputs["packed_cu_seqlens_k"] = torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32)
+            inputs["packed_max_seqlen_k"] = max(key_lengths)
+        return inputs
 
 
 def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | None) -> list[ImageGroup]:

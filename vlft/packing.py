@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 
 from vlft.batching import collate, pinned
-from vlft.image_groups import ImageGroup
+from vlft.image_groups import ImageGroup, RowLayout
 from vlft.modeling import unwrapped
 from vlft.prompts import PromptBuilder, Sample
 
@@ -67,17 +67,12 @@ def pack_groups(
 ) -> dict:
     """One packed row on the host: each group's first sample whole, then its other samples without
     the prefix they share (vlft.image_groups). Every sample is collated alone first, so its
-    positions are its own; the row is then cut into query segments (`packed_cu_seqlens`): the
-    first sample of a group with the prefix, then each other sample's own tokens. A segment attends
-    causally to its keys: its own tokens, after the group's prefix for the samples that share it
-    (`packed_key_index`, the row positions of each segment's keys, and `packed_cu_seqlens_k`; absent
-    where every segment's keys are its own tokens, as in a row of samples alone)."""
+    positions are its own; what each sample attends to is the row's layout (RowLayout)."""
+    layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in groups])
+    segments = iter(layout.segments)
     pieces: dict[str, list] = {key: [] for key in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
     grids, row_images, answer_positions, answer_targets = [], [], [], []
-    query_lengths, key_lengths, key_index = [], [], []
-    start = 0
     for group in groups:
-        prefix = torch.arange(start, start + group.shared)
         for n, sample in enumerate(group.samples):
             # A batch of one has no padding, so the pad id is never written.
             alone = collate([sample], images, builder, pad_id=0, rope_index=rope_index, read_images=n == 0)
@@ -87,24 +82,14 @@ def pack_groups(
             if n == 0:
                 grids.append(alone["image_grid_thw"])
                 row_images += alone["images"]
-            own = len(sample.input_ids) - drop
-            key_index += [torch.arange(start, start + own)] if n == 0 else [prefix, torch.arange(start, start + own)]
-            query_lengths.append(own)
-            key_lengths.append(len(sample.input_ids))
             # Each sample alone is a batch of one: its answer positions are offsets within it.
-            answer_positions.append(alone["answer_positions"] - drop + start)
+            answer_positions.append(alone["answer_positions"] - drop + next(segments)[0])
             answer_targets.append(alone["answer_targets"])
-            start += own
     row = {key: torch.cat(values, dim=-1) for key, values in pieces.items()}
     row["image_grid_thw"] = torch.cat(grids)
     row["answer_positions"] = torch.cat(answer_positions)
     row["answer_targets"] = torch.cat(answer_targets)
-    row["packed_cu_seqlens"] = torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32)
-    row["packed_max_seqlen"] = max(query_lengths)
-    if key_lengths != query_lengths:
-        row["packed_key_index"] = torch.cat(key_index)
-        row["packed_cu_seqlens_k"] = torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32)
-        row["packed_max_seqlen_k"] = max(key_lengths)
+    row.update(layout.attention_inputs())
     row["images"] = row_images
     return pinned(row) if pin else row
 
