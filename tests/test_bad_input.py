@@ -172,6 +172,10 @@ def stage(config, experiment, index):
             or stage(c, "click", 0).update(dataset="base"),
             "datasets.base: the name is reserved unless it is the defaults' dataset",
         ),
+        (
+            lambda c: stage(c, "exp1", 0).update(image_groups=True, packing=False),
+            "experiments.exp1.stages[0].image_groups: needs packing: true (a group is laid out in one packed row)",
+        ),
     ],
     ids=[
         "typo-in-stage",
@@ -186,6 +190,7 @@ def stage(config, experiment, index):
         "demo-dataset-not-in-datasets",
         "demo-dataset-without-a-split",
         "base-reserved-as-a-dataset-name",
+        "image-groups-without-packing",
     ],
 )
 def test_config_error_is_one_sentence_naming_the_key(workdir, edit, message):
