@@ -144,7 +144,9 @@ def run_reference(model, records, image_processor, builder, pad_id, lengths) -> 
     }
 
 
-def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, max_new_tokens: int | None) -> dict:
+def run_ours(
+    work: Path, model_dir: Path, lengths: dict, batch_size: int, max_new_tokens: int | None, share_images: bool = True
+) -> dict:
     from vlft.evaluate import evaluate_split
 
     settings = {
@@ -159,7 +161,7 @@ def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, max_ne
     stats = {}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    out = work / f"ours-{batch_size}"
+    out = work / f"ours-{batch_size}-{share_images}"
     metrics = evaluate_split(
         str(model_dir),
         None,
@@ -170,6 +172,7 @@ def run_ours(work: Path, model_dir: Path, lengths: dict, batch_size: int, max_ne
         out / "metrics.json",
         answer_lengths=lengths,
         stats=stats,
+        share_images=share_images,
     )
     # The answers' ids again from their text would not be exact: evaluate_split records them as text.
     answers = stats.pop("answer_ids")
@@ -220,7 +223,11 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
         "decode_s": run["decode_s"],
         # Ours: where generation's time goes (reading prompts off the cache, prefills, choosing a
         # step's rows, steps, the bookkeeping after each, handing answers over), the cache's length.
-        **{k: run[k] for k in ("max_length", "prefills", "loss_s", "loss_peak_gib", "job_s", *PHASES) if k in run},
+        **{
+            k: run[k]
+            for k in ("max_length", "prefills", "prefill_tokens", "loss_s", "loss_peak_gib", "job_s", *PHASES)
+            if k in run
+        },
         "wall_s": run["wall_s"],
         "compile_s": run.get("compile_s", 0.0),
         "generated_tokens_per_s_with_compile": tokens / (run["wall_s"] + run.get("compile_s", 0.0)),
@@ -231,7 +238,7 @@ def summarize(run: dict, lengths: dict, weight_bytes: int, kv_bytes_per_token: i
 def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     work = args.work / arch
     work.mkdir(parents=True, exist_ok=True)
-    raw = make_workload(work, args.samples, tokenizer)
+    raw = make_workload(work, args.samples, tokenizer, 0, args.questions_per_image, args.short_answers)
     prepare_split(raw, work / "images", work / "prepared.jsonl")
     records = read_jsonl(work / "prepared.jsonl")
     builder = PromptBuilder(tokenizer, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
@@ -253,25 +260,39 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     )
 
     result = {"arch": arch, "samples": len(records), "answer_tokens": sum(lengths.values())}
+    # `generate` on the first --reference-samples only, where the split is long (its rate is per token).
+    checked = records[: args.reference_samples or len(records)]
+    checked_lengths = {r["id"]: lengths[r["id"]] for r in checked}
     with torch.no_grad():
-        reference = run_reference(model, records, image_processor, builder, tokenizer.pad_token_id, lengths)
+        reference = run_reference(model, checked, image_processor, builder, tokenizer.pad_token_id, checked_lengths)
     prompts = reference["prompt_tokens"]
     del model
     torch.cuda.empty_cache()
     ours_runs = {}
     for batch_size in args.batch_sizes:
-        ours_runs[batch_size] = run_ours(work, model_dir, lengths, batch_size, args.max_new_tokens)
-    result["reference"] = summarize(reference, lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
-    for batch_size, run in ours_runs.items():
+        for share in (True, False) if args.unshared else (True,):
+            name = f"ours@{batch_size}" + ("" if share else " unshared")
+            ours_runs[name] = run_ours(work, model_dir, lengths, batch_size, args.max_new_tokens, share)
+    result["reference"] = summarize(reference, checked_lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
+    for name, run in ours_runs.items():
         summary = summarize(run, lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
         summary["over_reference"] = summary["generated_tokens_per_s"] / result["reference"]["generated_tokens_per_s"]
         same = sum(ids == run["answers"][i] for i, ids in reference["answers"].items())
-        summary["identical_answers"] = same / len(records)
+        summary["identical_answers"] = same / len(checked)
         # Where answers part: random weights make near-ties common, and one flip changes the rest.
         parted = [first_difference(ids, run["answers"][i]) for i, ids in reference["answers"].items()]
         summary["same_first_token"] = sum(p > 0 for p in parted) / len(parted)
         summary["mean_tokens_before_parting"] = sum(parted) / len(parted)
-        result[f"ours@{batch_size}"] = summary
+        # The whole job's rate, its one-time compile apart (a job pays it once, whatever its size).
+        summary["job_samples_per_s"] = len(records) / (run["job_s"] - run.get("compile_s", 0.0))
+        result[name] = summary
+    for name in list(ours_runs):
+        if name.endswith(" unshared"):
+            shared = result[name.removesuffix(" unshared")]
+            result[f"{name.removesuffix(' unshared')} sharing speedup"] = {
+                "job": shared["job_samples_per_s"] / result[name]["job_samples_per_s"],
+                "answers_identical": ours_runs[name]["answers"] == ours_runs[name.removesuffix(" unshared")]["answers"],
+            }
     return result
 
 
@@ -289,6 +310,12 @@ def main():
         " Kvasir's config has 512); each sample still stops at its own length",
     )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
+    parser.add_argument("--questions-per-image", type=int, default=1, help="records on each image (Kvasir: about 9)")
+    parser.add_argument("--short-answers", action="store_true", help="answers of 1-16 tokens instead of 20-400")
+    parser.add_argument(
+        "--unshared", action="store_true", help="also run ours computing every question's image anew, side by side"
+    )
+    parser.add_argument("--reference-samples", type=int, help="run `generate` on the first N samples only")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     tokenizer = make_tokenizer()
@@ -309,6 +336,9 @@ def main():
     print(header)
     for arch in results["archs"]:
         for run, r in arch.items():
+            if run.endswith("sharing speedup"):
+                print(f"{arch['arch']:14} {run}: the job {r['job']:.2f}x, answers identical: {r['answers_identical']}")
+                continue
             if not isinstance(r, dict):
                 continue
             print(
@@ -328,7 +358,8 @@ def main():
                 )
                 print(
                     f"{'':25} the whole job {r['job_s']:.1f} s, its validation-loss pass {r['loss_s']:.1f} s"
-                    f" (peak {r['loss_peak_gib']:.1f} GiB)"
+                    f" (peak {r['loss_peak_gib']:.1f} GiB); {r['job_samples_per_s']:.2f} samples/s without the compile;"
+                    f" prefill tokens {r.get('prefill_tokens', 0):.0f}"
                 )
                 phases = {k: r[k] for k in PHASES if k in r}
                 print(

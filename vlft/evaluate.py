@@ -5,6 +5,7 @@ the one a single process forms and answers the same; the main process gathers an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -36,10 +37,11 @@ def evaluate_split(
     trust_remote_code: bool = False,
     answer_lengths: dict[str, int] | None = None,
     stats: dict | None = None,
+    share_images: bool = True,
 ) -> dict:
     """`answer_lengths` (for benchmarks) stops each answer after this many tokens, by record id, as if
     the model had ended it there; `stats`, where given, gets the generation's timings and each
-    answer's token ids."""
+    answer's token ids; `share_images` false (for benchmarks) computes every question's image anew."""
     started = time.time()
     group = distributed.join()
     device, dtype = pick_device()
@@ -73,7 +75,8 @@ def evaluate_split(
     for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
         records = data.records[start : start + batch_size]
         loss, tokens = 0.0, 0
-        groups = [ImageGroup.of([data.samples[r["key"]] for r in g]) for g in by_image(records, data.images)]
+        by = by_image(records, data.images) if share_images else [[r] for r in records]
+        groups = [ImageGroup.of([data.samples[r["key"]] for r in g]) for g in by]
         for row in group_rows(groups, PACKED_ROW_TOKENS, None):
             row_loss, row_tokens = answer_loss_sum(
                 model, to_device(pack_groups(row, data.images, builder, positions), device, dtype)
@@ -91,7 +94,10 @@ def evaluate_split(
         for index in mine:
             record = data.records[index]
             limit = min(max_new_tokens, stops.get(record["id"], max_new_tokens))
-            yield prompt_request(index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit)
+            request = prompt_request(
+                index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit
+            )
+            yield request if share_images else dataclasses.replace(request, image=None)
 
     def answer(index: int, ids: list[int]) -> None:
         texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
