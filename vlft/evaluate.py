@@ -181,7 +181,8 @@ def prompt_request(key, sample, data: StageData, builder, pad_id: int, model, de
     prompt = to_device(prompt, device, dtype)
     positions = prompt.pop("position_ids")
     inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
-    return Request(key, inputs, positions, max_new_tokens, image=data.images[sample.record_id][1])
+    cache, image = data.images[sample.record_id]
+    return Request(key, inputs, positions, max_new_tokens, image, cache.num_image_tokens(image))
 
 
 def _synchronized_time(device: torch.device) -> float:

@@ -46,6 +46,7 @@ class Request:
     positions: torch.Tensor  # its M-RoPE positions (3 x 1 x L)
     max_new_tokens: int
     image: str | None = None  # the image's id in its cache: prompts on one image share its prefix
+    image_tokens: int = 0  # the image's tokens in the prompt: what a prompt after one on its image costs less
 
 
 class SlotCache:
@@ -352,8 +353,9 @@ def greedy_answers(
     (its ids end with `end_id` where the model said it, else at the request's token limit).
 
     `max_length` bounds a request's prompt plus answer. Free rows are filled by packed prefills of
-    up to `prefill_tokens` prompt tokens (one prompt at least). Requests are read as rows free up,
-    so that their inputs need not all be on the device at once. `stats`, where given, gets the
+    up to `prefill_tokens` tokens computed (one prompt at least; a prompt after one on its image
+    counts its own tokens). Requests are read as rows free up, so that their inputs need not all be
+    on the device at once. `stats`, where given, gets the
     seconds of each phase (setting up, reading prompts, prefills, choosing rows, steps, their
     bookkeeping, handing answers over; the step's compile and capture apart), the steps, and the
     rows busy over all steps (synchronizing the device around each, which a benchmark can
@@ -405,7 +407,11 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
                     exhausted = True
                     break
                 read_ahead.append(request)
-            length = read_ahead[0].inputs["input_ids"].shape[1]
+            request = read_ahead[0]
+            # The tokens it adds to the prefill: after a prompt on its image, its own tokens alone.
+            length = request.inputs["input_ids"].shape[1]
+            if group and request.image is not None and group[-1].image == request.image:
+                length -= request.image_tokens
             if group and tokens + length > prefill_tokens:
                 break
             group.append(read_ahead.popleft())
