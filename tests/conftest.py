@@ -107,6 +107,21 @@ def tiny_family_data(root: Path, family: str, raw: Path) -> Path:
     return root
 
 
+def questions_on_shared_images(root, images: int, per_image: int, seed: int = 3):
+    """A raw split of images x per_image records, the questions of each image consecutive; the
+    records of an image keep their own questions and answers (each made for another image of the
+    same kind: what they ask is irrelevant here, only that they differ)."""
+    from vlft.demo.shapes import make_dataset
+    from vlft.files import read_jsonl, write_jsonl
+
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": images * per_image}, seed=seed)
+    records = read_jsonl(root / "raw.jsonl")
+    for index, record in enumerate(records):
+        record["image"] = records[index - index % per_image]["image"]
+    write_jsonl(root / "train.jsonl", records)
+    return root / "train.jsonl"
+
+
 def tiny_stage_settings(**overrides) -> dict:
     """A tiny model's stage settings as the train rule hands them over: the schema's defaults, the
     pixel bounds of tiny_family_data, rank 8, and `overrides`."""

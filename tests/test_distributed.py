@@ -17,7 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from conftest import FLOAT64_RTOL, REPO, assert_close_normwise, planned_outputs, snakemake
+from conftest import (
+    FLOAT64_RTOL,
+    REPO,
+    assert_close_normwise,
+    planned_outputs,
+    questions_on_shared_images,
+    snakemake,
+)
 from safetensors.torch import load_file
 
 from vlft import distributed
@@ -92,6 +99,27 @@ def small_stage(tmp_path_factory, tiny_model_dir):
     return inputs, settings
 
 
+@pytest.fixture(scope="module")
+def grouped_stage(tmp_path_factory, tiny_model_dir):
+    """48 training samples on 12 images, 4 questions each, with image_groups: a step of 8 samples
+    takes two groups, and each of two processes one whole group."""
+    root = tmp_path_factory.mktemp("grouped_stage")
+    raw = questions_on_shared_images(root, images=12, per_image=4)
+    prepare_split(raw, root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    settings = build_plan(config).stage("exp1", "main").train_params() | {
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "max_steps": 7,
+        "lora_dropout": 0.0,
+        "image_groups": True,
+    }
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    return inputs, settings
+
+
 @pytest.mark.parametrize(
     "layout",
     [{}, {"packing": False, "max_batch_tokens": 1500, "grad_accum": 2, "micro_batch": 4}],
@@ -99,7 +127,16 @@ def small_stage(tmp_path_factory, tiny_model_dir):
 )
 def test_two_processes_take_the_steps_one_process_takes(small_stage, layout, tmp_path):
     inputs, settings = small_stage
-    settings = settings | layout
+    assert_two_processes_take_one_process_steps(inputs, settings | layout, tmp_path)
+
+
+def test_two_processes_with_image_groups_take_the_steps_one_process_takes(grouped_stage, tmp_path):
+    """Each process computes whole image groups (a group is never cut between processes)."""
+    inputs, settings = grouped_stage
+    assert_two_processes_take_one_process_steps(inputs, settings, tmp_path)
+
+
+def assert_two_processes_take_one_process_steps(inputs, settings, tmp_path):
     # One process: this one, as a job outside torchrun (nothing of torchrun's in its environment).
     assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ
     one = tmp_path / "one"

@@ -18,19 +18,7 @@ from vlft.image_cache import ImageCache
 from vlft.image_groups import ImageGroup, by_image, group_rows, grouped_steps, shared_prefix_length
 from vlft.distributed import share_by_tokens
 from vlft.prompts import Sample
-from conftest import FLOAT64_RTOL, tiny_family_data, tiny_stage_settings
-
-
-def questions_on_shared_images(root, images: int, per_image: int, seed: int = 3):
-    """A raw split of images x per_image records, the questions of each image consecutive; the
-    records of an image keep their own questions and answers (each made for another image of the
-    same kind: what they ask is irrelevant here, only that they differ)."""
-    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": images * per_image}, seed=seed)
-    records = read_jsonl(root / "raw.jsonl")
-    for index, record in enumerate(records):
-        record["image"] = records[index - index % per_image]["image"]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return root / "train.jsonl"
+from conftest import FLOAT64_RTOL, questions_on_shared_images, tiny_family_data, tiny_stage_settings
 
 
 def test_the_pixel_cache_holds_each_image_once_and_every_record_finds_it(tmp_path):
