@@ -79,32 +79,8 @@ def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, o
         distributed.leave()
 
 
-@pytest.fixture(scope="module")
-def small_stage(tmp_path_factory, tiny_model_dir):
-    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
-    processes has nothing to compute in it."""
-    root = tmp_path_factory.mktemp("small_stage")
-    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
-    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
-    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    settings = build_plan(config).stage("exp1", "main").train_params() | {
-        "micro_batch": 8,
-        "grad_accum": 1,
-        "max_steps": 7,
-        "lora_dropout": 0.0,
-    }
-    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
-    return inputs, settings
-
-
-@pytest.fixture(scope="module")
-def grouped_stage(tmp_path_factory, tiny_model_dir):
-    """48 training samples on 12 images, 4 questions each, with image_groups: a step of 8 samples
-    takes two groups, and each of two processes one whole group."""
-    root = tmp_path_factory.mktemp("grouped_stage")
-    raw = questions_on_shared_images(root, images=12, per_image=4)
+def seven_step_stage(root, raw, tiny_model_dir, **overrides):
+    """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
     prepare_split(raw, root / "images", root / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
     build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
@@ -114,10 +90,28 @@ def grouped_stage(tmp_path_factory, tiny_model_dir):
         "grad_accum": 1,
         "max_steps": 7,
         "lora_dropout": 0.0,
-        "image_groups": True,
+        **overrides,
     }
     inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
     return inputs, settings
+
+
+@pytest.fixture(scope="module")
+def small_stage(tmp_path_factory, tiny_model_dir):
+    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
+    processes has nothing to compute in it."""
+    root = tmp_path_factory.mktemp("small_stage")
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
+    return seven_step_stage(root, root / "train.jsonl", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def grouped_stage(tmp_path_factory, tiny_model_dir):
+    """48 training samples on 12 images, 4 questions each, with image_groups: a step of 8 samples
+    takes two groups, and each of two processes one whole group."""
+    root = tmp_path_factory.mktemp("grouped_stage")
+    raw = questions_on_shared_images(root, images=12, per_image=4)
+    return seven_step_stage(root, raw, tiny_model_dir, image_groups=True)
 
 
 @pytest.mark.parametrize(
