@@ -16,10 +16,12 @@ def main():
     parser.add_argument("--records", nargs="+", required=True, help="split=path of each split's JSONL")
     parser.add_argument("--sizes", nargs="+", required=True, help="split=count, e.g. train=800 test=200")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions-per-image", type=int, default=1, help="shapes: up to this many questions an image")
     args = parser.parse_args()
     sizes = {name: int(count) for name, count in (item.split("=") for item in args.sizes)}
     records = dict(item.split("=", 1) for item in args.records)
-    KINDS[args.kind].make_dataset(splits=records, image_root=args.image_root, sizes=sizes, seed=args.seed)
+    several = {"questions_per_image": args.questions_per_image} if args.questions_per_image > 1 else {}
+    KINDS[args.kind].make_dataset(splits=records, image_root=args.image_root, sizes=sizes, seed=args.seed, **several)
     print(f"made {sizes} records, images in {args.image_root}")
 
 

@@ -156,7 +156,7 @@ def stage(config, experiment, index):
         (
             lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
             "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: click/main, exp1/main, "
-            "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main)",
+            "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main, exp6/main)",
         ),
         (
             lambda c: c["demo"]["datasets"].update(buttons=c["demo"]["datasets"].pop("screens")),

@@ -18,6 +18,7 @@ EXPERIMENT_STAGES = [
     ("exp4", "stage1"),
     ("exp4", "stage2"),
     ("exp5", "main"),
+    ("exp6", "main"),
     ("click", "main"),
 ]
 

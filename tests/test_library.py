@@ -41,6 +41,8 @@ def test_example_config_is_valid():
     plan = build_plan(config)
     assert sorted({s.experiment for s in plan.stages.values()}) == ["exp1", "exp2", "exp3", "exp4", "exp5"]
     assert plan.stage("exp4", "stage2").init_from == "exp4/stage1"
+    # Kvasir asks about 9 questions an image: each image computed once, from the vision cache.
+    assert all(s.settings["image_groups"] and s.settings["vision_cache"] for s in plan.stages.values())
     assert plan.stage("exp5", "main").settings["answer_format"] == "cot"
 
 

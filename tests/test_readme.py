@@ -58,13 +58,15 @@ def kvasir_workdir(tmp_path_factory, tiny_model_dir):
     return workdir
 
 
-# The example's plan: its 8 stages, each evaluated on val beside the base model, on 3 splits' caches.
+# The example's plan: its 8 stages, each evaluated on val beside the base model, on 3 splits' pixel
+# caches and the vision caches of the 2 it trains on.
 KVASIR_STAGES = list(build_plan(resolve_config(yaml.safe_load((REPO / EXAMPLE).read_text()))).stages)
 KVASIR_PLAN = {
     *(f"results/kvasir/train/{s}/adapter" for s in KVASIR_STAGES),
     *(f"results/kvasir/eval/{s}/val/predictions.jsonl" for s in KVASIR_STAGES + ["base/base"]),
     *(f"results/kvasir/prepared/kvasir/{s}.jsonl" for s in ("train", "val", "reordered")),
     *(f"results/kvasir/cache/images/kvasir/{s}/3136-1336320" for s in ("train", "val", "reordered")),
+    *(f"results/kvasir/cache/vision/kvasir/{s}/3136-1336320" for s in ("train", "reordered")),
     "results/kvasir/report/index.html",
     "rule:all",
 }

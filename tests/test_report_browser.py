@@ -53,10 +53,10 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     page = demo_workdir / "results/report/index.html"
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
-    # Two charts and three tables, then the examples: per evaluation (the base model and 8 stages on
-    # the shapes' val and test, the base model and the click stage on the screens' test: 20) a table
+    # Two charts and three tables, then the examples: per evaluation (the base model and 9 stages on
+    # the shapes' val and test, the base model and the click stage on the screens' test: 22) a table
     # of its first 3 right and 3 wrong answers, each with its image.
-    evaluations = 2 * (8 + 1) + 2
+    evaluations = 2 * (9 + 1) + 2
     sections = browser.find_elements("css selector", "details")
     assert len(sections) == evaluations
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")

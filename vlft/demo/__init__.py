@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from PIL import Image
 
@@ -12,24 +13,28 @@ from vlft.files import atomic_path, write_jsonl
 
 
 def write_splits(
-    make_record: Callable[[int, random.Random], tuple[dict, Image.Image]],
+    make_record: Callable[[int, random.Random], tuple[dict, Image.Image]] | None,
     splits: dict[str, str | Path],
     image_root: str | Path,
     sizes: dict[str, int],
     seed: int,
+    records_of: Callable[[random.Random], Iterator[tuple[dict, Image.Image | None]]] | None = None,
 ) -> None:
-    """One JSONL per split of `make_record(index, rng)`'s records, their images under
-    <image_root>/<split>/; each output appears whole or not at all."""
+    """One JSONL per split of `make_record(index, rng)`'s records (or the first records of
+    `records_of(rng)`, whose image is None where an earlier record's image is the record's), their
+    images under <image_root>/<split>/; each output appears whole or not at all."""
+    if records_of is None:
+        records_of = lambda rng: (make_record(index, rng) for index in itertools.count())  # noqa: E731
     records_by_split = {}
     with atomic_path(image_root) as tmp:
         for split_index, split in enumerate(sorted(sizes)):
             rng = random.Random(seed * 1000 + split_index)
             (tmp / split).mkdir(parents=True)
             records = []
-            for index in range(sizes[split]):
-                record, image = make_record(index, rng)
+            for record, image in itertools.islice(records_of(rng), sizes[split]):
                 record["image"] = f"{split}/{record['image']}"
-                image.save(tmp / record["image"])
+                if image is not None:
+                    image.save(tmp / record["image"])
                 records.append(record)
             records_by_split[split] = records
     for split, records in records_by_split.items():

@@ -7,6 +7,7 @@ token of a 32-pixel-patch model: the answers are learnable from the tokens a sma
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -72,14 +73,88 @@ def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Im
     return record, draw(cells, shape, color, rng)
 
 
-def make_dataset(splits: dict[str, str | Path], image_root: str | Path, sizes: dict[str, int], seed: int) -> None:
-    """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at all."""
+def make_scene(index: int, rng: random.Random, most: int) -> list[tuple[dict, Image.Image | None]]:
+    """One image and up to `most` questions about it, one of each category that applies (where is
+    the shape: only for a single shape), as Kvasir-VQA asks several of each image. The image comes
+    with the first record; the others name it."""
+    shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    all_cells = [(r, c) for r in range(3) for c in range(3)]
+    cells = rng.sample(all_cells, 1 if rng.random() < 0.5 else rng.randint(2, 4))
+    one = len(cells) == 1
+    counted = ", ".join(NUMBER_WORDS[i] for i in range(1, len(cells) + 1))
+    asked = color if rng.random() < 0.5 else rng.choice([c for c in COLORS if c != color])
+    verdict = "yes" if asked == color else "no"
+    shapes_are = f"The only shape is a {color} {shape}" if one else f"The shapes are {color} {shape}s"
+    questions = [
+        (
+            "count",
+            "How many shapes are there?",
+            f"I count the {color} {shape}s one by one: {counted}. Final answer: {len(cells)}",
+        ),
+        (
+            "color",
+            "What color is the shape?" if one else "What color are the shapes?",
+            (
+                f"There is one {shape} and it is filled with {color}."
+                if one
+                else f"There are {len(cells)} {shape}s and they are filled with {color}."
+            )
+            + f" Final answer: {color}",
+        ),
+        ("yes/no", f"Is there a {asked} shape?", f"{shapes_are}, and {asked} was asked. Final answer: {verdict}"),
+    ]
+    if one:
+        column = COLUMNS[cells[0][1]]
+        questions.append(
+            (
+                "location",
+                "Where is the shape?",
+                f"The {color} {shape} is in the {column} column of the image. Final answer: {column}",
+            )
+        )
+    image = draw(cells, shape, color, rng)
+    scene = []
+    for number, (category, question, answer) in enumerate(questions[:most]):
+        record = {
+            "id": f"{index:05d}-{number}",
+            "image": f"{index:05d}.png",
+            "question": question,
+            "answer": answer,
+            "category": category,
+            "difficulty": DIFFICULTY[category],
+            "shapes": len(cells),
+        }
+        scene.append((record, image if number == 0 else None))
+    return scene
+
+
+def make_dataset(
+    splits: dict[str, str | Path],
+    image_root: str | Path,
+    sizes: dict[str, int],
+    seed: int,
+    questions_per_image: int = 1,
+) -> None:
+    """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at
+    all. `questions_per_image` above 1: each image is asked up to that many questions (make_scene)."""
+    if questions_per_image == 1:
+        write_splits(
+            lambda index, rng: make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng),
+            splits,
+            image_root,
+            sizes,
+            seed,
+        )
+        return
     write_splits(
-        lambda index, rng: make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng),
+        None,
         splits,
         image_root,
         sizes,
         seed,
+        records_of=lambda rng: (
+            item for index in itertools.count() for item in make_scene(index, rng, questions_per_image)
+        ),
     )
 
 

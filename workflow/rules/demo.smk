@@ -20,9 +20,11 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             sizes=" ".join(f"{k}={v}" for k, v in sorted(demo_spec["sizes"].items())),
             records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][demo_name]["splits"].items())),
             seed=demo_spec.get("seed", 0),
+            questions=demo_spec.get("questions_per_image", 1),
         shell:
             "python scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
-            "--records {params.records} --sizes {params.sizes} --seed {params.seed} 2>&1 | tee {log:q}"
+            "--records {params.records} --sizes {params.sizes} --seed {params.seed} "
+            "--questions-per-image {params.questions} 2>&1 | tee {log:q}"
 
 
 rule make_tiny_model:
