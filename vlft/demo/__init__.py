@@ -13,18 +13,15 @@ from vlft.files import atomic_path, write_jsonl
 
 
 def write_splits(
-    make_record: Callable[[int, random.Random], tuple[dict, Image.Image]] | None,
+    records_of: Callable[[random.Random], Iterator[tuple[dict, Image.Image | None]]],
     splits: dict[str, str | Path],
     image_root: str | Path,
     sizes: dict[str, int],
     seed: int,
-    records_of: Callable[[random.Random], Iterator[tuple[dict, Image.Image | None]]] | None = None,
 ) -> None:
-    """One JSONL per split of `make_record(index, rng)`'s records (or the first records of
-    `records_of(rng)`, whose image is None where an earlier record's image is the record's), their
-    images under <image_root>/<split>/; each output appears whole or not at all."""
-    if records_of is None:
-        records_of = lambda rng: (make_record(index, rng) for index in itertools.count())  # noqa: E731
+    """One JSONL per split of the first records of `records_of(rng)` (each with its image, or
+    None where an earlier record's image is its own), their images under <image_root>/<split>/;
+    each output appears whole or not at all."""
     records_by_split = {}
     with atomic_path(image_root) as tmp:
         for split_index, split in enumerate(sorted(sizes)):

@@ -8,6 +8,7 @@ one, a button two side by side, a wide button three), so each cell is one merged
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def make_screen(index: int, rng: random.Random) -> tuple[dict, Image.Image]:
 
 def make_dataset(splits: dict[str, str | Path], image_root: str | Path, sizes: dict[str, int], seed: int) -> None:
     """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at all."""
-    write_splits(make_screen, splits, image_root, sizes, seed)
+    write_splits(lambda rng: (make_screen(i, rng) for i in itertools.count()), splits, image_root, sizes, seed)
 
 
 def corpus() -> list[str]:

@@ -61,16 +61,19 @@ def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Im
             question = f"Is there a {asked} shape?"
             verdict = "yes" if asked == color else "no"
             answer = f"The only shape is a {color} {shape}, and {asked} was asked. Final answer: {verdict}"
-    record = {
-        "id": f"{index:05d}",
-        "image": f"{index:05d}.png",
+    return shapes_record(f"{index:05d}", index, question, answer, category, len(cells)), draw(cells, shape, color, rng)
+
+
+def shapes_record(record_id: str, image_index: int, question: str, answer: str, category: str, shapes: int) -> dict:
+    return {
+        "id": record_id,
+        "image": f"{image_index:05d}.png",
         "question": question,
         "answer": answer,
         "category": category,
         "difficulty": DIFFICULTY[category],
-        "shapes": len(cells),
+        "shapes": shapes,
     }
-    return record, draw(cells, shape, color, rng)
 
 
 def make_scene(index: int, rng: random.Random, most: int) -> list[tuple[dict, Image.Image | None]]:
@@ -115,15 +118,7 @@ def make_scene(index: int, rng: random.Random, most: int) -> list[tuple[dict, Im
     image = draw(cells, shape, color, rng)
     scene = []
     for number, (category, question, answer) in enumerate(questions[:most]):
-        record = {
-            "id": f"{index:05d}-{number}",
-            "image": f"{index:05d}.png",
-            "question": question,
-            "answer": answer,
-            "category": category,
-            "difficulty": DIFFICULTY[category],
-            "shapes": len(cells),
-        }
+        record = shapes_record(f"{index:05d}-{number}", index, question, answer, category, len(cells))
         scene.append((record, image if number == 0 else None))
     return scene
 
@@ -138,24 +133,18 @@ def make_dataset(
     """One JSONL per split, images under <image_root>/<split>/; each output appears whole or not at
     all. `questions_per_image` above 1: each image is asked up to that many questions (make_scene)."""
     if questions_per_image == 1:
-        write_splits(
-            lambda index, rng: make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng),
-            splits,
-            image_root,
-            sizes,
-            seed,
-        )
-        return
-    write_splits(
-        None,
-        splits,
-        image_root,
-        sizes,
-        seed,
-        records_of=lambda rng: (
-            item for index in itertools.count() for item in make_scene(index, rng, questions_per_image)
-        ),
-    )
+
+        def records_of(rng):
+            for index in itertools.count():
+                yield make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng)
+
+    else:
+
+        def records_of(rng):
+            for index in itertools.count():
+                yield from make_scene(index, rng, questions_per_image)
+
+    write_splits(records_of, splits, image_root, sizes, seed)
 
 
 def corpus() -> list[str]:
