@@ -37,7 +37,8 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # eval_speed.py --code puts other code first
+    sys.path.insert(0, str(REPO))
 
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402

@@ -176,6 +176,13 @@ def main():
         "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
     }
     (args.out / f"workflow_gpu-{args.arch}.json").write_text(json.dumps(result, indent=1))
+    # The jobs' own logs and per-step training logs beside it, for where each job's time went.
+    logs = args.out / f"workflow_gpu-{args.arch}-logs"
+    subprocess.run(["cp", "-r", str(workdir / "results/logs"), str(logs)], check=False)
+    for path in (workdir / "results/train").rglob("log.jsonl"):
+        target = logs / "train-steps" / path.parent.relative_to(workdir / "results/train")
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", str(path), str(target)], check=False)
     print(f"data and model built in {build_s:.0f} s; snakemake: exit {returncode} after {run_s:.0f} s")
     print(f"{'rule':<14} {'jobs':>4} {'wall s (each)':<40}")
     for rule, walls in sorted(by_rule.items()):

@@ -117,27 +117,33 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
         ids = ids[: LIMITS[index % len(LIMITS)]]
         expected[index] = ids[: ids.index(builder.end_of_turn) + 1] if builder.end_of_turn in ids else ids
 
-    def requests():
+    def requests(scored: bool):
         for index, sample in enumerate(samples):
-            yield prompt_request(index, sample, data, builder, pad_id, model, CPU, FLOAT32, LIMITS[index % len(LIMITS)])
+            limit = LIMITS[index % len(LIMITS)]
+            yield prompt_request(index, sample, data, builder, pad_id, model, CPU, FLOAT32, limit, scored=scored)
 
-    answers, stats = {}, {}
     prompt_tokens = max(s.prompt_length for s in samples)
-    with torch.no_grad():
-        # 4 rows for 14 samples; prefills of up to 3 prompts packed together.
-        greedy_answers(
-            model,
-            requests(),
-            slots=4,
-            end_id=builder.end_of_turn,
-            max_length=prompt_tokens + longest,
-            on_answer=answers.__setitem__,
-            prefill_tokens=3 * prompt_tokens,
-            stats=stats,
-        )
-    assert answers == expected, name
-    # Prompts on one image that met in a prefill shared its prefix: fewer tokens than the prompts.
-    assert stats["prefill_tokens"] < sum(s.prompt_length for s in samples)
+    # Prompts alone, and scored (each reference answer after its prompt in the prefill, its keys
+    # not kept): the same answers either way.
+    for scored in (False, True):
+        answers, stats, losses = {}, {}, {}
+        with torch.no_grad():
+            # 4 rows for 14 samples; prefills of up to 3 prompts packed together.
+            greedy_answers(
+                model,
+                requests(scored),
+                slots=4,
+                end_id=builder.end_of_turn,
+                max_length=prompt_tokens + longest,
+                on_answer=answers.__setitem__,
+                prefill_tokens=3 * prompt_tokens,
+                stats=stats,
+                on_loss=lambda key, loss, tokens: losses.__setitem__(key, tokens),
+            )
+        assert answers == expected, (name, scored)
+        # Prompts on one image that met in a prefill shared its prefix: fewer tokens than the prompts.
+        assert stats["prefill_tokens"] < sum(len(s.input_ids) if scored else s.prompt_length for s in samples)
+        assert losses == ({i: len(s.input_ids) - s.prompt_length for i, s in enumerate(samples)} if scored else {})
     lengths = [len(ids) for ids in answers.values()]
     assert len(set(lengths)) >= 3, lengths  # rows did finish at different steps
     if adapter == "trained":  # the demo's chain of thought, ended by the model itself
@@ -161,8 +167,8 @@ def test_a_decode_step_gives_the_logits_of_a_full_forward(family, attention):
     with torch.no_grad():
         use_packed_attention(model)
         step = DecodeStep(model, cache, attention=attention)
-        (first,), prefilled, (spans,) = prefill(model, [request])
-        prompt_length = cache.fill(2, prefilled, spans)
+        prefilled = prefill(model, [request])
+        first, (prompt_length,) = prefilled.firsts[0], cache.fill([2], prefilled)
         step.tokens[2], step.positions[2] = first, positions.max() + 1
         ids = inputs["input_ids"][0].tolist() + [first]
         model.set_attn_implementation({"text_config": "sdpa"})

@@ -15,12 +15,10 @@ import torch
 from vlft import clicks, distributed
 from vlft.answers import final_answer, is_correct
 from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
-from vlft.loss import answer_loss_sum
 from vlft.files import write_json, write_jsonl
-from vlft.generation import PACKED_ROW_TOKENS, Request, greedy_answers
+from vlft.generation import Request, greedy_answers
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
-from vlft.image_groups import ImageGroup, by_image, group_rows
-from vlft.packing import pack_groups, use_packed_attention
+from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import StageData, load_stage_data
 
@@ -64,38 +62,25 @@ def evaluate_split(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
     batch_size = settings["batch_size"]
-    losses, mine = [], []  # (first record's index, loss sum, answer tokens) of each of this process's batches
-    # Loss of the reference answers, in the format the stage was trained on, as training computes
-    # it: a batch's samples packed end to end in rows of up to PACKED_ROW_TOKENS, with no padding,
-    # the questions on one image with its prefix once (vlft.image_groups: each question's loss is
-    # the one it gets alone). Padded, batches of 128 were 1.44x the tokens; on the 8B their pass
-    # took 21.0 s and 47 GiB against 15.9 s and 20 GiB packed (benchmarks/README.md).
-    use_packed_attention(model)
-    positions = rope_index(model)
-    for start in range(group.rank * batch_size, len(data.records), group.size * batch_size):
-        records = data.records[start : start + batch_size]
-        loss, tokens = 0.0, 0
-        by = by_image(records, data.images) if share_images else [[r] for r in records]
-        groups = [ImageGroup.of([data.samples[r["key"]] for r in g]) for g in by]
-        for row in group_rows(groups, PACKED_ROW_TOKENS, None):
-            row_loss, row_tokens = answer_loss_sum(
-                model, to_device(pack_groups(row, data.images, builder, positions), device, dtype)
-            )
-            loss, tokens = loss + row_loss.item(), tokens + row_tokens
-        losses.append((start, loss, tokens))
-        mine += range(start, start + len(records))
+    # This process's batches: every N-th of the split, as one process forms them.
+    starts = list(range(group.rank * batch_size, len(data.records), group.size * batch_size))
+    mine = [i for start in starts for i in range(start, min(start + batch_size, len(data.records)))]
 
-    # Greedy answers of this process's records, batch_size of them at a time (vlft.generation).
-    texts = {}
+    # Greedy answers of this process's records, batch_size of them at a time (vlft.generation), and
+    # the loss of the reference answers, in the format the stage was trained on, from the same
+    # forward that prefills each prompt: the prompt is computed once for both, the questions on one
+    # image with its prefix once, and each record's loss is the one it gets alone.
+    texts, losses = {}, {}  # by record index: the answer's text; (loss sum, answer tokens)
     max_new_tokens = settings["max_new_tokens"]
     stops = answer_lengths or {}
+    use_packed_attention(model)
 
     def requests():
         for index in mine:
             record = data.records[index]
             limit = min(max_new_tokens, stops.get(record["id"], max_new_tokens))
             request = prompt_request(
-                index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit
+                index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit, scored=True
             )
             yield request if share_images else dataclasses.replace(request, image=None)
 
@@ -104,10 +89,7 @@ def evaluate_split(
         if stats is not None:  # a benchmark compares the very tokens
             stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
 
-    loss_done = _synchronized_time(device)
-    if stats is not None and device.type == "cuda":  # the loss pass's peak apart from generation's
-        stats["loss_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
+    loaded = _synchronized_time(device)
     if mine:
         longest = max(data.samples[data.records[i]["key"]].prompt_length for i in mine) + max_new_tokens
         greedy_answers(
@@ -118,21 +100,19 @@ def evaluate_split(
             max_length=longest,
             on_answer=answer,
             stats=stats,
+            on_loss=lambda index, loss, tokens: losses.__setitem__(index, (loss, tokens)),
         )
     if stats is not None:
-        stats["loss_s"], stats["generate_s"] = loss_done - started, _synchronized_time(device) - loss_done
-    answered = [
-        (
-            start,
-            [
-                _prediction(data.records[i], texts[i], data)
-                for i in range(start, min(start + batch_size, len(data.records)))
-            ],
-            loss,
-            tokens,
-        )
-        for start, loss, tokens in losses
-    ]
+        stats["load_s"], stats["generate_s"] = loaded - started, _synchronized_time(device) - loaded
+    answered = []
+    for start in starts:
+        batch = range(start, min(start + batch_size, len(data.records)))
+        predictions = [_prediction(data.records[i], texts[i], data) for i in batch]
+        # Each batch's loss summed in record order: the same sums however the prefills fell.
+        loss, tokens = 0.0, 0
+        for i in batch:
+            loss, tokens = loss + losses[i][0], tokens + losses[i][1]
+        answered.append((start, predictions, loss, tokens))
 
     if group.size > 1:
         answered = [batch for part in distributed.gathered(answered) for batch in part]
@@ -174,15 +154,22 @@ def evaluate_split(
     return metrics
 
 
-def prompt_request(key, sample, data: StageData, builder, pad_id: int, model, device, dtype, max_new_tokens: int):
+def prompt_request(
+    key, sample, data: StageData, builder, pad_id: int, model, device, dtype, max_new_tokens: int, scored: bool = False
+) -> Request:
     """One sample's prompt as vlft.generation answers it (a Request): its model inputs on the
-    device and its M-RoPE positions."""
-    prompt = collate([sample], data.images, builder, pad_id, prompt_only=True, rope_index=rope_index(model))
-    prompt = to_device(prompt, device, dtype)
-    positions = prompt.pop("position_ids")
-    inputs = {k: v for k, v in prompt.items() if k not in NOT_MODEL_INPUTS}
+    device and its M-RoPE positions; `scored`, the reference answer after the prompt too, with
+    the targets of its loss."""
+    inputs = collate([sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model))
+    inputs = to_device(inputs, device, dtype)
+    positions = inputs.pop("position_ids")
     cache, image = data.images[sample.record_id]
-    return Request(key, inputs, positions, max_new_tokens, image, cache.num_image_tokens(image))
+    request = Request(key, {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}, positions, max_new_tokens)
+    request.image, request.image_tokens = image, cache.num_image_tokens(image)
+    if scored:
+        request.prompt_length = sample.prompt_length
+        request.loss_positions, request.loss_targets = inputs["answer_positions"], inputs["answer_targets"]
+    return request
 
 
 def _synchronized_time(device: torch.device) -> float:

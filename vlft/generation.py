@@ -32,8 +32,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
-from vlft.modeling import unwrapped
 from vlft.image_groups import RowLayout, common_prefix
+from vlft.loss import linear_cross_entropy_sums
+from vlft.modeling import unwrapped
 from vlft.packing import use_packed_attention
 
 DECODE_ATTENTION = "vlft_slot_decode"
@@ -42,11 +43,35 @@ DECODE_ATTENTION = "vlft_slot_decode"
 @dataclass
 class Request:
     key: int  # the caller's name for the answer
-    inputs: dict  # the prompt of one sample as model inputs: input_ids (1 x L), pixel_values, ...
+    # One sample as model inputs (input_ids 1 x L, pixel_values, ...): its prompt, and where it is
+    # scored, the reference answer after it.
+    inputs: dict
     positions: torch.Tensor  # its M-RoPE positions (3 x 1 x L)
     max_new_tokens: int
     image: str | None = None  # the image's id in its cache: prompts on one image share its prefix
     image_tokens: int = 0  # the image's tokens in the prompt: what a prompt after one on its image costs less
+    prompt_length: int | None = None  # where the prompt ends in `inputs`; None: all of it
+    # Scored (the validation loss, in the same forward as the prompt's prefill): the positions of
+    # `inputs` whose next token is a reference answer token, and those tokens.
+    loss_positions: torch.Tensor | None = None
+    loss_targets: torch.Tensor | None = None
+
+    @property
+    def prompt(self) -> int:
+        return self.inputs["input_ids"].shape[1] if self.prompt_length is None else self.prompt_length
+
+
+@dataclass
+class Prefilled:
+    """What one packed prefill gives: each prompt's first answer token, the cache it filled, each
+    prompt's stretches of that cache in order (a shared prefix, then its own), each scored
+    request's (loss sum, answer tokens) or None, and the tokens the forward computed."""
+
+    firsts: list[int]
+    cache: object
+    spans: list[list[tuple[int, int]]]
+    losses: list[tuple[float, int] | None]
+    tokens: int
 
 
 class SlotCache:
@@ -74,18 +99,31 @@ class SlotCache:
         config = text.config
         return 2 * len(text.layers) * config.num_key_value_heads * _head_dim(config) * text.embed_tokens.weight.itemsize
 
-    def fill(self, slot: int, prefilled, spans: list[tuple[int, int]]) -> int:
-        """Copy the keys and values of one prompt, its stretches of a packed prefill (a
-        transformers cache) in order (a shared prefix, then its own tokens), into row `slot`; its
-        next token goes after them. Returns the prompt's length."""
+    def fill(self, slots: list[int], prefilled: Prefilled) -> list[int]:
+        """Copy each prompt of a packed prefill into its row of `slots` (None: not kept), its
+        stretches in order, so that its next token goes after them; one indexed copy a layer for
+        all of them. Returns each kept prompt's length."""
+        rows, to, at = [], [], []
+        for slot, spans in zip(slots, prefilled.spans):
+            if slot is None:
+                continue
+            source = torch.cat([torch.arange(start, end) for start, end in spans])
+            rows.append(torch.full_like(source, slot))
+            to.append(torch.arange(len(source)))
+            at.append(source)
+        lengths = [len(positions) for positions in to]
+        if not rows:
+            return lengths
+        device = self.rows.device
+        rows, to, at = (torch.cat(index).to(device) for index in (rows, to, at))
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            source, at = prefilled.layers[layer], 0
-            for start, end in spans:
-                keys[slot, :, at : at + end - start] = source.keys[0, :, start:end]
-                values[slot, :, at : at + end - start] = source.values[0, :, start:end]
-                at += end - start
-        self.write_at[slot] = at
-        return at
+            source = prefilled.cache.layers[layer]
+            # (heads, positions, dim) gathered, written as (positions, heads, dim) at (row, position).
+            keys[rows, :, to] = source.keys[0].index_select(1, at).transpose(0, 1)
+            values[rows, :, to] = source.values[0].index_select(1, at).transpose(0, 1)
+        kept = [slot for slot in slots if slot is not None]
+        self.write_at[torch.tensor(kept, device=device)] = torch.tensor(lengths, device=device)
+        return lengths
 
     def move(self, source: int, target: int) -> None:
         """Row `source`'s keys and values, up to where its next token goes, into row `target`."""
@@ -277,43 +315,75 @@ class DecodeStep:
         return self.chosen
 
 
-# The most tokens a packed forward of an evaluation takes (a prefill's prompts, or the validation-loss
-# pass's samples): on the 8B with 128 rows of 2,048 positions the job peaked at 58 GiB.
+# The most tokens a prefill computes (prompts, and their reference answers where scored): on the 8B
+# with 128 rows of 2,048 positions the job peaked at 58 GiB.
 PACKED_ROW_TOKENS = 16384
 
 
-def prefill(model, group: list[Request]):
-    """The prompts of `group` in one forward, packed end to end with no padding: consecutive prompts
-    on one image share its prefix, laid out once (vlft.image_groups), each prompt attending to the
-    prefix and to itself alone. Each prompt's first answer token, the cache, and each prompt's
-    stretches of the cache in order."""
+def prefill(model, group: list[Request]) -> Prefilled:
+    """The requests of `group` in one forward, packed end to end with no padding: consecutive ones
+    on one image share its prefix, laid out once (vlft.image_groups), each attending to the prefix
+    and to itself alone. A scored request's reference answer follows its prompt, so that its loss
+    comes from the very forward that prefills the prompt (the prompt computed once, not again by a
+    separate loss pass); only the prompt's keys and values go on to the cache."""
     runs = _image_runs(group)
     layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in run]) for shared, run in runs])
     pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
     images = {"pixel_values": [], "image_grid_thw": []}
+    lasts, scored, targets, owners = [], [], [], []  # row positions: each prompt's last, the scored ones
+    segments, spans = iter(layout.segments), iter(layout.key_spans)
     for shared, run in runs:
         for n, request in enumerate(run):
             drop = shared if n else 0
-            pieces["input_ids"].append(request.inputs["input_ids"][:, drop:])
-            pieces["mm_token_type_ids"].append(request.inputs["mm_token_type_ids"][:, drop:])
-            pieces["positions"].append(request.positions[..., drop:])
+            for key in pieces:
+                values = request.positions if key == "positions" else request.inputs[key]
+                pieces[key].append(values[..., drop:])
             if n == 0:  # the image once for the run
                 for key in images:
                     images[key].append(request.inputs[key])
+            # The row position of the request's own token i (i >= drop) is start + i - drop.
+            start = next(segments)[0]
+            lasts.append(start + request.prompt - 1 - drop)
+            if request.loss_targets is not None:
+                scored.append(request.loss_positions + start - drop)
+                targets.append(request.loss_targets)
+                owners.append(torch.full_like(request.loss_targets, len(lasts) - 1))
     device = pieces["input_ids"][0].device
     attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.attention_inputs().items()}
-    output = model(
+    outer = unwrapped(model)
+    output = outer.model(
         input_ids=torch.cat(pieces["input_ids"], dim=1),
         mm_token_type_ids=torch.cat(pieces["mm_token_type_ids"], dim=1),
         pixel_values=torch.cat(images["pixel_values"]),
         image_grid_thw=torch.cat(images["image_grid_thw"]),
         position_ids=torch.cat(pieces["positions"], dim=-1),
         use_cache=True,
-        # Each prompt's last token predicts its first answer token.
-        logits_to_keep=torch.tensor([end - 1 for _, end in layout.segments], device=device),
         **attention,
     )
-    return output.logits[0].argmax(-1).tolist(), output.past_key_values, layout.key_spans
+    hidden = output.last_hidden_state[0]
+    # Each prompt's last token predicts its first answer token.
+    firsts = outer.lm_head(hidden[torch.tensor(lasts, device=device)]).argmax(-1).tolist()
+    losses: list[tuple[float, int] | None] = [None] * len(group)
+    if scored:
+        owners = torch.cat(owners)
+        sums = linear_cross_entropy_sums(
+            hidden.index_select(0, torch.cat(scored)), outer.lm_head.weight, torch.cat(targets), owners, len(group)
+        ).tolist()
+        counts = torch.bincount(owners, minlength=len(group)).tolist()
+        losses = [(sums[i], counts[i]) if r.loss_targets is not None else None for i, r in enumerate(group)]
+    # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
+    prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
+    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1])
+
+
+def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The stretches of a row that hold the first `length` positions of a sample laid out in `spans`."""
+    kept = []
+    for start, end in spans:
+        end = min(end, start + length - sum(e - s for s, e in kept))
+        if end > start:
+            kept.append((start, end))
+    return kept
 
 
 def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
@@ -328,9 +398,7 @@ def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
             runs.append([request])
     shared = [
         (
-            common_prefix(
-                [r.inputs["input_ids"][0].tolist() for r in run], min(r.inputs["input_ids"].shape[1] for r in run) - 1
-            )
+            common_prefix([r.inputs["input_ids"][0].tolist() for r in run], min(r.prompt for r in run) - 1)
             if len(run) > 1
             else 0
         )
@@ -348,9 +416,11 @@ def greedy_answers(
     on_answer: Callable[[int, list[int]], None],
     prefill_tokens: int = PACKED_ROW_TOKENS,
     stats: dict | None = None,
+    on_loss: Callable[[int, float, int], None] | None = None,
 ) -> None:
     """Answer every request greedily, `slots` at a time; `on_answer(key, token_ids)` as each ends
-    (its ids end with `end_id` where the model said it, else at the request's token limit).
+    (its ids end with `end_id` where the model said it, else at the request's token limit), and
+    `on_loss(key, loss sum, answer tokens)` for each scored request, from its prefill.
 
     `max_length` bounds a request's prompt plus answer. Free rows are filled by packed prefills of
     up to `prefill_tokens` tokens computed (one prompt at least; a prompt after one on its image
@@ -375,7 +445,7 @@ def greedy_answers(
         step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
         timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
         timer.add("max_length", max_length)
-        _answer_all(model, iter(requests), cache, step, end_id, on_answer, prefill_tokens, timer)
+        _answer_all(model, iter(requests), cache, step, end_id, on_answer, on_loss, prefill_tokens, timer)
         # The first step compiled and captured the step's graph: apart.
         timer.add("compile_s", step.capture_s)
         timer.add("step_s", -step.capture_s)
@@ -385,7 +455,7 @@ def greedy_answers(
         timer.stop("setup_s")  # once a job, before the first prompt and after the last answer
 
 
-def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens, timer) -> None:
+def _answer_all(model, requests, cache, step, end_id, on_answer, on_loss, prefill_tokens, timer) -> None:
     slots, most_length = cache.rows.shape[0], cache.keys[0].shape[2]
     # With flex_attention's live blocks a step reads each row only to its own length, so it computes
     # on the whole cache (one shape, one CUDA graph); otherwise on the rows and length in use.
@@ -439,23 +509,29 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, prefill_tokens,
         free = [slot for slot in range(slots) if busy[slot] is None]
         while free and (group := next_group(len(free))):
             timer.stop("read_s")
-            firsts, prefilled, spans = prefill(model, group)
-            for request, first, prompt_spans in zip(group, firsts, spans):
+            prefilled = prefill(model, group)
+            rows_of = []  # each prompt's row, None where its first token answered it
+            for request, first, loss in zip(group, prefilled.firsts, prefilled.losses):
+                if loss is not None and on_loss is not None:
+                    on_loss(request.key, *loss)
                 slot = free.pop(0)
                 busy[slot], answers[slot] = request, [first]
-                if finished(slot):
+                if finished(slot):  # answered by its first token: its row stays free
                     on_answer(request.key, answers[slot])
                     busy[slot] = None
                     free.insert(0, slot)
+                    rows_of.append(None)
                     continue
-                written[slot] = cache.fill(slot, prefilled, prompt_spans)
+                rows_of.append(slot)
                 step.tokens[slot] = first
-                step.positions[slot] = request.positions.max() + 1
+                step.positions[slot] = request.positions[..., : request.prompt].max() + 1
                 active[slot] = 1
+            for slot, length in zip([s for s in rows_of if s is not None], cache.fill(rows_of, prefilled)):
+                written[slot] = length
+            timer.add("prefill_tokens", prefilled.tokens)  # shared prefixes once
             del prefilled
             timer.stop("prefill_s")
             timer.add("prefills", 1)
-            timer.add("prefill_tokens", max(end for prompt in spans for _, end in prompt))  # shared prefixes once
         timer.stop("read_s")
         if exhausted and not read_ahead and not whole:
             # No prompt is left to fill a free row: the rows still answering move down to the

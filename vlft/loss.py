@@ -46,6 +46,24 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     return total
 
 
+@torch.no_grad()
+def linear_cross_entropy_sums(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, owners: torch.Tensor, count: int
+) -> torch.Tensor:
+    """The cross-entropy of each row (as linear_cross_entropy_sum computes it) summed by owner:
+    `count` sums in float64, row i's loss added to sum owners[i]. For evaluation (no gradients):
+    each sample's own sum, the same however its rows were batched with others'."""
+    sums = torch.zeros(count, dtype=torch.float64, device=hidden.device)
+    for start in range(0, hidden.shape[0], CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        logits = hidden[rows] @ weight.t()
+        losses = torch.nn.functional.cross_entropy(
+            logits.to(_loss_dtype(logits.dtype)), targets[rows], reduction="none"
+        )
+        sums.index_add_(0, owners[rows], losses.to(torch.float64))
+    return sums
+
+
 def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over the answer tokens of a batch (vlft.batching.to_device's
     output), and how many there were.
