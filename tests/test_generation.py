@@ -14,6 +14,7 @@ from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
 from vlft.evaluate import prompt_request
+from vlft.image_groups import ImageGroup
 from vlft.generation import (
     DECODE_ATTENTION,
     KV_BLOCK,
@@ -123,12 +124,16 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
             yield prompt_request(index, sample, data, builder, pad_id, model, CPU, FLOAT32, limit, scored=scored)
 
     prompt_tokens = max(s.prompt_length for s in samples)
+    on_image = {}
+    for sample, image in zip(samples, IMAGE_OF_RECORD):
+        on_image.setdefault(image, []).append(sample)
     # Prompts alone, and scored (each reference answer after its prompt in the prefill, its keys
     # not kept): the same answers either way.
     for scored in (False, True):
         answers, stats, losses = {}, {}, {}
         with torch.no_grad():
-            # 4 rows for 14 samples; prefills of up to 3 prompts packed together.
+            # 4 rows for 14 samples; prefills of up to 3 prompts, or scored, up to the largest image group
+            # (its samples' whole lengths: the budget does not cut it).
             greedy_answers(
                 model,
                 requests(scored),
@@ -136,13 +141,17 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
                 end_id=builder.end_of_turn,
                 max_length=prompt_tokens + longest,
                 on_answer=answers.__setitem__,
-                prefill_tokens=3 * prompt_tokens,
+                prefill_tokens=(
+                    max(sum(len(s.input_ids) for s in g) for g in on_image.values()) if scored else 3 * prompt_tokens
+                ),
                 stats=stats,
                 on_loss=lambda key, loss, tokens: losses.__setitem__(key, tokens),
             )
         assert answers == expected, (name, scored)
         # Prompts on one image that met in a prefill shared its prefix: fewer tokens than the prompts.
         assert stats["prefill_tokens"] < sum(len(s.input_ids) if scored else s.prompt_length for s in samples)
+        if scored:  # the questions on one image waited for rows to prefill together: each image once
+            assert stats["prefill_tokens"] == sum(ImageGroup.of(group).tokens for group in on_image.values())
         assert losses == ({i: len(s.input_ids) - s.prompt_length for i, s in enumerate(samples)} if scored else {})
     lengths = [len(ids) for ids in answers.values()]
     assert len(set(lengths)) >= 3, lengths  # rows did finish at different steps

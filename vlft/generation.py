@@ -467,17 +467,36 @@ def _answer_all(model, requests, cache, step, end_id, on_answer, on_loss, prefil
     read_ahead: deque[Request] = deque()
     exhausted = False
 
-    def next_group(most: int) -> list[Request]:
+    def read_one() -> bool:
         nonlocal exhausted
+        request = next(requests, None)
+        if request is None:
+            exhausted = True
+            return False
+        read_ahead.append(request)
+        return True
+
+    def run_length() -> int:
+        """How many requests at the head of the queue ask about one image (read ahead up to `slots`)."""
+        n = 1
+        while n < slots and (len(read_ahead) > n or read_one()):
+            if read_ahead[n].image is None or read_ahead[n].image != read_ahead[0].image:
+                break
+            n += 1
+        return n
+
+    def next_group(most: int) -> list[Request]:
+        """Requests for `most` free rows. The requests on one image go into one prefill whole,
+        with the image once: where they do not fit the free rows, they wait for rows to free up
+        while others still answer (a few decode steps, cheap beside computing the image again)."""
         group, tokens = [], 0
-        while len(group) < most:
-            if not read_ahead:
-                request = next(requests, None)
-                if request is None:
-                    exhausted = True
-                    break
-                read_ahead.append(request)
+        answering = any(request is not None for request in busy)
+        while len(group) < most and (read_ahead or read_one()):
             request = read_ahead[0]
+            if not group or request.image is None or group[-1].image != request.image:
+                run = run_length()
+                if run > most - len(group) and (group or (answering and run <= slots)):
+                    break
             # The tokens it adds to the prefill: after a prompt on its image, its own tokens alone.
             length = request.inputs["input_ids"].shape[1]
             if group and request.image is not None and group[-1].image == request.image:
