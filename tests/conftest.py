@@ -142,6 +142,25 @@ def tiny_stage_settings(**overrides) -> dict:
 PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo_run"}
 
 
+def train_float64(inputs, settings: dict, out: Path) -> None:
+    """A stage trained in float64 into `out` (adapter, log.jsonl, summary.json, ckpt), as the tests
+    that compare two ways of taking the same steps train it."""
+    import torch
+
+    from vlft.train import train_stage
+
+    train_stage(
+        inputs,
+        settings,
+        out / "adapter",
+        out / "log.jsonl",
+        out / "summary.json",
+        out / "ckpt",
+        1000,
+        dtype=torch.float64,
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PIPELINE_FIXTURES & set(item.fixturenames):

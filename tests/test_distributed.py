@@ -24,6 +24,7 @@ from conftest import (
     planned_outputs,
     questions_on_shared_images,
     snakemake,
+    train_float64,
 )
 from safetensors.torch import load_file
 
@@ -34,7 +35,7 @@ from vlft.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
 from vlft.records import prepare_split
-from vlft.train import StageInputs, train_stage
+from vlft.train import StageInputs
 
 
 def test_shares_are_balanced_by_tokens_and_keep_every_sample_in_its_order():
@@ -65,16 +66,7 @@ def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, o
     )
     torch.set_num_threads(1)
     try:
-        train_stage(
-            inputs,
-            settings,
-            out / "adapter",
-            out / "log.jsonl",
-            out / "summary.json",
-            out / "ckpt",
-            1000,
-            dtype=torch.float64,
-        )
+        train_float64(inputs, settings, out)
     finally:
         distributed.leave()
 
@@ -133,17 +125,7 @@ def test_two_processes_with_image_groups_take_the_steps_one_process_takes(groupe
 def assert_two_processes_take_one_process_steps(inputs, settings, tmp_path):
     # One process: this one, as a job outside torchrun (nothing of torchrun's in its environment).
     assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ
-    one = tmp_path / "one"
-    train_stage(
-        inputs,
-        settings,
-        one / "adapter",
-        one / "log.jsonl",
-        one / "summary.json",
-        one / "ckpt",
-        1000,
-        dtype=torch.float64,
-    )
+    train_float64(inputs, settings, tmp_path / "one")
     mp.spawn(_train_in_process, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
 
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))

@@ -9,7 +9,6 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 
 from vlft.demo.shapes import make_dataset
 from vlft.errors import InputError
@@ -18,7 +17,7 @@ from vlft.image_cache import ImageCache
 from vlft.image_groups import ImageGroup, by_image, group_rows, grouped_steps, shared_prefix_length
 from vlft.distributed import share_by_tokens
 from vlft.prompts import Sample
-from conftest import FLOAT64_RTOL, questions_on_shared_images, tiny_family_data, tiny_stage_settings
+from conftest import FLOAT64_RTOL, questions_on_shared_images, tiny_family_data, tiny_stage_settings, train_float64
 
 
 def test_the_pixel_cache_holds_each_image_once_and_every_record_finds_it(tmp_path):
@@ -150,25 +149,15 @@ def test_a_stage_with_image_groups_follows_the_plain_loss_curve_where_the_steps_
     of 4 samples: the grouped stage takes the plain stage's very steps, one image each, and logs
     the same losses in float64. A group lays out as 14 shared tokens and 4 of 13 to 14 of its
     own (68 tokens): a 50-token budget cuts each into pairs of questions, each pair with the prefix."""
-    from vlft.train import StageInputs, train_stage
+    from vlft.train import StageInputs
 
     root = tiny_family_data(tmp_path, "qwen3_vl", questions_on_shared_images(tmp_path, images=4, per_image=4))
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
     common = dict(order="given", micro_batch=4, grad_accum=1, max_steps=8, lora_dropout=0.0, max_batch_tokens=50)
 
     def losses(name, **settings):
-        out = tmp_path / name
-        train_stage(
-            inputs,
-            tiny_stage_settings(**common, **settings),
-            out / "adapter",
-            out / "log.jsonl",
-            out / "summary.json",
-            out / "ckpt",
-            1000,
-            dtype=torch.float64,
-        )
-        return [row["loss"] for row in read_jsonl(out / "log.jsonl")]
+        train_float64(inputs, tiny_stage_settings(**common, **settings), tmp_path / name)
+        return [row["loss"] for row in read_jsonl(tmp_path / name / "log.jsonl")]
 
     plain, grouped = losses("plain"), losses("grouped", image_groups=True)
     assert len(plain) == 8

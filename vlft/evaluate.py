@@ -18,7 +18,6 @@ from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation import Request, greedy_answers
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
-from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import StageData, load_stage_data
 
@@ -73,7 +72,6 @@ def evaluate_split(
     texts, losses = {}, {}  # by record index: the answer's text; (loss sum, answer tokens)
     max_new_tokens = settings["max_new_tokens"]
     stops = answer_lengths or {}
-    use_packed_attention(model)
 
     def requests():
         for index in mine:

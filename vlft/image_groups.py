@@ -120,7 +120,8 @@ def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | 
 
 def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: int | None) -> list[list[ImageGroup]]:
     """A step's groups in rows of at most `max_tokens` tokens (and `max_samples` samples): groups
-    cut to fit, then first fit by decreasing length, as vlft.packing.packed_batches does samples."""
+    cut to fit, then first fit by decreasing length (a part longer than the budget gets a row of its
+    own). Samples alone (vlft.packing.packed_batches) are groups of one."""
     parts = [part for group in groups for part in within_budget(group, max_tokens, max_samples)]
     rows: list[list[ImageGroup]] = []
     room: list[tuple[float, float]] = []

@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 
 from vlft.batching import collate, pinned
-from vlft.image_groups import ImageGroup, RowLayout
+from vlft.image_groups import ImageGroup, RowLayout, group_rows
 from vlft.modeling import unwrapped
 from vlft.prompts import PromptBuilder, Sample
 
@@ -42,19 +42,10 @@ PACKED_ATTENTION = "vlft_packed"
 
 def packed_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     """A step's samples in as few rows of at most `max_tokens` tokens as first-fit by decreasing
-    length finds (a sample longer than the budget gets a row of its own)."""
-    rows: list[list[Sample]] = []
-    room: list[int] = []
-    for sample in sorted(samples, key=lambda s: len(s.input_ids), reverse=True):
-        length = len(sample.input_ids)
-        row = next((i for i, left in enumerate(room) if left >= length), None)
-        if row is None:
-            rows.append([])
-            room.append(max_tokens)
-            row = len(rows) - 1
-        rows[row].append(sample)
-        room[row] -= length
-    return rows
+    length finds (a sample longer than the budget gets a row of its own): vlft.image_groups'
+    rows, every sample a group of one."""
+    rows = group_rows([ImageGroup([s], 0) for s in samples], max_tokens, None)
+    return [[group.samples[0] for group in row] for row in rows]
 
 
 def pack(samples: list[Sample], images: dict, builder: PromptBuilder, rope_index: Callable, pin: bool = False) -> dict:

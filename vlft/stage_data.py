@@ -75,10 +75,6 @@ def uses_vision_cache(data: StageData) -> bool:
     return any(isinstance(cache, VisionCache) for cache, _ in data.images.values())
 
 
-def cache_of(images: dict, key: str) -> ImageCache | VisionCache:
-    return images[key][0]
-
-
 def grid_of(images: dict, key: str) -> list[int]:
     cache, image_id = images[key]
     return cache.grid_thw(image_id)
