@@ -24,7 +24,7 @@ from vlft.packing import pack, packed_attention, packed_batches, use_packed_atte
 from vlft.prompts import PromptBuilder
 from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
 from vlft.demo.tiny_model import FAMILIES
-from conftest import FLOAT64_RTOL, assert_close_normwise, tiny_family_data
+from conftest import FLOAT64_RTOL, assert_close_normwise, tiny_family_data, train_float64
 
 FLOAT64 = torch.float64
 LORA = {
@@ -203,20 +203,9 @@ def demo_stage_inputs(demo_workdir, cache: str):
 def demo_stage_losses(demo_workdir, out, inputs, **overrides) -> list[float]:
     """The demo's exp1 stage trained in float64 for a few steps; its logged losses."""
     from vlft.plan import build_plan
-    from vlft.train import train_stage
 
     plan = build_plan(yaml.safe_load((demo_workdir / "config/config.yaml").read_text()))
-    settings = dict(plan.stage("exp1", "main").train_params(), **overrides)
-    train_stage(
-        inputs,
-        settings,
-        out / "adapter",
-        out / "log.jsonl",
-        out / "summary.json",
-        out / "checkpoints",
-        1000,
-        dtype=FLOAT64,
-    )
+    train_float64(inputs, dict(plan.stage("exp1", "main").train_params(), **overrides), out)
     return [row["loss"] for row in read_jsonl(out / "log.jsonl")]
 
 
