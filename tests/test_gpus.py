@@ -3,6 +3,7 @@ GPU jobs run side by side through Snakemake, each on a GPU of its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ from itertools import combinations
 import pytest
 
 from conftest import REPO, copy_workflow, snakemake
-from vlft.gpus import take_gpus
+from vlft.gpus import process_identity, take_gpus
 
 
 def sleeper():
@@ -44,6 +45,39 @@ def test_claims_are_distinct_and_a_finished_process_frees_its_gpus(tmp_path):
     finally:
         for process in (first, second, third, fourth):
             process.kill()
+
+
+def claim_in_background(pool, pid, claims):
+    """take_gpus(1, ...) in a thread, so that a claim that waits fails an assertion instead of the run."""
+    got = []
+    waiting = threading.Thread(target=lambda: got.extend(take_gpus(1, pool, pid, claims)), daemon=True)
+    waiting.start()
+    return waiting, got
+
+
+def test_a_claim_left_by_an_earlier_run_whose_pid_another_process_now_has_holds_nothing(tmp_path):
+    """A SLURM cluster restarted numbers its jobs from 1 again, so a job finds the claims file of an
+    earlier job with its number; the pid in it may belong to an unrelated living process by now."""
+    claims, unrelated, job = tmp_path / "claims.json", sleeper(), sleeper()
+    try:
+        identity = process_identity(unrelated.pid)
+        started_earlier = identity.split("@")[0] + "@" + str(int(identity.split("@")[1]) - 1)
+        for stale in (started_earlier, unrelated.pid):  # the pid of a process started at another time; a bare pid
+            claims.write_text(json.dumps({"0": stale}))
+            waiting, got = claim_in_background(["0"], job.pid, claims)
+            waiting.join(timeout=10)
+            assert got == ["0"], f"the stale claim {stale!r} still holds GPU 0"
+            assert json.loads(claims.read_text()) == {"0": process_identity(job.pid)}
+        # The claim of a process that does still run holds.
+        waiting, got = claim_in_background(["0"], unrelated.pid, claims)
+        waiting.join(timeout=5)
+        assert waiting.is_alive() and not got
+        job.kill()
+        waiting.join(timeout=30)
+        assert got == ["0"]
+    finally:
+        unrelated.kill()
+        job.kill()
 
 
 # A job's shell as the GPU rules run it: claim, then say what it sees, then hold the claim a while.

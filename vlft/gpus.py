@@ -45,30 +45,39 @@ def claims_file() -> Path:
     return Path(tempfile.gettempdir()) / f"vlft-gpu-claims-{os.getuid()}-{scope}.json"
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs: an exited one not yet reaped by its parent (a zombie) does not."""
+def process_identity(pid: int) -> str | None:
+    """`pid` with its start time (clock ticks since boot), or None where no such process runs (an
+    exited one not yet reaped by its parent, a zombie, counts as gone). A pid alone is not enough:
+    the kernel reuses pids, and a claims file left by an earlier run (a SLURM cluster numbers its
+    jobs from 1 again after a restart) could name a pid some unrelated process now has, holding a
+    GPU forever."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # fields 3.. of proc(5): state first, starttime 20th
+    return None if fields[0] == "Z" else f"{pid}@{fields[19]}"
 
 
 def take_gpus(count: int, pool: list[str], pid: int, path: Path) -> list[str]:
     """Record `count` GPUs of `pool` that no living process holds as `pid`'s, in the claims file
-    at `path`; wait while fewer are free."""
+    at `path`; wait while fewer are free. A claim names its process by pid and start time; one
+    whose process has gone, or whose pid now belongs to another process, is free."""
     if count > len(pool):
         raise RuntimeError(f"this job asks for {count} GPUs, but only {len(pool)} are visible ({','.join(pool)})")
-    said_waiting = False
+    said_waiting, owner = False, process_identity(pid)
+    if owner is None:
+        raise RuntimeError(f"process {pid}, which the GPUs would be claimed for, is not running")
     while True:
         with open(path, "a+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
             handle.seek(0)
             text = handle.read()
-            held = {gpu: owner for gpu, owner in (json.loads(text) if text.strip() else {}).items() if _alive(owner)}
+            claims = json.loads(text) if text.strip() else {}
+            held = {gpu: who for gpu, who in claims.items() if process_identity(int(str(who).split("@")[0])) == who}
             free = [gpu for gpu in pool if gpu not in held]
             if len(free) >= count:
-                held.update({gpu: pid for gpu in free[:count]})
+                held.update({gpu: owner for gpu in free[:count]})
                 handle.seek(0)
                 handle.truncate()
                 handle.write(json.dumps(held))
