@@ -12,6 +12,7 @@ from PIL import Image
 from conftest import REPO, copy_workflow, snakemake
 from vlft.errors import ConfigError
 from vlft.plan import build_plan
+from vlft.records import aspect_ratio_problem
 
 
 def record(i, **fields):
@@ -88,6 +89,19 @@ def test_image_beyond_the_processors_aspect_ratio_limit(split):
         "3000x10 pixels",
         "aspect ratio must be smaller than 200, got 300",
     )
+
+
+@pytest.mark.parametrize("size", [(2000, 10), (2001, 10), (10, 2001), (200, 1), (201, 1), (1920, 1080)])
+def test_the_aspect_ratio_check_refuses_what_the_image_processor_refuses(size):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    width, height = size
+    try:
+        smart_resize(height, width)
+        refused = False
+    except ValueError:
+        refused = True
+    assert (aspect_ratio_problem(width, height) is not None) == refused
 
 
 def test_malformed_line(split):

@@ -79,8 +79,25 @@ def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:
     return paths
 
 
+# The largest long side / short side the Qwen-VL image processors take (their smart_resize).
+MAX_ASPECT_RATIO = 200
+
 # EXIF orientations that turn the stored image by 90 or 270 degrees (with or without a mirror).
 TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
+
+
+def aspect_ratio_problem(width: int, height: int) -> str | None:
+    """The Qwen-VL image processors' one refusal of an image size (smart_resize's aspect-ratio
+    limit), which would otherwise stop the pixel cache later, or None. Its own words, not its call:
+    smart_resize's module brings transformers and torch, some 12 s of every prepare_split job on a
+    GPU node. tests/test_bad_input.py checks that both refuse the same sizes."""
+    ratio = max(width, height) / min(width, height)
+    if ratio > MAX_ASPECT_RATIO:
+        return (
+            f"{width}x{height} pixels cannot be taken by the model's image processor "
+            f"(absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {ratio})"
+        )
+    return None
 
 
 def _check_image(path: Path) -> tuple[int, int] | str:
@@ -96,17 +113,7 @@ def _check_image(path: Path) -> tuple[int, int] | str:
                 width, height = height, width
     except Exception as err:  # PIL raises many types for corrupt files
         return f"cannot be read as an image ({type(err).__name__}: {err})"
-    # Imported here, not at the top: the workflow's plan (workflow/rules/common.smk) imports this
-    # module, and transformers brings torch with it, 3 s added to every Snakemake start.
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    try:
-        # The Qwen-VL image processor's own check (an aspect-ratio limit), which would otherwise
-        # stop the pixel cache later; the size arguments do not matter to it.
-        smart_resize(height, width)
-    except ValueError as err:
-        return f"{width}x{height} pixels cannot be taken by the model's image processor ({err})"
-    return width, height
+    return aspect_ratio_problem(width, height) or (width, height)
 
 
 def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | Path, threads: int = 8) -> int:
