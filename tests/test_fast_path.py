@@ -22,6 +22,7 @@ from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
 from vlft.packing import pack, packed_attention, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
+from vlft.train import compile_decoder_layers
 from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
 from vlft.demo.tiny_model import FAMILIES
 from conftest import FLOAT64_RTOL, assert_close_normwise, tiny_family_data, train_float64
@@ -476,3 +477,30 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     assert loss_sum == pytest.approx(plain.item(), rel=FLOAT64_RTOL)
     for name, grad in plain_grads.items():
         assert_close_normwise(dict(grouped_model.named_parameters())[name].grad, grad, FLOAT64_RTOL, name)
+
+
+def test_compiled_decoder_layers_take_no_python_float_as_a_cpu_tensor(tiny_model_dir):
+    """With dynamic shapes dynamo would pass LoRA's scaling and the norms' epsilon into each layer's
+    graph as float64 CPU tensors, and inductor would compile a C++ kernel for them: in a GPU job, a
+    C++ compiler run and a CPU instruction-set probe on every load of the cached graph. The graphs
+    the layers compile to take tensors of the model's dtype and integer sizes only, and every layer
+    shares them (the first layer's input needs no gradient, so two graphs at most)."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append([(x.dtype, x.dim()) for x in example_inputs if isinstance(x, torch.Tensor)])
+        return graph_module
+
+    model = with_new_adapter(load_base_model(tiny_model_dir, torch.device("cpu"), torch.float32), LORA)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(specialize_float=False):  # dynamo's default; set by the call below
+        compile_decoder_layers(model, backend=recording_backend)
+        for length in (7, 11):  # a second width: dynamic shapes, no recompile
+            model(input_ids=torch.randint(10, 100, (2, length))).logits.sum().backward()
+    torch._dynamo.reset()
+    assert (
+        1 <= len(graphs) <= 2
+    ), f"{len(graphs)} graphs for {len(model.base_model.model.model.language_model.layers)} layers"
+    for inputs in graphs:
+        assert (torch.float64, 0) not in inputs, f"a Python float became a float64 CPU tensor input: {inputs}"
+        assert {dtype for dtype, _ in inputs} <= {torch.float32, torch.int64}, inputs
