@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, copy_workflow, snakemake
+from vlft.config import NAME_RULE, resolve_config
 from vlft.errors import ConfigError
 from vlft.plan import build_plan
 from vlft.records import aspect_ratio_problem
@@ -190,6 +192,14 @@ def stage(config, experiment, index):
             lambda c: stage(c, "exp1", 0).update(image_groups=True, packing=False),
             "experiments.exp1.stages[0].image_groups: needs packing: true (a group is laid out in one packed row)",
         ),
+        (
+            lambda c: c["experiments"].update({"..": c["experiments"]["exp1"]}),
+            f"experiments: '..' is not a valid name ({NAME_RULE})",
+        ),
+        (
+            lambda c: stage(c, "exp3", 1).update(name="my stage"),
+            f"experiments.exp3.stages[1].name: 'my stage' is not a valid name ({NAME_RULE})",
+        ),
     ],
     ids=[
         "typo-in-stage",
@@ -205,10 +215,37 @@ def stage(config, experiment, index):
         "demo-dataset-without-a-split",
         "base-reserved-as-a-dataset-name",
         "image-groups-without-packing",
+        "dot-dot-experiment",
+        "stage-name-with-a-space",
     ],
 )
 def test_config_error_is_one_sentence_naming_the_key(workdir, edit, message):
     assert config_error(workdir, edit) == message
+
+
+@pytest.mark.parametrize("name", [".", "..", ".hidden", "a/b", "../x", "my exp", "tab\tname", "", "é"])
+@pytest.mark.parametrize("where", ["experiment", "stage", "dataset", "split", "demo split size"])
+def test_every_name_that_becomes_a_folder_is_checked_by_one_pattern(name, where):
+    """Experiments, stages, datasets and splits all name folders of the results: one rule for all."""
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    if where == "experiment":
+        config["experiments"][name] = config["experiments"]["exp1"]
+    elif where == "stage":
+        stage(config, "exp1", 0)["name"] = name
+    elif where == "dataset":
+        config["datasets"][name] = config["datasets"]["shapes"]
+    elif where == "split":
+        config["datasets"]["shapes"]["splits"][name] = "x.jsonl"
+    else:
+        config["demo"]["datasets"]["shapes"]["sizes"][name] = 1
+    with pytest.raises(ConfigError, match=re.escape(f"'{name}' is not a valid name ({NAME_RULE})")):
+        resolve_config(config)
+
+
+def test_names_with_dots_inside_are_valid():
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["experiments"]["lr1e-4_v1.5"] = config["experiments"]["exp1"]
+    assert "lr1e-4_v1.5" in resolve_config(config)["experiments"]
 
 
 def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
@@ -261,3 +298,26 @@ def test_init_from_with_a_different_lora_shape():
     config["experiments"]["exp4"]["stages"][1]["lora_r"] = 8
     with pytest.raises(ConfigError, match=r"experiments.exp4.stages\[1\].lora_r: must equal that of 'exp4/stage1'"):
         build_plan(config)
+
+
+def test_every_path_a_rule_passes_is_quoted(workdir):
+    """A results directory with a space in its name: each job's command, as Snakemake runs it, gives
+    every path whole (an unquoted one splits in two: `unrecognized arguments`)."""
+    # The demo's datasets and model are made under the results directory too: all of it moves.
+    text = (workdir / "config/config.yaml").read_text().replace("results/", "my results/")
+    config = yaml.safe_load(text)
+    config["results"] = "my results"
+    (workdir / "config/spaced.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(workdir, "--dry-run", "--printshellcmds", "--configfile", "config/spaced.yaml")
+    commands = [
+        line[line.index("python scripts/") :].split(" 2>&1")[0]
+        for line in result.stdout.splitlines()
+        if "python scripts/" in line
+    ]
+    scripts = {command.split()[1] for command in commands}
+    assert {"scripts/train.py", "scripts/evaluate.py", "scripts/cache_images.py", "scripts/report.py"} <= scripts
+    arguments = [argument for command in commands for argument in shlex.split(command)]
+    assert "--init-adapter" in arguments and "--adapter" in arguments
+    paths = [a for a in arguments if "results" in a]
+    assert paths and all(a.startswith("my results/") or "=my results/" in a for a in paths), paths
+    assert "my" not in arguments

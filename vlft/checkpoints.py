@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from vlft.files import atomic_path
+from vlft.files import atomic_path, remove_inside
 
 COMPLETE = "state.pt"  # written last inside the checkpoint; its presence marks it complete
 KEEP = 2
@@ -54,7 +53,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler) -> Path:
         }
         torch.save(state, tmp / COMPLETE)
     for old in sorted(run_dir.glob("step-*"))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_inside(old, run_dir)
     return target
 
 

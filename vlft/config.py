@@ -83,6 +83,7 @@ def _known_keys() -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
+NAME_RULE = "letters, digits, '_', '-' and '.', beginning with a letter or digit: no '.' or '..', slash or whitespace"
 UNKNOWN_KEY_VALIDATORS = ("additionalProperties", "unevaluatedProperties")
 
 
@@ -94,6 +95,10 @@ def _sentence(error) -> str:
             close = difflib.get_close_matches(unknown[0], _known_keys(), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             return f"{where}: unknown key '{unknown[0]}'{hint}"
+    if error.validator == "pattern" and error.schema is load_schema()["$defs"]["name"]:
+        # A key of the config (an experiment, dataset or split) or a stage's `name`: either
+        # becomes a folder of the results, so it must be a name and never a path.
+        return f"{where}: '{error.instance}' is not a valid name ({NAME_RULE})"
     if error.validator == "required":
         missing = re.match(r"'([^']+)'", error.message).group(1)
         return f"{_key_path([*error.absolute_path, missing])}: required, but the config does not set it"

@@ -1,7 +1,10 @@
-"""Atomic outputs: write beside the target, rename into place on success, so a crash leaves no half-written file."""
+"""Atomic outputs: write beside the target, rename into place on success, so a crash leaves no
+half-written file; and the one way the project deletes anything, `remove_inside`, which refuses a
+path outside the directory that owns it."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -18,14 +21,16 @@ def atomic_path(target: str | Path):
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Left by writers of this target that were killed: whoever writes the target now owns them.
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+        remove_inside(stale, target.parent)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    _remove(tmp)
     try:
         yield tmp
-        _remove(target)
+        remove_inside(target, target.parent)
         os.replace(tmp, target)
     finally:
-        _remove(tmp)
+        remove_inside(tmp, target.parent)
 
 
 def write_json(path: str | Path, data) -> None:
@@ -45,8 +50,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def remove_inside(path: str | Path, owner: str | Path) -> None:
+    """Remove `path` (a file, a link, a whole directory; nothing if absent), which must lie inside
+    `owner`. Resolved first (a link is removed, never followed), so that no name, link or `..` makes
+    the project delete what it does not own."""
+    path, owner = Path(path), Path(owner).resolve()
+    where = path.parent.resolve() / path.name
+    if path.name in ("", ".", "..") or where == owner or not where.is_relative_to(owner):
+        raise RuntimeError(f"refusing to delete {path}: it is not inside {owner}, the directory this step owns")
+    if where.is_dir() and not where.is_symlink():
+        shutil.rmtree(where)
+    elif where.exists() or where.is_symlink():
+        where.unlink()

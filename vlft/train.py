@@ -29,7 +29,7 @@ from transformers import get_scheduler
 from vlft import checkpoints, clicks, distributed
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
-from vlft.files import atomic_path, write_json
+from vlft.files import atomic_path, remove_inside, write_json
 from vlft.modeling import (
     adapter_autocast,
     load_base_model,
@@ -132,7 +132,7 @@ def train_stage(
         print(f"this stage finished its steps in an earlier attempt: restoring its outputs from {finished}", flush=True)
         return _publish(finished, adapter_out, log_out, summary_out)
     if group.is_main:
-        shutil.rmtree(finished, ignore_errors=True)
+        remove_inside(finished, run_dir)
     device, device_dtype = pick_device()
     dtype = dtype or device_dtype
     torch.manual_seed(settings["seed"])
@@ -275,7 +275,7 @@ def train_stage(
         shutil.copyfile(running_log, tmp / "log.jsonl")
         write_json(tmp / "summary.json", summary)
     for checkpoint in run_dir.glob("step-*"):
-        shutil.rmtree(checkpoint, ignore_errors=True)
+        remove_inside(checkpoint, run_dir)
     running_log.unlink()
     result = _publish(finished, adapter_out, log_out, summary_out)
     distributed.barrier()
@@ -338,7 +338,7 @@ def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict, c
     run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
     for earlier in Path(checkpoint_root).glob("*") if clean else ():
         if earlier != run_dir:
-            shutil.rmtree(earlier, ignore_errors=True)
+            remove_inside(earlier, checkpoint_root)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 

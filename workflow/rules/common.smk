@@ -1,6 +1,7 @@
 # Config -> plan, output paths, and the get_* input functions of every rule.
 import json
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -169,11 +170,11 @@ def get_eval_inputs(wildcards):
 
 
 def get_adapter_arg(wildcards, input):
-    return f"--adapter {input.adapter}" if "adapter" in input.keys() else ""
+    return f"--adapter {shlex.quote(input.adapter)}" if "adapter" in input.keys() else ""
 
 
 def get_init_adapter_arg(wildcards, input):
-    return f"--init-adapter {input.init_adapter}" if "init_adapter" in input.keys() else ""
+    return f"--init-adapter {shlex.quote(input.init_adapter)}" if "init_adapter" in input.keys() else ""
 
 
 def report_jobs():

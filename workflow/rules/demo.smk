@@ -18,7 +18,9 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             kind=demo_spec["kind"],
             # Sorted: the order of keys in the YAML file is not a change.
             sizes=" ".join(f"{k}={v}" for k, v in sorted(demo_spec["sizes"].items())),
-            records=" ".join(f"{k}={v}" for k, v in sorted(config["datasets"][demo_name]["splits"].items())),
+            records=" ".join(
+                shlex.quote(f"{k}={v}") for k, v in sorted(config["datasets"][demo_name]["splits"].items())
+            ),
             seed=demo_spec.get("seed", 0),
             questions=demo_spec.get("questions_per_image", 1),
         shell:
