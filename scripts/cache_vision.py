@@ -2,8 +2,8 @@
 
 import argparse
 
-from vlft.cli import run
-from vlft.modeling import load_base_model, pick_device
+from vlft.cli import add_cpu_fallback_argument, run
+from vlft.modeling import load_base_model, pick_device, require_gpus
 from vlft.vision_cache import build_vision_cache
 
 
@@ -14,7 +14,10 @@ def main():
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--max-gb", type=float, required=True, help="refuse a cache larger than this")
     parser.add_argument("--output", required=True)
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the job asked for; 0 runs it on the CPU")
+    add_cpu_fallback_argument(parser)
     args = parser.parse_args()
+    require_gpus(args.gpus, args.cpu_fallback)
     device, dtype = pick_device()
     model = load_base_model(args.model, device, dtype, trust_remote_code=args.trust_remote_code)
     count = build_vision_cache(

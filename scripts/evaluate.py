@@ -5,8 +5,9 @@ import argparse
 import json
 
 from vlft import distributed
-from vlft.cli import run, set_cpu_threads
+from vlft.cli import add_cpu_fallback_argument, run, set_cpu_threads
 from vlft.evaluate import evaluate_split
+from vlft.modeling import require_gpus
 
 
 def main():
@@ -20,8 +21,12 @@ def main():
     parser.add_argument("--predictions", required=True)
     parser.add_argument("--metrics", required=True)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch, shared by the processes")
-    parser.add_argument("--processes", type=int, default=1, help="processes sharing the split, one a GPU")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="GPUs the job asked for, one process each sharing the split"
+    )
+    add_cpu_fallback_argument(parser)
     args = parser.parse_args()
+    require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
     distributed.relaunch(args.processes, threads_each)
     set_cpu_threads(threads_each)

@@ -7,7 +7,8 @@ import sys
 import time
 
 from vlft import distributed
-from vlft.cli import run, set_cpu_threads
+from vlft.cli import add_cpu_fallback_argument, run, set_cpu_threads
+from vlft.modeling import require_gpus
 from vlft.stopping import StopRequest, slurm_end_time
 from vlft.train import Preempted, StageInputs, train_stage
 
@@ -32,8 +33,12 @@ def main():
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads for torch, shared by the processes")
-    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes, one a GPU")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="GPUs the job asked for, one data-parallel process each"
+    )
+    add_cpu_fallback_argument(parser)
     args = parser.parse_args()
+    require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
     distributed.relaunch(args.processes, threads_each)
     stop = StopRequest()  # before anything slow: a signal during loading must not kill us unsaved

@@ -270,6 +270,8 @@ def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
             str(tiny_model_dir),
             "--max-gb",
             "1e-9",
+            "--gpus",
+            "0",
             "--output",
             str(output),
         ],

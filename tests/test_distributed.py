@@ -168,6 +168,7 @@ def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> l
         "2",
         "--processes",
         str(processes),
+        "--cpu-fallback",  # CPU processes stand in for GPUs here
     ]
 
 

@@ -8,7 +8,7 @@ import socket
 import sys
 from datetime import datetime
 
-from vlft.errors import ConfigError, InputError
+from vlft.errors import ConfigError, DeviceError, InputError
 
 
 def describe_placement() -> str:
@@ -18,6 +18,13 @@ def describe_placement() -> str:
     job = os.environ.get("SLURM_JOB_ID")
     where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
     return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}"
+
+
+def add_cpu_fallback_argument(parser) -> None:
+    """Whether a job that asked for GPUs may run on the CPU where none is usable (vlft.modeling.require_gpus)."""
+    parser.add_argument(
+        "--cpu-fallback", action="store_true", help="run on the CPU where no GPU is usable (the config's cpu_fallback)"
+    )
 
 
 def set_cpu_threads(threads: int) -> None:
@@ -36,7 +43,7 @@ def run(main) -> None:
         print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
     try:
         main()
-    except (InputError, ConfigError) as err:
+    except (InputError, ConfigError, DeviceError) as err:
         if rank in (None, "0"):
             print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -11,5 +11,9 @@ class InputError(Exception):
         super().__init__(f"{where}: {message}")
 
 
+class DeviceError(Exception):
+    """A job that asked for GPUs on a machine where CUDA is not usable: the message names the host."""
+
+
 class ConfigError(Exception):
     """A config that passes the schema but names things that do not exist or cannot work."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -10,6 +12,38 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from vlft.errors import DeviceError
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used here, in CUDA's own words where it gives any; None where it can."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if torch.cuda.is_available():
+        return None
+    try:
+        torch.cuda.init()  # raises with the driver's reason: no driver, one too old, a failed start
+    except Exception as err:  # noqa: BLE001 - whatever CUDA raised, its words are the message
+        return " ".join(str(err).split())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "no CUDA device is visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+
+
+def require_gpus(count: int, cpu_fallback: bool) -> None:
+    """A job that asked for `count` GPUs fails at once where CUDA is not usable, rather than running
+    on the CPU unnoticed (an 8B stage for days). With the config's `cpu_fallback` (the demo's) it
+    says so in one line and runs on the CPU."""
+    if count < 1 or (problem := cuda_problem()) is None:
+        return
+    where = f"host {socket.gethostname()}"
+    if not cpu_fallback:
+        raise DeviceError(
+            f"{where}: this job asked for {count} GPU(s), but CUDA is not usable: {problem}; "
+            "set the job's resources gpus to 0 to run it on the CPU"
+        )
+    if os.environ.get("RANK") in (None, "0"):
+        print(f"{where}: no usable GPU ({problem}): running on the CPU, as cpu_fallback allows", flush=True)
 
 
 def pick_device() -> tuple[torch.device, torch.dtype]:

@@ -42,4 +42,4 @@ rule cache_vision:
     shell:
         # GPUs of its own among those visible (vlft.gpus), then the script.
         'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
-        "--max-gb {params.max_gb} --output {output:q} 2>&1 | tee {log:q}"
+        "--max-gb {params.max_gb} --gpus {resources.gpu} {CPU_FALLBACK} --output {output:q} 2>&1 | tee {log:q}"

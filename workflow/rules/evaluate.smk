@@ -22,4 +22,4 @@ rule evaluate:
         # split's batches shared out among them.
         'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} '
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
-        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} 2>&1 | tee {log:q}"
+        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} {CPU_FALLBACK} 2>&1 | tee {log:q}"

@@ -35,5 +35,5 @@ rule train:
         # (vlft.stopping).
         "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} {CPU_FALLBACK} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
