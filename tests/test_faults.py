@@ -13,9 +13,10 @@ import yaml
 
 from conftest import REPO
 from vlft.config import resolve_config
-from vlft.errors import DeviceError
-from vlft.files import atomic_path, remove_inside
+from vlft.errors import ConfigError, DeviceError
+from vlft.files import atomic_path, read_jsonl, remove_inside
 from vlft.modeling import cuda_problem, require_gpus
+from vlft.plan import build_plan
 
 
 def test_nothing_outside_the_owning_directory_is_deleted(tmp_path):
@@ -24,7 +25,9 @@ def test_nothing_outside_the_owning_directory_is_deleted(tmp_path):
     outside.mkdir()
     (outside / "keep.txt").write_text("x")
     for path in [owner / "..", owner / "../../..", owner / "run/../..", owner, owner / "."]:
-        with pytest.raises(RuntimeError, match="refusing to delete .*: it is not inside .*, the directory this step owns"):
+        with pytest.raises(
+            RuntimeError, match="refusing to delete .*: it is not inside .*, the directory this step owns"
+        ):
             remove_inside(path, owner)
     # A link inside the owner that points outside is removed as a link; what it points to stays.
     (owner / "link").symlink_to(outside)
@@ -91,3 +94,65 @@ def test_the_demo_alone_lets_gpu_jobs_fall_back_to_the_cpu():
     assert resolve_config(yaml.safe_load((REPO / "config/config.yaml").read_text()))["cpu_fallback"] is True
     for example in sorted((REPO / "config/examples").glob("*.yaml")):
         assert resolve_config(yaml.safe_load(example.read_text()))["cpu_fallback"] is False, example
+
+
+@pytest.fixture(scope="module")
+def small_stage(tmp_path_factory, tiny_model_dir):
+    """16 records of the demo's shapes, prepared and cached, and the demo's exp1 settings."""
+    from vlft.demo.shapes import make_dataset
+    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.modeling import load_image_processor
+    from vlft.records import prepare_split
+    from vlft.train import StageInputs
+
+    root = tmp_path_factory.mktemp("small-stage")
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 16}, seed=0)
+    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    settings = build_plan(yaml.safe_load((REPO / "config/config.yaml").read_text())).stage("exp1", "main")
+    return inputs, settings.train_params() | {"compile": False}
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(small_stage, tmp_path):
+    """Cosine with 2 warmup steps of 4: the steps use 0, 1/2, 1 and 1/2 of the rate (HF's schedule);
+    the log said 1/2, 1, 1/2, 0, the rate of the step after."""
+    from vlft.train import train_stage
+
+    inputs, settings = small_stage
+    settings = settings | {"max_steps": 4, "warmup_ratio": 0.5, "micro_batch": 4, "learning_rate": 1e-3}
+    train_stage(inputs, settings, tmp_path / "a", tmp_path / "log.jsonl", tmp_path / "s.json", tmp_path / "c", 100)
+    logged = [row["lr"] for row in read_jsonl(tmp_path / "log.jsonl")]
+    assert logged == pytest.approx([0.0, 0.5e-3, 1e-3, 0.5e-3], rel=1e-12, abs=1e-18)
+
+
+def test_a_schedule_that_never_leaves_warmup_is_refused_when_the_config_is_read():
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["experiments"]["exp1"]["stages"][0]["max_steps"] = 1
+    with pytest.raises(ConfigError) as refused:
+        build_plan(config)
+    assert str(refused.value) == (
+        "experiments.exp1.stages[0].max_steps: all 1 of its steps are warmup (warmup_ratio 0.05 of 1 is 1 step(s), "
+        "the first at learning rate 0), so it never trains at learning_rate; give it more steps, or warmup_ratio: 0"
+    )
+    config["experiments"]["exp1"]["stages"][0].update(max_steps=None, warmup_ratio=1)
+    with pytest.raises(ConfigError, match=r"^experiments.exp1.stages\[0\].warmup_ratio: 1 makes every step warmup"):
+        build_plan(config)
+    # Without warmup, or with a schedule that has none, one step trains.
+    config["experiments"]["exp1"]["stages"][0].update(max_steps=1, warmup_ratio=0)
+    build_plan(config)
+    config["experiments"]["exp1"]["stages"][0].update(warmup_ratio=0.5, lr_schedule="constant")
+    build_plan(config)
+
+
+def test_a_stage_whose_records_make_too_few_steps_for_its_warmup_is_refused_before_it_trains(small_stage, tmp_path):
+    """Epochs over few records: the step count is known only in the job, which refuses at once."""
+    from vlft.train import train_stage
+
+    inputs, settings = small_stage
+    settings = settings | {"epochs": 1, "max_steps": None, "micro_batch": 16, "warmup_ratio": 0.05}
+    with pytest.raises(ConfigError) as refused:
+        train_stage(inputs, settings, tmp_path / "a", tmp_path / "log.jsonl", tmp_path / "s.json", tmp_path / "c", 100)
+    assert str(refused.value).startswith("this stage's 16 records make 1 step(s): all 1 of its steps are warmup")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "log.jsonl").exists()

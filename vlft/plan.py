@@ -9,6 +9,7 @@ params trigger reruns a stage when, and only when, its own settings change.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from vlft.config import stage_defaults
@@ -156,6 +157,7 @@ def build_plan(config: dict) -> Plan:
             names.add(name)
             settings = _merge(defaults, {k: v for k, v in stage_spec.items() if k != "name"})
             _check_data(settings, datasets, key)
+            _check_schedule(settings, key)
             init_from = settings.pop("init_from")
             if init_from is not None and "/" not in init_from:
                 init_from = f"{experiment}/{init_from}"
@@ -180,6 +182,37 @@ def _check_demo(demo_datasets: dict, datasets: dict) -> None:
                 f"demo.datasets.{name}.sizes: must give a size for each split of datasets.{name} "
                 f"({', '.join(sorted(datasets[name]['splits']))}), and for no other"
             )
+
+
+def warmup_steps(settings: dict, n_steps: int) -> int:
+    """Steps of linear warmup from learning rate 0 (the first step's rate) up to `learning_rate`."""
+    if settings["lr_schedule"] == "constant":
+        return 0
+    return math.ceil(settings["warmup_ratio"] * n_steps)
+
+
+def schedule_problem(settings: dict, n_steps: int) -> str | None:
+    """Why a stage of `n_steps` steps would not train as its schedule intends, or None: a schedule
+    all in warmup never reaches its learning rate, and one step of warmup is one step at rate 0."""
+    warmup = warmup_steps(settings, n_steps)
+    if warmup < n_steps:
+        return None
+    return (
+        f"all {n_steps} of its steps are warmup (warmup_ratio {settings['warmup_ratio']} of {n_steps} is "
+        f"{warmup} step(s), the first at learning rate 0), so it never trains at learning_rate; "
+        "give it more steps, or warmup_ratio: 0"
+    )
+
+
+def _check_schedule(settings: dict, key: str) -> None:
+    """What the config alone decides: a set number of steps, or a warmup of every step."""
+    if settings["max_steps"] and (problem := schedule_problem(settings, settings["max_steps"])):
+        raise ConfigError(f"{key}.max_steps: {problem}")
+    if settings["warmup_ratio"] >= 1 and warmup_steps(settings, 1):
+        raise ConfigError(
+            f"{key}.warmup_ratio: {settings['warmup_ratio']} makes every step warmup, so the stage never trains at "
+            "learning_rate; give a ratio below 1"
+        )
 
 
 def _check_data(settings: dict, datasets: dict, key: str) -> None:

@@ -29,6 +29,7 @@ from transformers import get_scheduler
 from vlft import checkpoints, clicks, distributed
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
+from vlft.errors import ConfigError
 from vlft.files import atomic_path, remove_inside, write_json
 from vlft.modeling import (
     adapter_autocast,
@@ -43,6 +44,7 @@ from vlft.modeling import (
 from vlft.image_groups import ImageGroup, group_rows, grouped_steps
 from vlft.packing import pack, pack_groups, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
+from vlft.plan import schedule_problem, warmup_steps
 from vlft.records import order_records
 from vlft.shards import INDEX
 from vlft.stage_data import load_stage_data, uses_vision_cache
@@ -159,6 +161,8 @@ def train_stage(
     trainable = [p for p in model.parameters() if p.requires_grad]
     if group.size > 1:
         distributed.broadcast_from_main(trainable)
+    if problem := schedule_problem(settings, len(steps)):  # epochs of few records: only now is the count known
+        raise ConfigError(f"this stage's {len(data.records)} records make {len(steps)} step(s): {problem}")
     optimizer, scheduler = _setup_optimizer(trainable, settings, len(steps), device)
 
     # Resume from the newest complete checkpoint of this exact stage, if any.
@@ -221,14 +225,13 @@ def train_stage(
                 distributed.sum_across(trainable, loss_total)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
             loss_total = loss_total.item()
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler then sets the next
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
             elapsed, step_start = time.time() - step_start, time.time()
-            record = _log_record(
-                step + 1, loss_total / n_targets, scheduler.get_last_lr()[0], float(grad_norm), samples, elapsed, device
-            )
+            record = _log_record(step + 1, loss_total / n_targets, lr, float(grad_norm), samples, elapsed, device)
             log.write(json.dumps(record) + "\n")
             log.flush()
             # Redrawn by update() at most every `mininterval` seconds, so SLURM logs stay small.
@@ -313,7 +316,7 @@ def _setup_optimizer(trainable: list, settings: dict, n_steps: int, device: torc
     scheduler = get_scheduler(
         settings["lr_schedule"],
         optimizer,
-        num_warmup_steps=math.ceil(settings["warmup_ratio"] * n_steps),
+        num_warmup_steps=warmup_steps(settings, n_steps),
         num_training_steps=n_steps,
     )
     return optimizer, scheduler
