@@ -14,6 +14,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from vlft.errors import DeviceError
+from vlft.integrity import verify_adapter
 
 
 def cuda_problem() -> str | None:
@@ -118,6 +119,8 @@ def with_new_adapter(model, settings: dict):
 
 
 def with_adapter(model, adapter_dir: str | Path, trainable: bool):
+    """A trained stage's adapter on the model, its files checked against its summary's checksums."""
+    verify_adapter(adapter_dir)
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
 
 

@@ -88,6 +88,7 @@ def collect(
     job_rows = []
     for trained in stages:
         summary = json.loads(Path(trained.summary).read_text())
+        summary.pop("adapter_crc32", None)  # for checking the adapter, not for reading
         job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})
     jobs = pd.DataFrame(job_rows).sort_values(["experiment", "stage"]).reset_index(drop=True)
     return results, categories, jobs

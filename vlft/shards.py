@@ -8,7 +8,8 @@ stored and run through the vision tower once however many questions it has (vlft
 
 A cache is complete when its index exists: builders write into a temporary directory
 (vlft.files.atomic_path), end through `finish_cache`, which writes the index last, and the directory
-is renamed into place. Readers open a directory as the kind its index names.
+is renamed into place. Readers open a directory as the kind its index names. The index holds each
+image's CRC-32 and each shard's size; a reader checks them as it reads (vlft.integrity).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vlft.errors import InputError
+from vlft.integrity import damaged, tensor_checksum
 
 INDEX = "index.json"
-FORMAT = 3  # 2: the index names the cache's kind; 3: one entry per image, records point to it
+# 2: the index names the cache's kind; 3: one entry per image, records point to it; 4: checksums
+FORMAT = 4
 
 
 class ShardWriter:
@@ -32,7 +35,7 @@ class ShardWriter:
 
     def __init__(self, directory: Path, shard_bytes: int):
         self.directory, self.shard_bytes = directory, shard_bytes
-        self.shards, self.entries = [], []
+        self.shards, self.entries, self.sizes = [], [], {}
         self.records: dict[str, str] = {}
         self._shard, self._size = {}, 0
 
@@ -40,7 +43,8 @@ class ShardWriter:
         key = str(len(self.entries))
         self._shard[key] = tensor
         self._size += tensor.nbytes
-        self.entries.append(dict(entry, shard=f"shard-{len(self.shards):05d}.safetensors", key=key))
+        shard = f"shard-{len(self.shards):05d}.safetensors"
+        self.entries.append(dict(entry, shard=shard, key=key, crc32=tensor_checksum(tensor)))
         if self._size >= self.shard_bytes:
             self.flush()
 
@@ -49,6 +53,7 @@ class ShardWriter:
             name = f"shard-{len(self.shards):05d}.safetensors"
             save_file(self._shard, self.directory / name)
             self.shards.append(name)
+            self.sizes[name] = (self.directory / name).stat().st_size
             self._shard, self._size = {}, 0
 
 
@@ -60,6 +65,7 @@ def finish_cache(directory: Path, writer: ShardWriter, kind: str, **metadata) ->
         "kind": kind,
         **metadata,
         "shards": writer.shards,
+        "shard_sizes": writer.sizes,
         "images": writer.entries,
         "records": writer.records,
     }
@@ -88,7 +94,7 @@ class ShardedCache:
             raise InputError(directory, f"a {self.index['kind']} cache, where a {self.KIND} cache was expected")
         self.entries = {entry["id"]: entry for entry in self.index["images"]}
         self.records: dict[str, str] = self.index["records"]
-        self._shards = {}
+        self._shards, self._verified = {}, set()
 
     def image_of(self, record_id: str) -> str:
         """The id of the image a record asks about (KeyError for a record the cache does not hold)."""
@@ -102,10 +108,26 @@ class ShardedCache:
         return t * h * w // self.merge_size**2
 
     def tensor(self, image_id: str) -> torch.Tensor:
+        """An image's tensor, checked against its checksum the first time this reader reads it."""
         entry = self.entries[image_id]
-        if entry["shard"] not in self._shards:
-            self._shards[entry["shard"]] = safe_open(self.directory / entry["shard"], framework="pt")
-        return self._shards[entry["shard"]].get_tensor(entry["key"])
+        shard = self.directory / entry["shard"]
+        try:
+            if entry["shard"] not in self._shards:
+                size, expected = shard.stat().st_size, self.index["shard_sizes"][entry["shard"]]
+                if size != expected:
+                    raise self._damaged(shard, f"{size} bytes where the cache wrote {expected}")
+                self._shards[entry["shard"]] = safe_open(shard, framework="pt")
+            tensor = self._shards[entry["shard"]].get_tensor(entry["key"])
+        except (OSError, SafetensorError) as err:
+            raise self._damaged(shard, f"unreadable ({err})") from None
+        if image_id not in self._verified:
+            if tensor_checksum(tensor) != entry["crc32"]:
+                raise self._damaged(shard, f"image {image_id}'s bytes differ from the checksum written with them")
+            self._verified.add(image_id)
+        return tensor
+
+    def _damaged(self, shard: Path, what: str) -> InputError:
+        return damaged(self.directory, shard, what, f"rebuilds this {self.KIND} cache")
 
     def device_input(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the model takes for an image, from its cached tensor already on the device."""

@@ -31,6 +31,7 @@ from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.errors import ConfigError
 from vlft.files import atomic_path, remove_inside, write_json
+from vlft.integrity import adapter_checksums
 from vlft.modeling import (
     adapter_autocast,
     load_base_model,
@@ -275,6 +276,7 @@ def train_stage(
     with atomic_path(finished) as tmp:
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter")
+        summary["adapter_crc32"] = adapter_checksums(tmp / "adapter")  # checked wherever it is loaded
         shutil.copyfile(running_log, tmp / "log.jsonl")
         write_json(tmp / "summary.json", summary)
     for checkpoint in run_dir.glob("step-*"):
