@@ -18,7 +18,7 @@ from vlft.config import resolve_config
 from vlft.errors import ConfigError, DeviceError, InputError
 from vlft.files import atomic_path, read_jsonl, remove_inside
 from vlft.modeling import cuda_problem, require_gpus
-from vlft.plan import build_plan
+from vlft.plan import build_plan, retry_runtime
 
 
 def test_nothing_outside_the_owning_directory_is_deleted(tmp_path):
@@ -259,3 +259,18 @@ def test_after_an_evaluation_finds_its_cache_damaged_a_dry_run_lists_the_rebuild
         str(cache.relative_to(workdir)),
         evaluation.replace("metrics.json", "predictions.jsonl"),
     }
+
+
+def test_retries_ask_for_more_time_up_to_max_runtime_never_past_it():
+    """A 7-hour stage on a partition of 8 hours: 7, then 8, 8; without a ceiling 7, 14, 21."""
+    assert [retry_runtime(420, attempt, 480) for attempt in (1, 2, 3)] == [420, 480, 480]
+    assert [retry_runtime(420, attempt, None) for attempt in (1, 2, 3)] == [420, 840, 1260]
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["max_runtime"] = 20
+    with pytest.raises(ConfigError) as refused:
+        build_plan(resolve_config(config))
+    assert str(refused.value) == (
+        "defaults.resources.runtime: 30 minutes, more than max_runtime (20), the most a job may ask for"
+    )
+    config["max_runtime"] = 30
+    build_plan(resolve_config(config))

@@ -168,6 +168,7 @@ def build_plan(config: dict) -> Plan:
     for stage in plan.stages.values():
         _check_init_from(plan, stage)
     _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
+    _check_runtimes(config, plan)
     return plan
 
 
@@ -181,6 +182,26 @@ def _check_demo(demo_datasets: dict, datasets: dict) -> None:
             raise ConfigError(
                 f"demo.datasets.{name}.sizes: must give a size for each split of datasets.{name} "
                 f"({', '.join(sorted(datasets[name]['splits']))}), and for no other"
+            )
+
+
+def retry_runtime(minutes: int, attempt: int, ceiling: int | None) -> int:
+    """A retry of a job stopped at its time limit asks for more time: runtime x attempt, up to the
+    config's max_runtime (a partition's limit), never past it."""
+    return min(minutes * attempt, ceiling) if ceiling else minutes * attempt
+
+
+def _check_runtimes(config: dict, plan: "Plan") -> None:
+    ceiling = config.get("max_runtime")
+    if not ceiling:
+        return
+    asked = [("defaults.resources.runtime", plan.defaults["resources"]["runtime"])]
+    asked += [(f"{s.key}.resources.runtime", s.settings["resources"]["runtime"]) for s in plan.stages.values()]
+    asked.append(("evaluation.resources.runtime", config.get("evaluation", {}).get("resources", {}).get("runtime", 0)))
+    for key, minutes in asked:
+        if minutes > ceiling:
+            raise ConfigError(
+                f"{key}: {minutes} minutes, more than max_runtime ({ceiling}), the most a job may ask for"
             )
 
 

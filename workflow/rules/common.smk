@@ -9,7 +9,7 @@ from snakemake.exceptions import WorkflowError
 
 from vlft.config import resolve_config
 from vlft.errors import ConfigError
-from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag
+from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 from vlft.records import image_paths
 
 try:
@@ -133,24 +133,24 @@ def get_lineage_settings(include_stage):
 def get_stage_resource(key, default=False):
     """A GPU job's resource from its stage's `resources` (inherited from `defaults`; `default` takes
     `defaults` itself, for jobs of no one stage); runtime grows with each retry, so a job killed at
-    its time limit gets longer the next time."""
+    its time limit gets longer the next time, up to max_runtime."""
 
     def resource(wildcards, attempt):
         if default:
             value = PLAN.defaults["resources"][key]
         else:
             value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
-        return value * attempt if key == "runtime" else value
+        return retry_runtime(value, attempt, config["max_runtime"]) if key == "runtime" else value
 
     return resource
 
 
 def get_eval_resource(key):
-    """An evaluation job's resource, from the config's `evaluation.resources`; runtime grows with each retry."""
+    """An evaluation job's resource, from the config's `evaluation.resources`; runtime grows with each retry, up to max_runtime."""
 
     def resource(wildcards, attempt):
         value = config["evaluation"]["resources"][key]
-        return value * attempt if key == "runtime" else value
+        return retry_runtime(value, attempt, config["max_runtime"]) if key == "runtime" else value
 
     return resource
 
