@@ -169,6 +169,7 @@ def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> l
         "--processes",
         str(processes),
         "--cpu-fallback",  # CPU processes stand in for GPUs here
+        "1",
     ]
 
 
@@ -190,8 +191,12 @@ def uninterrupted_run(small_stage, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "sig, to_every_process",
-    [(signal.SIGTERM, True), (signal.SIGUSR1, False)],
-    ids=["SIGTERM-to-every-process-as-SLURM-sends-it", "SIGUSR1-to-the-launcher-as-kill-sends-it"],
+    [(signal.SIGTERM, True), (signal.SIGUSR1, False), (signal.SIGINT, True)],
+    ids=[
+        "SIGTERM-to-every-process-as-SLURM-sends-it",
+        "SIGUSR1-to-the-launcher-as-kill-sends-it",
+        "SIGINT-to-every-process-as-Ctrl-C-sends-it",
+    ],
 )
 def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_rerun_resumes_there(
     small_stage, uninterrupted_run, sig, to_every_process, tmp_path

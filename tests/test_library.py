@@ -180,7 +180,7 @@ class StopAfter:
 @pytest.fixture
 def stop_request():
     """A StopRequest whose signal handlers are pytest's again afterwards."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     yield StopRequest
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
@@ -191,6 +191,8 @@ def test_a_signal_stops_training_at_the_next_step_boundary(stop_request):
     assert stop.reason() is None
     os.kill(os.getpid(), signal.SIGUSR1)
     assert stop.reason() == "SIGUSR1 received"
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the same stop, not a KeyboardInterrupt mid-step
+    assert stop.reason() == "SIGINT received"
 
 
 def test_the_time_limit_stops_training_while_two_slowest_steps_and_the_save_still_fit(stop_request):

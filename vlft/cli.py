@@ -23,7 +23,11 @@ def describe_placement() -> str:
 def add_cpu_fallback_argument(parser) -> None:
     """Whether a job that asked for GPUs may run on the CPU where none is usable (vlft.modeling.require_gpus)."""
     parser.add_argument(
-        "--cpu-fallback", action="store_true", help="run on the CPU where no GPU is usable (the config's cpu_fallback)"
+        "--cpu-fallback",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="1: run on the CPU where no GPU is usable (the config's cpu_fallback)",
     )
 
 

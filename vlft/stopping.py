@@ -1,6 +1,6 @@
 """When a training job must stop at its next step boundary, with a checkpoint: a signal (SIGTERM from
-SLURM at a time limit or from scancel, SIGUSR1 where a site asks for an early warning), or its own
-time limit coming close.
+SLURM at a time limit or from scancel, SIGUSR1 where a site asks for an early warning, SIGINT from
+Ctrl-C in the terminal), or its own time limit coming close.
 
 Knowing its end time, the trainer stops before the limit instead of straddling it: a job still
 running at its limit is recorded as TIMEOUT even when it had just finished, and a fixed early
@@ -37,8 +37,8 @@ def slurm_end_time() -> float | None:
 
 
 class StopRequest:
-    """Asked at every step boundary whether to stop there. Catches SIGTERM and SIGUSR1 from its
-    creation on, so create it before anything slow: a signal while the model loads is kept."""
+    """Asked at every step boundary whether to stop there. Catches SIGTERM, SIGUSR1 and SIGINT from
+    its creation on, so create it before anything slow: a signal while the model loads is kept."""
 
     def __init__(self, end_time: float | None = None, clock=time.time):
         self.end_time = end_time
@@ -46,7 +46,7 @@ class StopRequest:
         self.signal: str | None = None
         self._last_boundary: float | None = None
         self._longest_step = 0.0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):

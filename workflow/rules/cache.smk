@@ -36,10 +36,11 @@ rule cache_vision:
         runtime=get_stage_resource("runtime", default=True),
         mem_mb=get_stage_resource("mem_mb", default=True),
         gpu=get_stage_resource("gpus", default=True),
+        cpu_fallback=CPU_FALLBACK,
     params:
         trust_remote_code=TRUST_REMOTE_CODE,
         max_gb=config["vision_cache_max_gb"],
     shell:
         # GPUs of its own among those visible (vlft.gpus), then the script.
         'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
-        "--max-gb {params.max_gb} --gpus {resources.gpu} {CPU_FALLBACK} --output {output:q} 2>&1 | tee {log:q}"
+        "--max-gb {params.max_gb} --gpus {resources.gpu} --cpu-fallback {resources.cpu_fallback} --output {output:q} 2>&1 | tee {log:q}"

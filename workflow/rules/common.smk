@@ -28,8 +28,8 @@ RESULTS = config["results"]
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
 # GPU jobs fail where CUDA is not usable, unless the config lets them run on the CPU (the demo's).
-# In the shell line, not in params: allowing it reruns nothing.
-CPU_FALLBACK = "--cpu-fallback" if config["cpu_fallback"] else ""
+# A resource of the GPU rules, not a param: allowing it reruns nothing.
+CPU_FALLBACK = int(config["cpu_fallback"])
 # torch.compile's artifacts (inductor's graphs and Triton kernels) where every later job of the
 # study finds them, on this machine or, through SLURM, on another node that shares the results
 # directory: a job then compiles from the cache in seconds instead of about a minute. Jobs inherit

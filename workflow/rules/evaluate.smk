@@ -12,6 +12,7 @@ rule evaluate:
         runtime=get_eval_resource("runtime"),
         mem_mb=get_eval_resource("mem_mb"),
         gpu=get_eval_resource("gpus"),
+        cpu_fallback=CPU_FALLBACK,
     params:
         trust_remote_code=TRUST_REMOTE_CODE,
         settings=lambda wildcards: json.dumps(get_eval_settings(wildcards), sort_keys=True),
@@ -22,4 +23,4 @@ rule evaluate:
         # split's batches shared out among them.
         'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} '
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
-        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} {CPU_FALLBACK} 2>&1 | tee {log:q}"
+        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} 2>&1 | tee {log:q}"

@@ -17,6 +17,7 @@ rule train:
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
         # A retry (attempt 2 on) restores the outputs of an attempt that finished its steps.
         attempt=lambda wildcards, attempt: attempt,
+        cpu_fallback=CPU_FALLBACK,
     params:
         trust_remote_code=TRUST_REMOTE_CODE,
         settings=get_train_settings,
@@ -29,11 +30,11 @@ rule train:
     shell:
         # GPUs of its own among those visible (vlft.gpus), then the script: one process a GPU, each
         # step shared out among them (vlft.distributed). At a time limit or a
-        # scancel SLURM signals every process of the job. The shell and tee ignore SIGTERM and
-        # SIGUSR1 (and so keep the log flowing); the trainer handles both: it saves a checkpoint,
+        # scancel SLURM signals every process of the job, and Ctrl-C the terminal's. The shell and tee
+        # ignore SIGTERM, SIGUSR1 and SIGINT (and so keep the log flowing); the trainer handles them: it saves a checkpoint,
         # exits 75, and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.stopping).
-        "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
+        "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1 INT; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} {CPU_FALLBACK} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
