@@ -8,7 +8,7 @@ import socket
 import sys
 from datetime import datetime
 
-from vlft.errors import ConfigError, DeviceError, InputError
+from vlft.errors import ConfigError, DeviceError, InputError, StorageError
 
 
 def describe_placement() -> str:
@@ -47,7 +47,7 @@ def run(main) -> None:
         print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
     try:
         main()
-    except (InputError, ConfigError, DeviceError) as err:
+    except (InputError, ConfigError, DeviceError, StorageError) as err:
         if rank in (None, "0"):
             print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

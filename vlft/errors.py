@@ -17,3 +17,8 @@ class DeviceError(Exception):
 
 class ConfigError(Exception):
     """A config that passes the schema but names things that do not exist or cannot work."""
+
+
+class StorageError(Exception):
+    """A write that failed for want of space (a full disk, a used-up quota): the message names the
+    file and the file system."""

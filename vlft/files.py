@@ -4,12 +4,22 @@ path outside the directory that owns it."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+
+from vlft.errors import ConfigError, InputError, StorageError
+
+# Write errors that mean "no room": a full file system, or the user's quota on it (common on clusters).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+# A file system with less than this left is taken as full when a write to it failed: a writer that
+# runs out of room fills it to its last blocks first. Some writers lose the errno on the way up
+# (torch.save says "basic_ios::clear: iostream error", safetensors a string), so free space decides.
+NEARLY_FULL_BYTES = 1 << 20
 
 
 @contextmanager
@@ -29,8 +39,60 @@ def atomic_path(target: str | Path):
         yield tmp
         remove_inside(target, target.parent)
         os.replace(tmp, target)
+    except Exception as err:
+        # Judged before the partial write below is removed: that frees the room it took.
+        if full := storage_error(err, target):
+            raise full from err
+        raise
     finally:
         remove_inside(tmp, target.parent)
+
+
+def storage_error(err: BaseException, path: str | Path) -> StorageError | None:
+    """The one-sentence error for a write of `path` that failed for want of room, or None where `err`
+    had another cause."""
+    if isinstance(err, StorageError):
+        return err
+    if isinstance(err, (InputError, ConfigError)):  # bad input, whatever room is left
+        return None
+    reason = None
+    for cause in (err, err.__cause__, err.__context__):
+        if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+            reason = os.strerror(cause.errno)
+        elif cause is not None:
+            reason = reason or next((os.strerror(e) for e in NO_ROOM if os.strerror(e) in str(cause)), None)
+    mount = _mount_point(Path(path).parent)
+    try:
+        usage = shutil.disk_usage(mount)
+    except OSError:
+        usage = None
+    if reason is None and usage is not None and usage.free < NEARLY_FULL_BYTES:
+        reason = os.strerror(errno.ENOSPC)
+    if reason is None:
+        return None
+    free = f" ({_size(usage.free)} free of {_size(usage.total)})" if usage else ""
+    return StorageError(
+        f"{path}: could not be written: {reason} on {mount}{free}; nothing half-written is left "
+        "behind: free some space (or raise the quota) and run again"
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system `path` is on (or would be on: it may not exist yet)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
 
 
 def write_json(path: str | Path, data) -> None:

@@ -29,9 +29,9 @@ from transformers import get_scheduler
 from vlft import checkpoints, clicks, distributed
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
-from vlft.errors import ConfigError
-from vlft.files import atomic_path, remove_inside, write_json
-from vlft.integrity import adapter_checksums
+from vlft.errors import ConfigError, InputError
+from vlft.files import atomic_path, remove_inside, storage_error, write_json
+from vlft.integrity import adapter_checksums, verify_adapter
 from vlft.modeling import (
     adapter_autocast,
     load_base_model,
@@ -52,8 +52,10 @@ from vlft.stage_data import load_stage_data, uses_vision_cache
 from vlft.stopping import StopRequest
 from vlft.vision_cache import use_vision_cache
 
-# In a run directory: the outputs of a run that finished its steps.
+# In a run directory: the outputs of a run that finished its steps, and in them, the mark that
+# they reached the workflow's paths whole.
 FINISHED = "finished"
+PUBLISHED = "published"
 
 
 class Preempted(Exception):
@@ -119,21 +121,27 @@ def train_stage(
     dtype: torch.dtype | None = None,
     reuse_finished: bool = False,
 ) -> dict:
-    """`reuse_finished`: this job is a retry of one that may have finished its steps, and been
-    stopped only after (a time limit reached as it wrote its outputs): its kept outputs are
-    restored rather than trained again. A first attempt (a new run, or one forced with -f or -R)
-    always trains. `dtype`: the model's, by default the device's (bf16 on a GPU, float32 on the
-    CPU); tests train in float64 to compare two layouts of one computation beyond float32 rounding.
-    In a data-parallel job every process calls this; the main one alone writes files."""
+    """A run that finished its steps is kept (`finished` in its run directory) and restored rather
+    than trained again where publishing it never completed (a full disk, a kill while it copied),
+    whichever step failed; and, with `reuse_finished`, where this job is a retry of one that may
+    have published it and been stopped just after (a time limit reached as it wrote its outputs).
+    Otherwise, a new run or one forced with -f or -R, it trains. `dtype`: the model's, by default
+    the device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts
+    of one computation beyond float32 rounding. In a data-parallel job every process calls this;
+    the main one alone writes files."""
     started = time.time()
     group = distributed.join()
     run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
     finished = run_dir / FINISHED
-    if reuse_finished and (finished / "summary.json").exists():
-        if not group.is_main:
-            return json.loads((finished / "summary.json").read_text())
-        print(f"this stage finished its steps in an earlier attempt: restoring its outputs from {finished}", flush=True)
-        return _publish(finished, adapter_out, log_out, summary_out)
+    restore = (finished / "summary.json").exists() and (reuse_finished or not (finished / PUBLISHED).exists())
+    if group.size > 1:
+        restore = distributed.gathered(restore)[0]  # as the main process saw it, before it changes anything
+    if restore:
+        restored = _restore_finished(finished, adapter_out, log_out, summary_out) if group.is_main else None
+        if group.size > 1:
+            restored = distributed.gathered(restored)[0]
+        if restored is not None:
+            return restored
     if group.is_main:
         remove_inside(finished, run_dir)
     device, device_dtype = pick_device()
@@ -209,7 +217,8 @@ def train_stage(
     )
     todo = range(first_step, len(steps))
     step_start = time.time()  # a step's time runs from the end of the one before: waits included
-    with open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
+    # The bar is closed (its line ended) however the loop ends: an error's line then starts a line of its own.
+    with progress, open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
         for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
             samples = [data.samples[key] for keys in steps[step] for key in keys]
             # Every answer token of the whole step, whichever process computes it.
@@ -233,8 +242,11 @@ def train_stage(
 
             elapsed, step_start = time.time() - step_start, time.time()
             record = _log_record(step + 1, loss_total / n_targets, lr, float(grad_norm), samples, elapsed, device)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            try:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            except OSError as err:
+                raise storage_error(err, running_log) or err
             # Redrawn by update() at most every `mininterval` seconds, so SLURM logs stay small.
             progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             progress.update(1)
@@ -256,7 +268,6 @@ def train_stage(
                 )
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
-    progress.close()
     if not group.is_main:
         distributed.barrier()  # until the main process has written the outputs
         return json.loads((finished / "summary.json").read_text())
@@ -288,13 +299,28 @@ def train_stage(
 
 
 def _publish(finished: Path, adapter_out, log_out, summary_out) -> dict:
-    """Copy a finished run's outputs to the workflow's paths, each complete or not at all."""
+    """Copy a finished run's outputs to the workflow's paths, each complete or not at all, then mark
+    the run published: until then, any rerun restores it."""
     with atomic_path(adapter_out) as tmp:
         shutil.copytree(finished / "adapter", tmp)
     for name, target in (("log.jsonl", log_out), ("summary.json", summary_out)):
         with atomic_path(target) as tmp:
             shutil.copyfile(finished / name, tmp)
+    (finished / PUBLISHED).touch()
     return json.loads((finished / "summary.json").read_text())
+
+
+def _restore_finished(finished: Path, adapter_out, log_out, summary_out) -> dict | None:
+    """Publish the outputs of an earlier run that finished its steps; None where its adapter was
+    damaged since (it is removed, and the stage trains)."""
+    try:
+        verify_adapter(finished / "adapter")
+    except InputError as err:
+        print(f"cannot restore the finished run ({err}): training the stage", flush=True)
+        remove_inside(finished, finished.parent)
+        return None
+    print(f"this stage finished its steps in an earlier run: restoring its outputs from {finished}", flush=True)
+    return _publish(finished, adapter_out, log_out, summary_out)
 
 
 def _setup_model(model, init_adapter: str | None, settings: dict, vision_cache: bool, device: torch.device):
