@@ -3,6 +3,7 @@
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -323,3 +324,64 @@ def test_every_path_a_rule_passes_is_quoted(workdir):
     paths = [a for a in arguments if "results" in a]
     assert paths and all(a.startswith("my results/") or "=my results/" in a for a in paths), paths
     assert "my" not in arguments
+
+
+@pytest.mark.parametrize(
+    "remove, lacks",
+    [
+        (["preprocessor_config.json"], "preprocessor_config.json (the image processor's settings)"),
+        (["tokenizer.json"], "tokenizer.json or vocab.json (the tokenizer)"),
+        (
+            ["model.safetensors"],
+            "model.safetensors or model.safetensors.index.json or pytorch_model.bin or pytorch_model.bin.index.json "
+            "(the weights)",
+        ),
+    ],
+)
+def test_a_model_directory_copied_in_part_is_one_sentence_before_any_job(
+    workdir, tiny_model_dir, tmp_path, remove, lacks
+):
+    """It was a transformers traceback with advice for the Hub, after prepare_split had run."""
+    partial = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, partial)
+    for name in remove:
+        (partial / name).unlink()
+
+    def use_partial_model(config):  # a study's own config: the demo's makes its model
+        config.clear()
+        config["model"] = {"path": str(partial)}
+        config["datasets"] = {"mine": {"image_root": "my/images", "splits": {"train": "my/train.jsonl"}}}
+        config["experiments"] = {"only": {"stages": [{"name": "main", "eval_splits": ["train"]}]}}
+
+    problem = f"lacks {lacks}: copy every file of the checkpoint there"
+    assert config_error(workdir, use_partial_model) == f"model.path: {partial} {problem}"
+    if remove != ["preprocessor_config.json"]:
+        return
+    # A job given it (the directory changed after the run began, or a script run by hand) says the same.
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/cache_images.py"), "--records", "none", "--model", str(partial)]
+        + ["--min-pixels", "4096", "--max-pixels", "16384", "--output", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1 and result.stderr == f"error: {partial}: {problem}\n"
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_one_sentence(tiny_model_dir, tmp_path):
+    from vlft.model_files import model_dir_problem
+
+    sharded = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert model_dir_problem(sharded) == (
+        "lacks model-00002-of-00002.safetensors (named by model.safetensors.index.json): "
+        "copy every file of the checkpoint there"
+    )
+    (sharded / "preprocessor_config.json").rename(sharded / "moved.json")
+    nested = {"image_processor": json.loads((sharded / "moved.json").read_text())}
+    (sharded / "processor_config.json").write_text(json.dumps(nested))
+    (sharded / "model-00001-of-00002.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert model_dir_problem(sharded) is None  # the processor's settings nested in processor_config.json do

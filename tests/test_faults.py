@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, copy_demo_upstream, planned_outputs, snakemake
+from conftest import REPO, copy_demo_upstream, copy_workflow, planned_outputs, snakemake
 from vlft.config import resolve_config
 from vlft.errors import ConfigError, DeviceError, InputError
-from vlft.files import atomic_path, read_jsonl, remove_inside
+from vlft.files import atomic_path, read_jsonl, remove_inside, write_jsonl
 from vlft.modeling import cuda_problem, require_gpus
 from vlft.plan import build_plan, retry_runtime
 
@@ -409,3 +409,65 @@ def test_a_full_disk_while_publishing_an_adapter_is_one_sentence_and_the_rerun_r
     ]
     # Published whole now: a later first attempt (a rerun forced with -f or -R) trains again.
     assert (finished / "published").exists()
+
+
+def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_selects_nothing_stops_the_dry_run(
+    tmp_path, tiny_model_dir
+):
+    """Two splits, colors in one and counts in the other: a filter for counts trains (it was refused,
+    "a.jsonl: the filter selects no records"), one for sizes stops the dry run in one sentence (it
+    passed it, and failed inside the GPU training job)."""
+    from vlft.demo.shapes import make_dataset
+
+    workdir = copy_workflow(tmp_path / "clone")
+    (workdir / "model").symlink_to(tiny_model_dir)
+    make_dataset({"all": workdir / "all.jsonl"}, workdir / "images", {"all": 4}, seed=0)
+    records = read_jsonl(workdir / "all.jsonl")
+    for name, category in (("a", "color"), ("b", "count")):
+        write_jsonl(workdir / f"{name}.jsonl", [r for r in records if r["category"] == category])
+    config = {
+        "model": {"path": "model"},
+        "datasets": {"mine": {"image_root": "images", "splits": {"a": "a.jsonl", "b": "b.jsonl"}}},
+        "experiments": {"x": {"stages": [{"name": "main", "train_splits": ["a", "b"], "eval_splits": ["a"]}]}},
+    }
+    stage = config["experiments"]["x"]["stages"][0]
+    stage["filter"] = {"category": "count"}
+    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
+    assert "results/train/x/main/adapter" in planned_outputs(workdir, "--configfile", "study.yaml")
+    stage["filter"] = {"category": ["size", "shape"]}
+    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", check=False)
+    assert result.returncode != 0 and not (workdir / "results").exists()
+    [line] = [line for line in (result.stdout + result.stderr).splitlines() if "Invalid config" in line]
+    assert line == (
+        "Invalid config: experiments.x.stages[0].filter: {'category': ['size', 'shape']} selects no record of "
+        "a.jsonl, b.jsonl, so the stage has nothing to train on"
+    )
+
+
+def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp_path):
+    """Where the raw splits did not exist when the workflow started (the demo's), the job checks."""
+    from vlft.modeling import load_tokenizer
+    from vlft.prompts import PromptBuilder
+    from vlft.stage_data import load_stage_data
+    from transformers import AutoConfig
+
+    inputs, _ = small_stage
+    records = read_jsonl(inputs.prepared[0])
+    for name, category in (("a", "color"), ("b", "count")):
+        write_jsonl(tmp_path / f"{name}.jsonl", [r for r in records if r["category"] == category])
+    splits, caches = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], inputs.caches * 2
+    image_token = AutoConfig.from_pretrained(inputs.model_dir).image_token_id
+    builder = PromptBuilder(load_tokenizer(inputs.model_dir), image_token)
+
+    def load(filters):
+        return load_stage_data(splits, caches, builder, filters, "cot", 512)
+
+    counts = [r for r in records if r["category"] == "count"]
+    assert counts and [r["id"] for r in load({"category": "count"}).records] == [r["id"] for r in counts]
+    with pytest.raises(InputError) as refused:
+        load({"category": "size"})
+    assert (
+        str(refused.value)
+        == f"{splits[0]}, {splits[1]}: the stage's filter {{'category': 'size'}} selects no record of its splits"
+    )

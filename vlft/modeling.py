@@ -15,6 +15,7 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 
 from vlft.errors import DeviceError
 from vlft.integrity import verify_adapter
+from vlft.model_files import require_model_dir
 
 
 def cuda_problem() -> str | None:
@@ -66,6 +67,7 @@ def attention_implementation(device: torch.device) -> str:
 
 def load_base_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
     """The base model with every weight frozen; only adapters added later train."""
+    require_model_dir(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(
         model_dir,
         dtype=dtype,
@@ -88,6 +90,7 @@ def rope_index(model):
 
 
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
+    require_model_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
         # Some checkpoints keep the chat template with the processor only.
@@ -98,6 +101,7 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
 
 
 def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False):
+    require_model_dir(model_dir)
     return AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 

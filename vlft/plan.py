@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError
+from vlft.records import filter_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every")
@@ -253,6 +255,12 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         raise ConfigError(f"{key}.min_pixels: larger than max_pixels")
     if settings["image_groups"] and not settings["packing"]:
         raise ConfigError(f"{key}.image_groups: needs packing: true (a group is laid out in one packed row)")
+    # On the stage's splits as a whole, from the raw records where they exist already (the demo's
+    # are made by a job: its training job checks them): before any job is queued, not in a GPU job.
+    train_records = [splits[split] for split in settings["train_splits"]]
+    if settings["filter"] and all(Path(path).is_file() for path in train_records):
+        if problem := filter_problem(train_records, settings["filter"]):
+            raise ConfigError(f"{key}.filter: {problem}, so the stage has nothing to train on")
 
 
 def _check_init_from(plan: Plan, stage: Stage) -> None:

@@ -132,15 +132,29 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
     return len(normalized)
 
 
-def select_records(records: list[dict], filters: dict, where: str) -> list[dict]:
-    """Keep the records whose fields match every filter (a value or a list of accepted values)."""
-    selected = records
-    for name, accepted in filters.items():
-        accepted = accepted if isinstance(accepted, list) else [accepted]
-        selected = [r for r in selected if r.get(name) in accepted]
-    if not selected:
-        raise InputError(where, f"the filter {filters} selects no records")
-    return selected
+def selected_by(record: dict, filters: dict) -> bool:
+    """Whether a record's fields match every filter (a value or a list of accepted values)."""
+    return all(record.get(name) in (v if isinstance(v, list) else [v]) for name, v in filters.items())
+
+
+def select_records(records: list[dict], filters: dict) -> list[dict]:
+    return [r for r in records if selected_by(r, filters)]
+
+
+def filter_problem(jsonl_paths: list[str | Path], filters: dict) -> str | None:
+    """Why a stage's filter cannot train (it selects no record of its splits, taken as a whole), or
+    None; read from the raw splits before any job runs, leniently: lines that do not parse are the
+    prepare step's to report, with their line numbers."""
+    for path in jsonl_paths:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and selected_by(record, filters):
+                    return None
+    return f"{filters} selects no record of {', '.join(str(p) for p in jsonl_paths)}"
 
 
 def order_records(

@@ -48,13 +48,15 @@ def load_stage_data(
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
         cache = open_cache(cache_dir)
-        split_records = select_records(read_jsonl(split_path), filters, split_path)
+        split_records = select_records(read_jsonl(split_path), filters)  # some splits may have none
         for record in split_records:
             if record["id"] not in cache.records:
                 raise InputError(cache_dir, f"record {record['id']} of {split_path} is not in the image cache")
             key = f"{split_path}#{record['id']}"
             records.append(dict(record, key=key))
             images[key] = (cache, cache.image_of(record["id"]))
+    if not records:  # checked when the workflow starts too, where the raw splits exist by then
+        raise InputError(", ".join(prepared), f"the stage's filter {filters} selects no record of its splits")
     frames = {}
     if answer_format == "click":
         frames = {r["key"]: convention.frame(r, grid_of(images, r["key"])) for r in records}

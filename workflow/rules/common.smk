@@ -9,6 +9,8 @@ from snakemake.exceptions import WorkflowError
 
 from vlft.config import resolve_config
 from vlft.errors import ConfigError
+from vlft.interrupt import stop_jobs_on_interrupt
+from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 from vlft.records import image_paths
 
@@ -16,6 +18,11 @@ try:
     # In place: the rules read `config` too. Keys the file leaves out take the schema's defaults.
     config.update(resolve_config(config))
     PLAN = build_plan(config)
+    # A checkpoint copied in part fails here, before any job. One not there yet leaves dry runs be
+    # (Snakemake names it as a missing input of the first job that reads it); the demo's is made by a rule.
+    model_path = Path(config["model"]["path"])
+    if "model" not in config.get("demo", {}) and model_path.exists() and (problem := model_dir_problem(model_path)):
+        raise ConfigError(f"model.path: {model_path} {problem}")
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
 
@@ -23,6 +30,9 @@ except ConfigError as err:
 # every process of the job, Snakemake's own included, and USR1's default action is to exit.
 # Snakemake ignores it, so that the job lives on while the trainer saves a checkpoint.
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+if workflow.is_main_process:
+    # Ctrl-C to the driver stops its jobs at a checkpoint, and the driver records their ends (vlft.interrupt).
+    stop_jobs_on_interrupt(workflow)
 
 RESULTS = config["results"]
 MODEL = config["model"]["path"]

@@ -1,0 +1,58 @@
+"""What a model directory must hold for every job to load it: checked when the config is read (so
+that a checkpoint copied in part fails in one sentence before any job runs) and again by the jobs
+that load it. Without it, transformers raised a traceback with advice for the Hub that does not
+apply, and only once prepare_split had run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlft.errors import InputError
+
+# Each need, and the files of which any one meets it (transformers' own names and fallbacks).
+NEEDS = {
+    "the model's config": ["config.json"],
+    "the tokenizer": ["tokenizer.json", "vocab.json"],
+    "the weights": [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ],
+}
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def model_dir_problem(model_dir: str | Path) -> str | None:
+    """Why `model_dir` cannot be loaded as a checkpoint (the files it lacks), or None; said of it."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return "is not a directory"
+    missing = [
+        f"{' or '.join(names)} ({need})"
+        for need, names in NEEDS.items()
+        if not any((model_dir / n).is_file() for n in names)
+    ]
+    if not _has_image_processor(model_dir):
+        missing.insert(1, "preprocessor_config.json (the image processor's settings)")
+    for index in WEIGHT_INDEXES:
+        if (model_dir / index).is_file():
+            shards = sorted(set(json.loads((model_dir / index).read_text()).get("weight_map", {}).values()))
+            missing += [f"{shard} (named by {index})" for shard in shards if not (model_dir / shard).is_file()]
+    if not missing:
+        return None
+    return f"lacks {', '.join(missing)}: copy every file of the checkpoint there"
+
+
+def require_model_dir(model_dir: str | Path) -> None:
+    if problem := model_dir_problem(model_dir):
+        raise InputError(model_dir, problem)
+
+
+def _has_image_processor(model_dir: Path) -> bool:
+    """preprocessor_config.json, or a processor_config.json that nests the image processor's settings."""
+    if (model_dir / "preprocessor_config.json").is_file():
+        return True
+    nested = model_dir / "processor_config.json"
+    return nested.is_file() and "image_processor" in json.loads(nested.read_text())
