@@ -3,6 +3,7 @@ complete, and never takes a half-written output for a complete one."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -110,3 +111,47 @@ def test_a_killed_driver_leaves_nothing_half_done_behind(demo_workdir, tmp_path)
     snakemake(workdir, "--cores", "2")
     assert (workdir / "results/report/index.html").exists()
     assert planned_jobs_with_reasons(workdir) == {}
+
+
+def test_ctrl_c_to_the_driver_alone_stops_its_training_job_at_a_checkpoint_and_the_rerun_resumes_there(
+    demo_workdir, tmp_path
+):
+    """`kill -INT` on Snakemake, not on its jobs: the training job saved nothing and ran on to its
+    end, its outputs were then taken for incomplete and the rerun trained the stage from step 0."""
+    workdir = copy_demo_upstream(demo_workdir, tmp_path / "work")
+    path = workdir / "config/config.yaml"
+    config = yaml.safe_load(path.read_text())
+    steps = 300  # long enough to be running when signalled, some 40 s on one core
+    config["experiments"] = {"exp1": config["experiments"]["exp1"]}
+    config["experiments"]["exp1"]["stages"][0]["max_steps"] = steps
+    path.write_text(yaml.safe_dump(config))
+    adapter = "results/train/exp1/main/adapter"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2", adapter],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # no terminal's Ctrl-C reaches the jobs: the driver alone is signalled
+    )
+    deadline = time.time() + 300
+    while not any(
+        len(log.read_text().splitlines()) >= 5 for log in workdir.glob("results/checkpoints/exp1/main/*/log.jsonl")
+    ):
+        assert driver.poll() is None and time.time() < deadline, "the stage ended or stalled before step 5"
+        time.sleep(0.1)
+    os.kill(driver.pid, signal.SIGINT)
+    output, _ = driver.communicate(timeout=120)
+    assert driver.returncode != 0 and "Ctrl-C: stopping" in output, output
+    assert running_jobs(driver.pid) == []  # none left behind, running on to its end
+    job_log = (workdir / "results/logs/train/exp1/main.log").read_text()
+    [step] = map(int, re.findall(rf"SIGINT received after step (\d+) of {steps}: saving a checkpoint", job_log))
+    assert 5 <= step < steps, job_log
+    assert [p.name for p in workdir.glob("results/checkpoints/exp1/main/*/step-*")][-1] == f"step-{step:08d}"
+    assert not (workdir / adapter).exists()
+
+    snakemake(workdir, "--cores", "2", adapter)
+    assert f"resuming from step {step}" in (workdir / "results/logs/train/exp1/main.log").read_text()
+    summary = json.loads((workdir / "results/train/exp1/main/summary.json").read_text())
+    assert summary["resumed_from_step"] == step and summary["steps"] == steps
+    assert adapter not in planned_jobs_with_reasons(workdir)
