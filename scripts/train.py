@@ -29,6 +29,7 @@ def main():
     parser.add_argument(
         "--attempt", type=int, default=1, help="Snakemake's attempt; a retry restores the outputs of a finished attempt"
     )
+    parser.add_argument("--tensorboard", help="where the stage's TensorBoard run goes, written as it trains")
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
@@ -69,6 +70,7 @@ def main():
             checkpoint_every=args.checkpoint_every,
             stop=stop,
             reuse_finished=args.attempt > 1,
+            curves_dir=args.tensorboard,
         )
     except Preempted as stopped:
         if main_process:

@@ -19,6 +19,7 @@ import yaml
 
 from conftest import REPO, copy_demo_upstream, copy_workflow, planned_outputs, snakemake
 from vlft.config import resolve_config
+from vlft.curves import SCALARS
 from vlft.errors import ConfigError, DeviceError, InputError
 from vlft.files import atomic_path, read_jsonl, remove_inside, write_jsonl
 from vlft.modeling import cuda_problem, require_gpus
@@ -471,3 +472,64 @@ def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp
         str(refused.value)
         == f"{splits[0]}, {splits[1]}: the stage's filter {{'category': 'size'}} selects no record of its splits"
     )
+
+
+class KilledAfter:
+    """A job killed after `steps` steps, with no chance to save (kill -9, a node lost)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.seen = steps, 0
+
+    def reason(self):
+        self.seen += 1
+        if self.seen == self.steps:
+            raise KeyboardInterrupt
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a TensorBoard run, as TensorBoard itself reads it: (step, value) in order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_a_stage_writes_its_curves_to_tensorboard_and_a_resumed_one_continues_them_without_duplicates(
+    small_stage, tmp_path
+):
+    """Killed after step 5 with its last checkpoint at 4: the rerun trains steps 5 and 6 again, and
+    TensorBoard shows steps 1 to 6 once each, with the values of the stage's final log."""
+    from vlft.train import train_stage
+
+    inputs, settings = small_stage
+    settings = settings | {"max_steps": 6, "micro_batch": 4}
+    stage, board = tmp_path / "train/exp/stage", tmp_path / "tensorboard/exp/stage"
+
+    def run(stop=None):
+        out = (stage / "adapter", stage / "log.jsonl", stage / "summary.json")
+        return train_stage(inputs, settings, *out, tmp_path / "ckpt", 2, stop, curves_dir=board)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(KilledAfter(5))
+    assert [step for step, _ in tensorboard_scalars(board)["train/loss"]] == [1, 2, 3, 4, 5]
+    assert run()["resumed_from_step"] == 4
+    log = read_jsonl(stage / "log.jsonl")
+    scalars = tensorboard_scalars(board)
+    assert sorted(scalars) == [f"train/{name}" for name in sorted(SCALARS)]
+    for name in SCALARS:
+        assert [step for step, _ in scalars[f"train/{name}"]] == [1, 2, 3, 4, 5, 6], name
+        # TensorBoard keeps float32: equal to the log's float64 within float32's rounding.
+        expected = [row[name] for row in log]
+        assert [value for _, value in scalars[f"train/{name}"]] == pytest.approx(expected, rel=2**-23, abs=1e-30), name
+    # A run of other settings (or a forced one) starts from step 0, and its curves afresh.
+    train_stage(
+        inputs,
+        settings | {"seed": 1},
+        *(stage / n for n in ("adapter", "log.jsonl", "summary.json")),
+        tmp_path / "ckpt",
+        2,
+        curves_dir=board,
+    )
+    assert [step for step, _ in tensorboard_scalars(board)["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert len(list(board.glob("events.out.tfevents.*"))) == 1

@@ -19,6 +19,7 @@ import os
 import resource
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from vlft import checkpoints, clicks, distributed
+from vlft.curves import Curves
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
 from vlft.errors import ConfigError, InputError
@@ -120,6 +122,7 @@ def train_stage(
     stop: StopRequest | None = None,
     dtype: torch.dtype | None = None,
     reuse_finished: bool = False,
+    curves_dir: str | Path | None = None,
 ) -> dict:
     """A run that finished its steps is kept (`finished` in its run directory) and restored rather
     than trained again where publishing it never completed (a full disk, a kill while it copied),
@@ -128,7 +131,7 @@ def train_stage(
     Otherwise, a new run or one forced with -f or -R, it trains. `dtype`: the model's, by default
     the device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts
     of one computation beyond float32 rounding. In a data-parallel job every process calls this;
-    the main one alone writes files."""
+    the main one alone writes files. `curves_dir`: where the stage's TensorBoard run goes (vlft.curves)."""
     started = time.time()
     group = distributed.join()
     run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
@@ -218,7 +221,8 @@ def train_stage(
     todo = range(first_step, len(steps))
     step_start = time.time()  # a step's time runs from the end of the one before: waits included
     # The bar is closed (its line ended) however the loop ends: an error's line then starts a line of its own.
-    with progress, open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
+    curves = Curves(curves_dir, first_step) if curves_dir and group.is_main else nullcontext()
+    with progress, curves, open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
         for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
             samples = [data.samples[key] for keys in steps[step] for key in keys]
             # Every answer token of the whole step, whichever process computes it.
@@ -247,6 +251,8 @@ def train_stage(
                 log.flush()
             except OSError as err:
                 raise storage_error(err, running_log) or err
+            if isinstance(curves, Curves):
+                curves.add(record)
             # Redrawn by update() at most every `mininterval` seconds, so SLURM logs stay small.
             progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             progress.update(1)

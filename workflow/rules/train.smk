@@ -25,6 +25,8 @@ rule train:
         init_adapter=get_init_adapter_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
+        # Live curves, also outside the outputs: a stopped attempt's continue in the retry's.
+        tensorboard=f"{RESULTS}/tensorboard/{{experiment}}/{{stage}}",
         # Every attempt's log, appended: Snakemake starts the declared log afresh for each attempt.
         attempts_log=f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.attempts.log",
     shell:
@@ -36,5 +38,5 @@ rule train:
         # (vlft.stopping).
         "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1 INT; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
