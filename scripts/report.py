@@ -16,12 +16,18 @@ def main():
     parser.add_argument("--summaries", nargs="+", required=True, help="summary.json of each trained stage")
     parser.add_argument("--logs", nargs="+", required=True, help="log.jsonl of each trained stage, in order")
     parser.add_argument("--stages", nargs="+", required=True, help="experiment/stage of each, in order")
+    parser.add_argument(
+        "--init-from", nargs="+", required=True, help="experiment/stage each started from ('-' for none), in order"
+    )
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
     per_evaluation = (args.metrics, args.predictions, args.prepared, args.evaluations)
-    if not (len(set(map(len, per_evaluation))) == 1 and len(args.summaries) == len(args.logs) == len(args.stages)):
+    if not (
+        len(set(map(len, per_evaluation))) == 1
+        and len(args.summaries) == len(args.logs) == len(args.stages) == len(args.init_from)
+    ):
         raise InputError(
-            "--metrics/--predictions/--prepared/--evaluations, --summaries/--logs/--stages",
+            "--metrics/--predictions/--prepared/--evaluations, --summaries/--logs/--stages/--init-from",
             "each list needs one entry per job",
         )
     evaluations = [
@@ -31,8 +37,8 @@ def main():
         )
     ]
     stages = [
-        TrainedStage(*label.split("/"), summary, log)
-        for label, summary, log in zip(args.stages, args.summaries, args.logs)
+        TrainedStage(*label.split("/"), summary, log, "" if start == "-" else start)
+        for label, summary, log, start in zip(args.stages, args.summaries, args.logs, args.init_from)
     ]
     write_report(evaluations=evaluations, stages=stages, output_dir=args.output_dir)
     print(f"wrote {args.output_dir}/index.html")

@@ -73,6 +73,16 @@ def test_adapter_loads_with_peft_and_log_has_every_field(demo_workdir):
     assert log[-1]["loss"] < log[0]["loss"] / 3
     # Checkpoints served their purpose and are gone; they were never declared outputs.
     assert not list((demo_workdir / "results/checkpoints").glob("*/*/*/step-*"))
+    # Every stage's curves, one TensorBoard run each.
+    stages = {
+        p.parent.relative_to(demo_workdir / "results/train")
+        for p in (demo_workdir / "results/train").glob("*/*/adapter")
+    }
+    runs = {
+        p.parent.relative_to(demo_workdir / "results/tensorboard")
+        for p in (demo_workdir / "results/tensorboard").glob("*/*/events.out.tfevents.*")
+    }
+    assert runs == stages and len(stages) >= 8
 
 
 def test_chain_of_thought_stage_generates_reasoning_then_answer(demo_workdir):

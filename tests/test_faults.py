@@ -409,7 +409,7 @@ def test_a_full_disk_while_publishing_an_adapter_is_one_sentence_and_the_rerun_r
         "./stage/summary.json",
     ]
     # Published whole now: a later first attempt (a rerun forced with -f or -R) trains again.
-    assert (finished / "published").exists()
+    assert not (finished / "unpublished").exists()
 
 
 def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_selects_nothing_stops_the_dry_run(

@@ -53,7 +53,7 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     page = demo_workdir / "results/report/index.html"
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
-    # Two charts and three tables, then the examples: per evaluation (the base model and 9 stages on
+    # Two charts and four tables, then the examples: per evaluation (the base model and 9 stages on
     # the shapes' val and test, the base model and the click stage on the screens' test: 22) a table
     # of its first 3 right and 3 wrong answers, each with its image.
     evaluations = 2 * (9 + 1) + 2
@@ -62,7 +62,7 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
     assert evaluations * 3 <= len(example_rows) <= evaluations * 6
     assert len(browser.find_elements("css selector", "img")) == 2 + len(example_rows)
-    assert len(browser.find_elements("css selector", "table")) == 3 + evaluations
+    assert len(browser.find_elements("css selector", "table")) == 4 + evaluations
     # The click stage's examples say which colour is which on their drawings.
     click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
     assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
@@ -144,3 +144,71 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
     assert browser.find_element("css selector", "table.examples tr.wrong td:nth-child(2)").text == "What <i>colour</i>?"
     image = browser.find_element("css selector", "table.examples img")
     assert max(image.get_property("naturalWidth"), image.get_property("naturalHeight")) == 160
+
+
+def table_rows(driver, heading: str) -> list[dict]:
+    """The table after an h2 of the page, as the reader sees it: header -> cell text, per row."""
+    return driver.execute_script(
+        """
+        const h2 = [...document.querySelectorAll('h2')].find(h => h.textContent === arguments[0]);
+        let node = h2.nextElementSibling;
+        while (!node.querySelector('table')) node = node.nextElementSibling;
+        const table = node.querySelector('table');
+        const names = [...table.querySelectorAll('thead th')].map(th => th.textContent);
+        return [...table.querySelectorAll('tbody tr')].map(
+            tr => Object.fromEntries([...tr.children].map((td, i) => [names[i], td.textContent])));
+        """,
+        heading,
+    )
+
+
+def test_the_report_names_the_winner_and_fits_a_laptop_screen(browser, demo_workdir):
+    """At 1,280 pixels: no table cut off (each scrolls in its own box), who won each split, each
+    stage's gain over the base model and over the stage it started from, repeats flagged."""
+    import pandas as pd
+
+    browser.set_window_size(1280, 900)
+    assert problems(browser, demo_workdir / "results/report/index.html") == []
+    layout = browser.execute_script("""
+        const page = document.documentElement.clientWidth;
+        return {
+            page_overflows: document.documentElement.scrollWidth > page,
+            tables: [...document.querySelectorAll('table')].map(t => {
+                const box = t.parentElement;
+                return {boxed: box.matches('div.scroll'), right: box.getBoundingClientRect().right, page,
+                        scrolls: getComputedStyle(box).overflowX, reachable: box.scrollWidth >= t.offsetWidth};
+            }),
+        };
+        """)
+    assert not layout["page_overflows"]
+    for table in layout["tables"]:
+        assert table["boxed"] and table["right"] <= table["page"] and table["reachable"], table
+        assert table["scrolls"] == "auto", table
+
+    results = pd.read_csv(demo_workdir / "results/report/results.csv")
+    trained = results[results.experiment != "base"]
+    won = table_rows(browser, "Who won")
+    assert [(row["dataset"], row["split"]) for row in won] == sorted(set(zip(trained.dataset, trained.split)))
+    for row in won:
+        jobs = trained[(trained.dataset == row["dataset"]) & (trained.split == row["split"])]
+        best = jobs[jobs.accuracy == jobs.accuracy.max()]
+        assert row["best"] == ", ".join(best.experiment + "/" + best.stage)
+        assert float(row["accuracy"]) == pytest.approx(best.accuracy.iloc[0], abs=5e-4)
+
+    shown = {(r["experiment"], r["stage"], r["split"]): r for r in table_rows(browser, "Results")}
+    accuracy = {k: float(r["accuracy"]) for k, r in shown.items()}
+    for split in ("val", "test"):
+        # A curriculum's stage beside the one it started from.
+        stage2 = shown[("exp3", "stage2", split)]
+        assert stage2["started_from"] == "exp3/stage1"
+        assert float(stage2["gain_over_start"]) == pytest.approx(
+            accuracy[("exp3", "stage2", split)] - accuracy[("exp3", "stage1", split)], abs=2e-3
+        )
+        assert shown[("exp3", "stage1", split)]["gain_over_start"] == ""
+        # The demo's exp4 stage 1 trains on the records of exp3 stage 1 (difficulty 1-2 are the
+        # colour and yes/no questions), in the same order, with the same settings.
+        assert shown[("exp4", "stage1", split)]["repeats"] == "exp3/stage1"
+        assert [k for k, r in shown.items() if r["repeats"] and k[2] == split] == [("exp4", "stage1", split)]
+    # One panel per experiment, two a row: a picture taller than wide for the demo's seven.
+    losses = browser.find_element("css selector", "img[alt^='training loss curves']")
+    assert losses.get_property("naturalHeight") > losses.get_property("naturalWidth")

@@ -36,6 +36,11 @@ class TrainedStage:
     stage: str
     summary: str  # its summary.json
     log: str  # its per-step log.jsonl
+    init_from: str = ""  # experiment/stage of the adapter it started from, if any
+
+    @property
+    def label(self) -> str:
+        return f"{self.experiment}/{self.stage}"
 
 
 def collect(
@@ -77,6 +82,16 @@ def collect(
     base = results[results.experiment == BASE_EXPERIMENT].set_index(["dataset", "split"])["accuracy"]
     results["base_accuracy"] = [base.get((d, s)) for d, s in zip(results["dataset"], results["split"])]
     results["gain_over_base"] = results["accuracy"] - results["base_accuracy"]
+    # And beside the stage it started from (a curriculum's step), on the same split.
+    labels = results.experiment + "/" + results.stage
+    accuracy = dict(zip(zip(labels, results.dataset, results.split), results.accuracy))
+    starts = {trained.label: trained.init_from for trained in stages if trained.init_from}
+    results["started_from"] = [starts.get(label, "") for label in labels]
+    results["gain_over_start"] = [
+        accuracy.get((start, d, s), float("nan")) if start else float("nan")
+        for start, d, s in zip(results.started_from, results.dataset, results.split)
+    ]
+    results["gain_over_start"] = results.accuracy - results.gain_over_start
     results = results.sort_values(["experiment", "stage", "split"]).reset_index(drop=True)
     categories = (
         pd.DataFrame(category_rows)
@@ -91,7 +106,56 @@ def collect(
         summary.pop("adapter_crc32", None)  # for checking the adapter, not for reading
         job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})
     jobs = pd.DataFrame(job_rows).sort_values(["experiment", "stage"]).reset_index(drop=True)
+    repeats = repeated_stages(jobs)
+    jobs["repeats"] = [repeats.get(f"{e}/{s}", "") for e, s in zip(jobs.experiment, jobs.stage)]
+    results["repeats"] = [repeats.get(label, "") for label in results.experiment + "/" + results.stage]
     return results, categories, jobs
+
+
+def repeated_stages(jobs: pd.DataFrame) -> dict[str, str]:
+    """Each stage that trained on the very data, in the very order, with the very settings of an
+    earlier one (its filter may read otherwise): its label -> the earlier one's. Its results repeat
+    that stage's; they are no second finding."""
+    first: dict[str, str] = {}
+    repeats = {}
+    for experiment, stage, fingerprint in zip(jobs.experiment, jobs.stage, jobs.get("data_and_settings", [])):
+        if not isinstance(fingerprint, str):  # a summary of an earlier version: unknown
+            continue
+        label = f"{experiment}/{stage}"
+        if fingerprint in first:
+            repeats[label] = first[fingerprint]
+        else:
+            first[fingerprint] = label
+    return repeats
+
+
+def winners(results: pd.DataFrame) -> pd.DataFrame:
+    """Per evaluated split of each dataset, the trained stage(s) of the best accuracy (all of them
+    where they tie), with their gain over the base model."""
+    trained = results[results.experiment != BASE_EXPERIMENT]
+    rows = []
+    for (dataset, split), jobs in trained.groupby(["dataset", "split"], sort=True):
+        best = jobs[jobs.accuracy == jobs.accuracy.max()]
+        rows.append(
+            {
+                "dataset": dataset,
+                "split": split,
+                "best": ", ".join(best.experiment + "/" + best.stage),
+                "accuracy": best.accuracy.iloc[0],
+                "gain_over_base": best.gain_over_base.iloc[0],
+                "runner_up": _runner_up(jobs, best.accuracy.iloc[0]),
+                "n": best.n.iloc[0],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _runner_up(jobs: pd.DataFrame, best: float) -> str:
+    rest = jobs[jobs.accuracy < best]
+    if rest.empty:
+        return ""
+    second = rest[rest.accuracy == rest.accuracy.max()]
+    return f"{', '.join(second.experiment + '/' + second.stage)} ({second.accuracy.iloc[0]:.3f})"
 
 
 def _save_png(fig, path: Path) -> str:
@@ -106,20 +170,34 @@ def _save_png(fig, path: Path) -> str:
 
 
 def loss_curves(stages: list[TrainedStage], path: Path) -> str:
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for trained in stages:
-        log = read_jsonl(trained.log)
-        ax.plot(
-            [r["step"] for r in log],
-            [r["loss"] for r in log],
-            label=f"{trained.experiment}/{trained.stage}",
-            linewidth=1.2,
-        )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (per answer token)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8, ncol=2)
-    ax.grid(alpha=0.3)
+    """One panel per experiment; a curriculum's stages one after the other, each from the step
+    where the stage it started from ended."""
+    logs = {trained.label: read_jsonl(trained.log) for trained in stages}
+    by_label = {trained.label: trained for trained in stages}
+
+    def offset(trained: TrainedStage) -> int:
+        start = by_label.get(trained.init_from)
+        return offset(start) + len(logs[start.label]) if start else 0
+
+    experiments = sorted({trained.experiment for trained in stages})
+    columns = min(2, len(experiments))
+    rows = -(-len(experiments) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    for ax, experiment in zip(axes.flat, experiments):
+        for trained in (t for t in stages if t.experiment == experiment):
+            start = offset(trained)
+            log = logs[trained.label]
+            ax.plot([start + r["step"] for r in log], [r["loss"] for r in log], label=trained.stage, linewidth=1.2)
+        ax.set_title(experiment, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("training loss (per answer token)", fontsize=8)
+    for ax in list(axes.flat)[len(experiments) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
     return _save_png(fig, path)
 
 
@@ -215,8 +293,8 @@ def examples_html(evaluations: list[Evaluation]) -> str:
         legend = "<p>Green: the target box; red: the point answered.</p>" if clicks else ""
         sections.append(
             f"<details><summary>{label}: {len(right)} right, {len(wrong)} wrong</summary>{legend}"
-            '<table class="t examples"><tr><th>image</th><th>question</th><th>reference</th>'
-            f"<th>answer</th><th></th></tr>{rows}</table></details>"
+            '<div class="scroll"><table class="t examples"><tr><th>image</th><th>question</th><th>reference</th>'
+            f"<th>answer</th><th></th></tr>{rows}</table></div></details>"
         )
     return "".join(sections)
 
@@ -229,7 +307,13 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             table.to_csv(tmp, index=False, float_format="%.4f")
 
     def table_html(frame: pd.DataFrame) -> str:
-        return frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0)
+        """A table that scrolls inside its own box where it is wider than the page, never cut off."""
+        table = frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0, na_rep="")
+        return f'<div class="scroll">{table}</div>'
+
+    # The columns a reader compares first, then the rest.
+    first = ["experiment", "stage", "split", "accuracy", "gain_over_base", "gain_over_start", "started_from", "repeats"]
+    results_shown = results[first + [c for c in results.columns if c not in first]]
 
     charts = category_chart(categories, output_dir / "accuracy_by_category.png")
     losses = loss_curves(stages, output_dir / "loss_curves.png")
@@ -247,13 +331,16 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             "final_loss",
             "resumed_from_step",
             "device",
+            "repeats",
         )
         if c in jobs
     ]
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 72rem; color: #222; }}
+body {{ font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 72rem; color: #222; }}
+div.scroll {{ overflow-x: auto; max-width: 100%; margin-bottom: 1.5rem; }}
+div.scroll table.t {{ margin-bottom: 0; }}
 table.t {{ border-collapse: collapse; font-size: 0.9rem; margin-bottom: 1.5rem; }}
 table.t th, table.t td {{ padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd; text-align: right; }}
 table.t th {{ background: #f3f3f3; }}
@@ -264,10 +351,16 @@ img {{ max-width: 100%; }}
 <h1>Experiment report</h1>
 <p>Every trained stage on every evaluated split, beside the untrained base model (experiment <code>{BASE_EXPERIMENT}</code>) on the same split of the same dataset (its stage is <code>{BASE_STAGE}</code> on the defaults' dataset, else the dataset's name).
 Accuracy compares the final answer parsed out of each generated answer with the reference's; for a click stage, it is whether the point answered lands in the target's box.</p>
-<h2>Results</h2>{table_html(results)}
+<h2>Who won</h2>
+<p>Per evaluated split, the trained stage of the best accuracy (every one, where they tie), its gain over the base model, and the next best.</p>
+{table_html(winners(results))}
+<h2>Results</h2>
+<p><code>gain_over_start</code>: over the stage it started from (<code>started_from</code>, by <code>init_from</code>), on the same split. <code>repeats</code>: an earlier stage that trained on the very records, in the very order, with the very settings (its filter may read otherwise), whose results these repeat: no second finding.</p>
+{table_html(results_shown)}
 <h2>Accuracy by category</h2>{table_html(categories)}
 <img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">
-<h2>Training loss</h2><img alt="training loss curves" src="data:image/png;base64,{losses}">
+<h2>Training loss</h2><p>One panel per experiment; a curriculum's stages one after the other.</p>
+<img alt="training loss curves, one panel per experiment" src="data:image/png;base64,{losses}">
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 <h2>Example answers</h2>
 <p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>

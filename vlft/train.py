@@ -54,10 +54,11 @@ from vlft.stage_data import load_stage_data, uses_vision_cache
 from vlft.stopping import StopRequest
 from vlft.vision_cache import use_vision_cache
 
-# In a run directory: the outputs of a run that finished its steps, and in them, the mark that
-# they reached the workflow's paths whole.
+# In a run directory: the outputs of a run that finished its steps, and in them, until they have
+# reached the workflow's paths whole, a mark that they have not. (A mark of what is missing, so that
+# a finished run of an earlier version, which has none, counts as published.)
 FINISHED = "finished"
-PUBLISHED = "published"
+UNPUBLISHED = "unpublished"
 
 
 class Preempted(Exception):
@@ -136,7 +137,7 @@ def train_stage(
     group = distributed.join()
     run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
     finished = run_dir / FINISHED
-    restore = (finished / "summary.json").exists() and (reuse_finished or not (finished / PUBLISHED).exists())
+    restore = (finished / "summary.json").exists() and (reuse_finished or (finished / UNPUBLISHED).exists())
     if group.size > 1:
         restore = distributed.gathered(restore)[0]  # as the main process saw it, before it changes anything
     if restore:
@@ -289,6 +290,7 @@ def train_stage(
         **_throughput(rows),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "data_and_settings": training_fingerprint(inputs, settings, steps),
     }
     with atomic_path(finished) as tmp:
         tmp.mkdir()
@@ -296,6 +298,7 @@ def train_stage(
         summary["adapter_crc32"] = adapter_checksums(tmp / "adapter")  # checked wherever it is loaded
         shutil.copyfile(running_log, tmp / "log.jsonl")
         write_json(tmp / "summary.json", summary)
+        (tmp / UNPUBLISHED).touch()
     for checkpoint in run_dir.glob("step-*"):
         remove_inside(checkpoint, run_dir)
     running_log.unlink()
@@ -305,14 +308,14 @@ def train_stage(
 
 
 def _publish(finished: Path, adapter_out, log_out, summary_out) -> dict:
-    """Copy a finished run's outputs to the workflow's paths, each complete or not at all, then mark
-    the run published: until then, any rerun restores it."""
+    """Copy a finished run's outputs to the workflow's paths, each complete or not at all, then remove
+    the run's mark that they are not: until then, any rerun restores it."""
     with atomic_path(adapter_out) as tmp:
         shutil.copytree(finished / "adapter", tmp)
     for name, target in (("log.jsonl", log_out), ("summary.json", summary_out)):
         with atomic_path(target) as tmp:
             shutil.copyfile(finished / name, tmp)
-    (finished / PUBLISHED).touch()
+    (finished / UNPUBLISHED).unlink(missing_ok=True)
     return json.loads((finished / "summary.json").read_text())
 
 
@@ -369,15 +372,29 @@ def _throughput(rows: list[dict]) -> dict:
 def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict, clean: bool) -> Path:
     """This exact stage's checkpoint directory: its settings and the content of its inputs. Those of
     the stage's earlier settings go: no run of this stage will resume them."""
-    fingerprinted = inputs.prepared + [Path(c) / INDEX for c in inputs.caches]
-    if inputs.init_adapter:
-        fingerprinted.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
-    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, fingerprinted)
+    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, _input_files(inputs))
     for earlier in Path(checkpoint_root).glob("*") if clean else ():
         if earlier != run_dir:
             remove_inside(earlier, checkpoint_root)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def _input_files(inputs: StageInputs) -> list[Path]:
+    """The files whose content a stage computes from: its records, its caches' indexes (each image's
+    checksum), the adapter it starts from."""
+    files = [Path(p) for p in inputs.prepared] + [Path(c) / INDEX for c in inputs.caches]
+    if inputs.init_adapter:
+        files.append(Path(inputs.init_adapter) / "adapter_model.safetensors")
+    return files
+
+
+def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:
+    """What a stage trained on, however its config said it: its inputs' content, its settings with
+    the filter replaced by the records it selected, and every step's records in order. Two stages
+    with one fingerprint compute the same adapter (the report says so: a repeat is no second finding)."""
+    computed = {k: v for k, v in settings.items() if k != "filter"} | {"steps": steps}
+    return checkpoints.fingerprint(computed, _input_files(inputs))
 
 
 def _resume(run_dir: Path, running_log: Path, model, optimizer, scheduler, truncate_log: bool) -> int:

@@ -213,9 +213,11 @@ def get_report_inputs(wildcards):
 
 
 def get_report_labels(wildcards):
-    """What the report's inputs are of: experiment/stage/split per evaluation, experiment/stage per stage."""
+    """What the report's inputs are of: experiment/stage/split per evaluation, experiment/stage per stage
+    and the stage it started from."""
     evaluations, stages = report_jobs()
     return {
         "evaluations": " ".join("/".join(job) for job in evaluations),
         "stages": " ".join(s.id for s in stages),
+        "init_from": " ".join(s.init_from or "-" for s in stages),
     }

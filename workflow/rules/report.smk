@@ -26,4 +26,5 @@ rule report:
         "python scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
         "--prepared {input.prepared:q} --evaluations {params.labels[evaluations]} "
         "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
+        "--init-from {params.labels[init_from]} "
         "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
