@@ -385,3 +385,19 @@ def test_a_sharded_checkpoint_missing_a_shard_is_one_sentence(tiny_model_dir, tm
     (sharded / "model-00001-of-00002.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
     (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert model_dir_problem(sharded) is None  # the processor's settings nested in processor_config.json do
+
+
+def test_predict_on_what_is_no_trained_stage_is_one_sentence(tmp_path):
+    command = [sys.executable, str(REPO / "scripts/predict.py"), str(tmp_path), "--image", "x.png", "--question", "?"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == (
+        f"error: {tmp_path}: not a trained stage (no summary.json): give results/train/<experiment>/<stage>\n"
+    )
+    (tmp_path / "summary.json").write_text('{"steps": 3}')
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == (
+        f"error: {tmp_path / 'summary.json'}: records no base model or answer settings (an earlier version): "
+        "train it again\n"
+    )
+    result = subprocess.run(command[:3], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == "error: arguments: give --image and --question, or --questions\n"

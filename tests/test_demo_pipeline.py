@@ -2,11 +2,14 @@
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from peft import PeftModel
 
+from conftest import REPO
 from vlft.modeling import load_base_model
 
 EXPERIMENT_STAGES = [
@@ -112,3 +115,37 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
         assert float(row["base_accuracy"]) == base, (experiment, stage)  # pandas writes floats that read back exactly
     jobs = (report / "jobs.csv").read_text().splitlines()
     assert len(jobs) == 1 + len(EXPERIMENT_STAGES) and "wall_time_s" in jobs[0]
+
+
+@pytest.mark.parametrize("experiment, dataset", [("exp5", "shapes"), ("click", "screens")])
+def test_predict_answers_as_the_stages_evaluation_does(demo_workdir, tmp_path, experiment, dataset):
+    """scripts/predict.py, given the stage alone, finds its base model, pixels and answer format, and
+    answers each record of the test split as the evaluation did; a click's point is drawn."""
+    from PIL import Image
+
+    records = [json.loads(line) for line in (demo_workdir / f"results/prepared/{dataset}/test.jsonl").open()][:6]
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("".join(json.dumps({"image": r["image_path"], "question": r["question"]}) + "\n" for r in records))
+    # Images relative to the questions' file: here, the demo's folder.
+    (tmp_path / "results").symlink_to(demo_workdir / "results")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/predict.py"), str(demo_workdir / f"results/train/{experiment}/main")]
+        + ["--questions", str(asked), "--drawn", str(tmp_path / "drawn")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    evaluated = [
+        json.loads(line) for line in (demo_workdir / f"results/eval/{experiment}/main/test/predictions.jsonl").open()
+    ]
+    assert [a["answer"] for a in answers] == [p["prediction"] for p in evaluated[: len(records)]]
+    assert [a["question"] for a in answers] == [r["question"] for r in records]
+    if experiment == "click":
+        assert [a["point"] for a in answers] == [p["point"] for p in evaluated[: len(records)]]
+        for answer, record in zip(answers, records):
+            with Image.open(answer["drawn"]) as drawn:
+                assert drawn.size == (record["width"], record["height"])
+    else:
+        assert not (tmp_path / "drawn").exists()

@@ -255,6 +255,23 @@ def run_click_plan(command, fixture, tmp_path):
     assert {"results/clicks/train/click/main/adapter", *evaluations} <= planned, planned
 
 
+def run_predict(command, fixture, tmp_path):
+    """In a directory of its own beside the demo's results: the answer is the evaluation's to that
+    record (the first of the test split), and a click is drawn."""
+    import json
+
+    demo = fixture("demo_workdir")
+    for part in ("results", "scripts"):
+        (tmp_path / part).symlink_to(demo / part)
+    answers = [json.loads(line) for line in shell(command, tmp_path).splitlines() if line.startswith("{")]
+    experiment = command.split("results/train/")[1].split("/")[0]
+    evaluated = json.loads((demo / f"results/eval/{experiment}/main/test/predictions.jsonl").open().readline())
+    assert [a["answer"] for a in answers] == [evaluated["prediction"]] and evaluated["id"].startswith("00000")
+    assert [Path(a["drawn"]).is_file() for a in answers if experiment == "click"] == (
+        [True] if experiment == "click" else []
+    )
+
+
 RUNNERS = {
     "pip install -e . && snakemake --cores all": run_quick_start_demo,
     TEST_COMMAND: run_test_suite,
@@ -276,6 +293,10 @@ RUNNERS = {
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
+    "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
+    '--question "How many shapes are there?"': run_predict,
+    "python scripts/predict.py results/train/click/main --image results/demo/screens/images/test/00000.png "
+    '--question "Click the OK button."': run_predict,
 }
 
 

@@ -103,7 +103,8 @@ def collect(
     job_rows = []
     for trained in stages:
         summary = json.loads(Path(trained.summary).read_text())
-        summary.pop("adapter_crc32", None)  # for checking the adapter, not for reading
+        for key in ("adapter_crc32", "model", "answering"):  # for using the adapter, not for reading
+            summary.pop(key, None)
         job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})
     jobs = pd.DataFrame(job_rows).sort_values(["experiment", "stage"]).reset_index(drop=True)
     repeats = repeated_stages(jobs)
@@ -232,15 +233,19 @@ def escaped(text: str) -> str:
     return "".join(f"\\x{ord(c):02x}" if ord(c) < 32 and c not in "\n\t" else c for c in html.escape(text))
 
 
-def thumbnail_jpeg(path: str, box: list[float] | None = None, point: list[float] | None = None) -> bytes:
-    """The image shrunk to a thumbnail, as a JPEG; for a click, the target box (green) and the
-    predicted point (red) drawn on it, both given in pixels of the original image."""
+def thumbnail_jpeg(
+    path: str, box: list[float] | None = None, point: list[float] | None = None, size: int | None = THUMBNAIL_PX
+) -> bytes:
+    """The image shrunk to a thumbnail (`size` pixels on its long side; None: as it is), as a JPEG;
+    for a click, the target box (green) and the predicted point (red) drawn on it, both given in
+    pixels of the original image."""
     from PIL import Image, ImageDraw, ImageOps
 
     with Image.open(path) as image:
         small = ImageOps.exif_transpose(image).convert("RGB")
-        scale = THUMBNAIL_PX / max(small.size)
-        small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+        size = size or max(small.size)
+        scale = size / max(small.size)
+        small.thumbnail((size, size))
     scale = min(scale, 1.0)  # thumbnail() never enlarges
     pen = ImageDraw.Draw(small)
     if box is not None:

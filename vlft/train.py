@@ -59,6 +59,8 @@ from vlft.vision_cache import use_vision_cache
 # a finished run of an earlier version, which has none, counts as published.)
 FINISHED = "finished"
 UNPUBLISHED = "unpublished"
+# The settings that say how a stage's model reads images and answers (vlft.plan.Plan.eval_settings').
+ANSWERING_KEYS = ("answer_format", "min_pixels", "max_pixels", "max_seq_len")
 
 
 class Preempted(Exception):
@@ -291,6 +293,13 @@ def train_stage(
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "data_and_settings": training_fingerprint(inputs, settings, steps),
+        # How the adapter is used, for predict.py: the base model, and how images and answers were made.
+        "model": {
+            "path": inputs.model_dir,  # as the config gave it: relative to the workflow's directory, maybe
+            "resolved": str(Path(inputs.model_dir).resolve()),
+            "trust_remote_code": inputs.trust_remote_code,
+        },
+        "answering": {k: settings[k] for k in ANSWERING_KEYS},
     }
     with atomic_path(finished) as tmp:
         tmp.mkdir()
