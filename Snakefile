@@ -21,6 +21,7 @@ include: "workflow/rules/cache.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/export.smk"
 
 
 if "demo" in config:

@@ -149,3 +149,74 @@ def test_predict_answers_as_the_stages_evaluation_does(demo_workdir, tmp_path, e
                 assert drawn.size == (record["width"], record["height"])
     else:
         assert not (tmp_path / "drawn").exists()
+
+
+def test_an_exported_stage_loads_alone_and_answers_as_its_evaluation(demo_workdir, tmp_path):
+    """`snakemake results/export/exp4/stage2`: transformers loads it with from_pretrained alone; its
+    logits are base + adapter's; its answers on the test split are the evaluation's, word for word."""
+    import yaml
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from conftest import snakemake
+    from vlft.evaluate import evaluate_split
+    from vlft.plan import build_plan
+
+    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2")
+    export = demo_workdir / "results/export/exp4/stage2"
+    stage = demo_workdir / "results/train/exp4/stage2"
+    config = yaml.safe_load((demo_workdir / "config/config.yaml").read_text())
+    plan = build_plan(config)
+    settings = plan.stage("exp4", "stage2").settings
+    size = AutoImageProcessor.from_pretrained(export).size
+    assert (size["shortest_edge"], size["longest_edge"]) == (settings["min_pixels"], settings["max_pixels"])
+    assert AutoTokenizer.from_pretrained(export).chat_template
+    card = (export / "README.md").read_text()
+    assert "# exp4/stage2" in card and "Started from the adapter of `exp4/stage1`." in card
+
+    # Text through both in float64: the merge rounds each merged weight once to the checkpoint's
+    # float32 (2^-24 of it); through 2 layers of 64-wide sums that stays near 1e-6 of the logits,
+    # where an adapter left out or merged twice moves them by far more than 1e-3.
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float64).eval()
+    base = load_base_model(demo_workdir / "results/demo/tiny-qwen3-vl", torch.device("cpu"), torch.float64)
+    unmerged = PeftModel.from_pretrained(base, str(stage / "adapter")).eval()
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, unmerged(input_ids=ids).logits
+    scale = b.abs().max()
+    assert (a - b).abs().max() <= 1e-5 * scale
+    with torch.no_grad(), unmerged.disable_adapter():
+        plain = unmerged(input_ids=ids).logits
+    assert (plain - b).abs().max() > 1e-3 * scale  # the adapter changes them: the check above can fail
+
+    eval_settings = plan.eval_settings("exp4", "stage2", resolve_evaluation(config))
+    evaluate_split(
+        str(export),
+        None,
+        str(demo_workdir / "results/prepared/shapes/test.jsonl"),
+        str(demo_workdir / "results/cache/images/shapes/test/4096-16384"),
+        eval_settings,
+        tmp_path / "predictions.jsonl",
+        tmp_path / "metrics.json",
+    )
+    ours = [json.loads(line)["prediction"] for line in (tmp_path / "predictions.jsonl").open()]
+    evaluated = [
+        json.loads(line)["prediction"]
+        for line in (demo_workdir / "results/eval/exp4/stage2/test/predictions.jsonl").open()
+    ]
+    assert ours == evaluated
+
+
+def resolve_evaluation(config: dict) -> dict:
+    from vlft.config import resolve_config
+
+    return resolve_config(config)["evaluation"]
+
+
+def test_vllm_serves_an_exported_stage(demo_workdir):
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (it needs a CUDA GPU)")
+    from conftest import snakemake
+
+    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2")
+    model = vllm.LLM(str(demo_workdir / "results/export/exp4/stage2"), max_model_len=512)
+    [output] = model.generate(["Hello"], vllm.SamplingParams(max_tokens=4, temperature=0))
+    assert output.outputs[0].token_ids

@@ -255,6 +255,17 @@ def run_click_plan(command, fixture, tmp_path):
     assert {"results/clicks/train/click/main/adapter", *evaluations} <= planned, planned
 
 
+def run_export(command, fixture, tmp_path):
+    """In the demo's directory (an output no other job reads); what it holds is checked in
+    tests/test_demo_pipeline.py."""
+    demo = fixture("demo_workdir")
+    shell(command, demo)
+    export = demo / "results/export/exp4/stage2"
+    assert {"model.safetensors", "config.json", "preprocessor_config.json", "README.md"} <= {
+        p.name for p in export.iterdir()
+    }
+
+
 def run_predict(command, fixture, tmp_path):
     """In a directory of its own beside the demo's results: the answer is the evaluation's to that
     record (the first of the test split), and a click is drawn."""
@@ -293,6 +304,7 @@ RUNNERS = {
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
+    "snakemake --cores all results/export/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
     '--question "How many shapes are there?"': run_predict,
     "python scripts/predict.py results/train/click/main --image results/demo/screens/images/test/00000.png "

@@ -182,6 +182,20 @@ def get_eval_inputs(wildcards):
     return inputs
 
 
+def get_export_inputs(wildcards):
+    """The base model, the stage's outputs, and its evaluations (for the model card)."""
+    stage = get_stage(wildcards)
+    return {
+        "model": MODEL,
+        "adapter": adapter_path(wildcards.experiment, wildcards.stage),
+        "summary": stage_path(wildcards.experiment, wildcards.stage, "summary.json"),
+        "metrics": [
+            eval_path(wildcards.experiment, wildcards.stage, split, "metrics.json")
+            for split in stage.settings["eval_splits"]
+        ],
+    }
+
+
 def get_adapter_arg(wildcards, input):
     return f"--adapter {shlex.quote(input.adapter)}" if "adapter" in input.keys() else ""
 
