@@ -30,6 +30,13 @@ def main():
         "--attempt", type=int, default=1, help="Snakemake's attempt; a retry restores the outputs of a finished attempt"
     )
     parser.add_argument("--tensorboard", help="where the stage's TensorBoard run goes, written as it trains")
+    parser.add_argument(
+        "--activation-checkpointing",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="1: recompute activations in the backward",
+    )
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--summary", required=True)
@@ -71,6 +78,7 @@ def main():
             stop=stop,
             reuse_finished=args.attempt > 1,
             curves_dir=args.tensorboard,
+            activation_checkpointing=bool(args.activation_checkpointing),
         )
     except Preempted as stopped:
         if main_process:

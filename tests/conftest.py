@@ -126,6 +126,7 @@ def tiny_stage_settings(**overrides) -> dict:
     """A tiny model's stage settings as the train rule hands them over: the schema's defaults, the
     pixel bounds of tiny_family_data, rank 8, and `overrides`."""
     from vlft.config import stage_defaults
+    from vlft.plan import RUN_ONLY_KEYS
 
     settings = stage_defaults() | {
         "init_from": None,
@@ -134,7 +135,7 @@ def tiny_stage_settings(**overrides) -> dict:
         "lora_r": 8,
         "lora_alpha": 16,
     }
-    return {k: v for k, v in (settings | overrides).items() if k not in ("resources", "checkpoint_every")}
+    return {k: v for k, v in (settings | overrides).items() if k not in RUN_ONLY_KEYS}
 
 
 # Fixtures that run whole pipelines: a test that uses one is slow, whatever its own marks say, so

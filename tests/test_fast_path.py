@@ -19,7 +19,7 @@ from vlft.errors import ConfigError
 from vlft.files import read_jsonl
 from vlft.image_cache import ImageCache
 from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
-from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
+from vlft.modeling import load_base_model, load_tokenizer, rope_index, unwrapped, with_new_adapter
 from vlft.packing import pack, packed_attention, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.train import compile_decoder_layers
@@ -504,3 +504,33 @@ def test_compiled_decoder_layers_take_no_python_float_as_a_cpu_tensor(tiny_model
     for inputs in graphs:
         assert (torch.float64, 0) not in inputs, f"a Python float became a float64 CPU tensor input: {inputs}"
         assert {dtype for dtype, _ in inputs} <= {torch.float32, torch.int64}, inputs
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(family_setup):
+    """Recomputing each layer in the backward pass changes memory, not the result: packed rows of
+    pixels, in float64, with and without it."""
+    from vlft.modeling import use_activation_checkpointing
+
+    root = family_setup
+    pixels = ImageCache(root / "pixels")
+    samples, images, builder, _ = samples_and_images(root, pixels)
+    results = []
+    for checkpointing in (False, True):
+        model = lora_model(root / "model")
+        use_packed_attention(model)
+        if checkpointing:
+            use_activation_checkpointing(model)
+        model.train()
+        batches = [pack(group, images, builder, rope_index(model)) for group in packed_batches(samples, 2048)]
+        total = 0.0
+        for batch in batches:
+            loss, _ = answer_loss_sum(model, to_device(batch, torch.device("cpu"), FLOAT64))
+            loss.backward()
+            total += loss.item()
+        layers = unwrapped(model).model.language_model.layers
+        assert all(layer.gradient_checkpointing == checkpointing for layer in layers)
+        results.append((total, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (plain, plain_grads), (checkpointed, grads) = results
+    assert checkpointed == pytest.approx(plain, rel=FLOAT64_RTOL)
+    for name, grad in plain_grads.items():
+        assert_close_normwise(grads[name], grad, FLOAT64_RTOL, name)

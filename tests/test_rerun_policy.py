@@ -66,6 +66,7 @@ def test_a_changed_stage_reruns_with_what_starts_from_it_even_after_its_outputs_
 def test_changing_how_a_job_runs_reruns_nothing(demo_workdir):
     def edit(config):
         config["experiments"]["exp1"]["stages"][0]["checkpoint_every"] = 7
+        config["experiments"]["exp1"]["stages"][0]["activation_checkpointing"] = True
         config["experiments"]["exp1"]["stages"][0]["resources"] = {"runtime": 99, "mem_mb": 1000, "gpus": 1}
 
     assert planned_outputs(demo_workdir, "--configfile", write_config(demo_workdir, edit)) == set()

@@ -128,6 +128,13 @@ def with_adapter(model, adapter_dir: str | Path, trainable: bool):
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
 
 
+def use_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (transformers' own gradient checkpointing, non-reentrant: the frozen base's inputs need no
+    gradient for the LoRA weights' to flow)."""
+    unwrapped(model).model.language_model.gradient_checkpointing_enable({"use_reentrant": False})
+
+
 def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
     """The context for training forward passes: LoRA computed in the base model's dtype.
 

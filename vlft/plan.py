@@ -18,7 +18,7 @@ from vlft.errors import ConfigError
 from vlft.records import filter_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
-RUN_ONLY_KEYS = ("resources", "checkpoint_every")
+RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 
 # Options added after studies already ran, left out of a stage's parameters while off, so that
 # adding them reruns nothing a study has already trained. The training job reads them as off when absent.

@@ -41,6 +41,7 @@ from vlft.modeling import (
     pick_device,
     rope_index,
     unwrapped,
+    use_activation_checkpointing,
     with_adapter,
     with_new_adapter,
 )
@@ -126,6 +127,7 @@ def train_stage(
     dtype: torch.dtype | None = None,
     reuse_finished: bool = False,
     curves_dir: str | Path | None = None,
+    activation_checkpointing: bool = False,
 ) -> dict:
     """A run that finished its steps is kept (`finished` in its run directory) and restored rather
     than trained again where publishing it never completed (a full disk, a kill while it copied),
@@ -134,7 +136,9 @@ def train_stage(
     Otherwise, a new run or one forced with -f or -R, it trains. `dtype`: the model's, by default
     the device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts
     of one computation beyond float32 rounding. In a data-parallel job every process calls this;
-    the main one alone writes files. `curves_dir`: where the stage's TensorBoard run goes (vlft.curves)."""
+    the main one alone writes files. `curves_dir`: where the stage's TensorBoard run goes (vlft.curves).
+    `activation_checkpointing`: recompute activations in the backward pass (less memory, the same
+    result: a setting of how the job runs, not of what it computes)."""
     started = time.time()
     group = distributed.join()
     run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
@@ -171,7 +175,9 @@ def train_stage(
     steps = grouped_steps(data.records, data.images, settings) if image_groups else plan_steps(data.records, settings)
 
     # Model: the adapter to train, on the base model as the stage's data and settings want it.
-    model = _setup_model(model, inputs.init_adapter, settings, uses_vision_cache(data), device)
+    model = _setup_model(
+        model, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing
+    )
     forward_context = adapter_autocast(model, device, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if group.size > 1:
@@ -341,7 +347,14 @@ def _restore_finished(finished: Path, adapter_out, log_out, summary_out) -> dict
     return _publish(finished, adapter_out, log_out, summary_out)
 
 
-def _setup_model(model, init_adapter: str | None, settings: dict, vision_cache: bool, device: torch.device):
+def _setup_model(
+    model,
+    init_adapter: str | None,
+    settings: dict,
+    vision_cache: bool,
+    device: torch.device,
+    activation_checkpointing: bool = False,
+):
     """A fresh adapter, or the adapter of the stage this one starts from; the frozen tower replaced
     by the vision cache's outputs, packed attention, compiled layers, as the settings ask."""
     model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
@@ -349,6 +362,8 @@ def _setup_model(model, init_adapter: str | None, settings: dict, vision_cache: 
         use_vision_cache(model)
     if settings["packing"]:
         use_packed_attention(model)
+    if activation_checkpointing:
+        use_activation_checkpointing(model)
     if settings["compile"] and device.type == "cuda":
         compile_decoder_layers(model)
     model.train()

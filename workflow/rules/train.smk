@@ -15,6 +15,8 @@ rule train:
         gpu=get_stage_resource("gpus"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
+        # Memory against time, the same result: a resource too.
+        activation_checkpointing=lambda wildcards: int(get_stage(wildcards).settings["activation_checkpointing"]),
         # A retry (attempt 2 on) restores the outputs of an attempt that finished its steps.
         attempt=lambda wildcards, attempt: attempt,
         cpu_fallback=CPU_FALLBACK,
@@ -38,5 +40,5 @@ rule train:
         # (vlft.stopping).
         "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1 INT; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
