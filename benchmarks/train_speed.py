@@ -279,10 +279,21 @@ def run_ours(
     torch.cuda.reset_peak_memory_stats()
     out = work / "ours"
     inputs = StageInputs(str(model_dir), [str(prepared)], [str(cache)], None)
+    settings = dict(settings)
+    checkpointing = settings.pop("activation_checkpointing", False)  # how the job runs, not a setting
     with (
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else nullcontext()
     ) as prof:
-        train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "ckpt", 10**6)
+        train_stage(
+            inputs,
+            settings,
+            out / "adapter",
+            out / "log.jsonl",
+            out / "summary.json",
+            out / "ckpt",
+            10**6,
+            activation_checkpointing=checkpointing,
+        )
     if profile:
         print_kernel_time(prof, work)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
@@ -291,6 +302,7 @@ def run_ours(
         "samples": [row["samples"] for row in log],
         "tokens": [row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in log],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "losses": [row["loss"] for row in log],
     }
 
 
@@ -354,6 +366,7 @@ def summarize(run: dict, flops_per_token: float, peak_tflops: float) -> dict:
         "mfu": flops_per_token * tokens / seconds / (peak_tflops * 1e12),
         "peak_gib": run["peak_gib"],
         "steps_measured": len(run["step_s"]),
+        **({"losses": run["losses"]} if "losses" in run else {}),
     }
 
 
@@ -392,6 +405,11 @@ def main():
         "--image-groups",
         action="store_true",
         help="also run ours with image_groups (each image's questions in one step, the image computed once)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="also run ours with activation_checkpointing (each layer recomputed in the backward pass)",
     )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -449,6 +467,11 @@ def main():
             runs += [(f"ours grouped@{budget}", budget, dict(packing=False)) for budget in args.max_batch_tokens]
         if args.image_groups:
             runs += [(f"ours images@{budget}", budget, dict(image_groups=True)) for budget in args.max_batch_tokens]
+        if args.activation_checkpointing:
+            runs += [
+                (f"ours recompute@{budget}", budget, dict(packing=True, activation_checkpointing=True))
+                for budget in args.max_batch_tokens
+            ]
         for name, budget, options in runs:
             try:
                 ours = run_ours(
