@@ -278,7 +278,7 @@ def run_predict(command, fixture, tmp_path):
     experiment = command.split("results/train/")[1].split("/")[0]
     evaluated = json.loads((demo / f"results/eval/{experiment}/main/test/predictions.jsonl").open().readline())
     assert [a["answer"] for a in answers] == [evaluated["prediction"]] and evaluated["id"].startswith("00000")
-    assert [Path(a["drawn"]).is_file() for a in answers if experiment == "click"] == (
+    assert [(tmp_path / a["drawn"]).is_file() for a in answers if experiment == "click"] == (
         [True] if experiment == "click" else []
     )
 
