@@ -229,8 +229,8 @@ def train_stage(
     )
     todo = range(first_step, len(steps))
     step_start = time.time()  # a step's time runs from the end of the one before: waits included
-    # The bar is closed (its line ended) however the loop ends: an error's line then starts a line of its own.
     curves = Curves(curves_dir, first_step) if curves_dir and group.is_main else nullcontext()
+    # The bar is closed (its line ended) however the loop ends: an error's line then starts a line of its own.
     with progress, curves, open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
         for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
             samples = [data.samples[key] for keys in steps[step] for key in keys]
@@ -415,9 +415,10 @@ def _input_files(inputs: StageInputs) -> list[Path]:
 
 def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:
     """What a stage trained on, however its config said it: its inputs' content, its settings with
-    the filter replaced by the records it selected, and every step's records in order. Two stages
-    with one fingerprint compute the same adapter (the report says so: a repeat is no second finding)."""
-    computed = {k: v for k, v in settings.items() if k != "filter"} | {"steps": steps}
+    the filter replaced by the records it selected (and without the splits it is evaluated on), and
+    every step's records in order. Two stages with one fingerprint compute the same adapter (the
+    report says so: a repeat is no second finding)."""
+    computed = {k: v for k, v in settings.items() if k not in ("filter", "eval_splits")} | {"steps": steps}
     return checkpoints.fingerprint(computed, _input_files(inputs))
 
 
