@@ -533,3 +533,26 @@ def test_a_stage_writes_its_curves_to_tensorboard_and_a_resumed_one_continues_th
     )
     assert [step for step, _ in tensorboard_scalars(board)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert len(list(board.glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_used_up_quota_is_named_as_such_and_other_errors_pass_through(tmp_path):
+    """A cluster's quota (EDQUOT) fails writes as a full disk does, with its own words; a write that
+    fails for another reason on a file system with room keeps its own error."""
+    import errno
+
+    from vlft.errors import StorageError
+
+    target = tmp_path / "cache"
+    with pytest.raises(
+        StorageError, match=rf"^{re.escape(str(target))}: could not be written: Disk quota exceeded on /"
+    ):
+        with atomic_path(target) as tmp:
+            tmp.mkdir()
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="not about room"):
+        with atomic_path(target) as tmp:
+            raise ValueError("not about room")
+    with pytest.raises(InputError):  # bad input stays bad input, whatever room is left
+        with atomic_path(target) as tmp:
+            raise InputError(target, "bad")
