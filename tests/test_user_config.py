@@ -11,7 +11,7 @@ import yaml
 
 from conftest import copy_workflow, planned_outputs, snakemake
 from vlft.config import load_schema
-from vlft.plan import LEFT_OUT_WHEN_OFF
+from vlft.plan import LEFT_OUT_WHEN_OFF, RUN_ONLY_KEYS
 
 MINIMAL = """\
 model: {path: my/model}
@@ -63,7 +63,7 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     # Options added after studies ran are left out while off (vlft.plan.LEFT_OUT_WHEN_OFF): the
     # job reads them as off, and adding them reruns no finished stage.
     assert train == {
-        **{k: v for k, v in documented.items() if k not in ("resources", "checkpoint_every", *LEFT_OUT_WHEN_OFF)},
+        **{k: v for k, v in documented.items() if k not in (*RUN_ONLY_KEYS, *LEFT_OUT_WHEN_OFF)},
         "dataset": "mine",
         "eval_splits": ["val"],
     }
@@ -73,6 +73,7 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     assert evaluate["batch_size"] == evaluation["batch_size"]["default"]
     resources = re.search(r"^rule train:\n(?:\s+.*\n)*?\s+resources: (.*)$", output, re.MULTILINE).group(1)
     assert "runtime=360" in resources and "mem_mb=32000" in resources and "checkpoint_every=200" in resources
+    assert "activation_checkpointing=0" in resources  # how the job runs: a resource, not a setting
 
 
 def test_without_a_config_file_the_demo_runs(tmp_path):
