@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from vlft.files import atomic_path
-from vlft.model_files import require_model_dir
+from vlft.model_files import NEEDS, require_model_dir
 from vlft.modeling import load_base_model, with_adapter
 
 # The base checkpoint's files that are not its weights or config: copied as they are, but the
 # image processor's, which gets the stage's pixels.
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHTS = NEEDS["the weights"]
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype:

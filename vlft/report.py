@@ -87,11 +87,11 @@ def collect(
     accuracy = dict(zip(zip(labels, results.dataset, results.split), results.accuracy))
     starts = {trained.label: trained.init_from for trained in stages if trained.init_from}
     results["started_from"] = [starts.get(label, "") for label in labels]
-    results["gain_over_start"] = [
-        accuracy.get((start, d, s), float("nan")) if start else float("nan")
+    start_accuracy = [
+        accuracy.get((start, d, s), float("nan"))
         for start, d, s in zip(results.started_from, results.dataset, results.split)
     ]
-    results["gain_over_start"] = results.accuracy - results.gain_over_start
+    results["gain_over_start"] = results.accuracy - start_accuracy
     results = results.sort_values(["experiment", "stage", "split"]).reset_index(drop=True)
     categories = (
         pd.DataFrame(category_rows)
