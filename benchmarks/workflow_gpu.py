@@ -37,7 +37,7 @@ STARTED = re.compile(r"; started (\S+ \S+)")
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
 
 
-def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: int) -> Path:
+def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: int, eval_every: int = 0) -> Path:
     tokenizer = make_tokenizer()
     raw = make_workload(work / "data", n_train + n_val, tokenizer)
     rows = raw.read_text().splitlines()
@@ -88,6 +88,9 @@ def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: 
             },
         },
     }
+    if eval_every:  # exp4 stage 2 evaluates as it trains and keeps its best adapter
+        watched = {"eval_every": eval_every, "eval_samples": 64, "keep": "best"}
+        config["experiments"]["exp4"]["stages"][1] |= watched
     path = work / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -121,6 +124,9 @@ def main():
     parser.add_argument("--cores", type=int, default=16)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=420, help="seconds for the Snakemake run")
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="exp4 stage 2 evaluates every this many steps (64 records)"
+    )
     args = parser.parse_args()
 
     work = args.work / args.arch
@@ -129,7 +135,7 @@ def main():
     for part in WORKFLOW_PARTS:
         subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
     started = time.time()
-    config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens)
+    config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
     build_s = time.time() - started
 
     command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
@@ -155,8 +161,23 @@ def main():
     for path in sorted((workdir / "results/train").rglob("summary.json")):
         summary = json.loads(path.read_text())
         summaries[str(path.parent.relative_to(workdir / "results/train"))] = {
-            k: summary.get(k) for k in ("steps", "samples", "wall_time_s", "samples_per_s", "peak_memory_gb")
+            k: summary.get(k)
+            for k in (
+                "steps",
+                "samples",
+                "wall_time_s",
+                "samples_per_s",
+                "peak_memory_gb",
+                "eval_s",
+                "eval_share",
+                "kept",
+            )
         }
+        if "evaluations_during_training" in summary:  # (step, accuracy, loss, seconds) of each
+            summaries[str(path.parent.relative_to(workdir / "results/train"))]["during"] = [
+                (r["step"], round(r["accuracy"], 4), round(r["loss"], 4), round(r["seconds"], 1))
+                for r in summary["evaluations_during_training"]
+            ]
     evaluations = {}
     for path in sorted((workdir / "results/eval").rglob("metrics.json")):
         metrics = json.loads(path.read_text())

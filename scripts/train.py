@@ -24,6 +24,9 @@ def main():
     parser.add_argument("--caches", nargs="+", required=True, help="pixel cache of each training split, same order")
     parser.add_argument("--init-adapter", help="adapter of the stage this one starts from")
     parser.add_argument("--settings", required=True, help="the stage's resolved settings, as JSON")
+    parser.add_argument("--eval-prepared", help="prepared JSONL of the split it evaluates on as it trains")
+    parser.add_argument("--eval-cache", help="that split's cache, of the kind it trains from")
+    parser.add_argument("--eval-settings", help="how the evaluations during training generate, as JSON")
     parser.add_argument("--checkpoints", required=True, help="where checkpoints of this stage are kept")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
     parser.add_argument(
@@ -65,11 +68,16 @@ def main():
         caches=args.caches,
         init_adapter=args.init_adapter,
         trust_remote_code=args.trust_remote_code,
+        eval_prepared=args.eval_prepared,
+        eval_cache=args.eval_cache,
     )
+    settings = json.loads(args.settings)
+    if args.eval_settings:
+        settings["evaluation"] = json.loads(args.eval_settings)
     try:
         summary = train_stage(
             inputs=inputs,
-            settings=json.loads(args.settings),
+            settings=settings,
             adapter_out=args.adapter,
             log_out=args.log,
             summary_out=args.summary,

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from peft import PeftModel
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO
 from vlft.modeling import load_base_model
@@ -88,6 +89,32 @@ def test_adapter_loads_with_peft_and_log_has_every_field(demo_workdir):
     assert runs == stages and len(stages) >= 8
 
 
+def test_the_curriculum_is_evaluated_as_it_trains_and_keeps_its_best_adapter(demo_workdir):
+    """exp4: 40 val records every 25 steps; stage 2 goes on from stage 1's steps and keeps its best."""
+    stage1, stage2 = (
+        json.loads((demo_workdir / f"results/train/exp4/{stage}/summary.json").read_text())
+        for stage in ("stage1", "stage2")
+    )
+    for summary in (stage1, stage2):
+        evals = summary["evaluations_during_training"]
+        steps = list(range(0, summary["steps"], 25)) + [summary["steps"]]
+        assert [r["step"] for r in evals] == sorted(set(steps)) and all(r["n"] == 40 for r in evals)
+        assert 0 < summary["eval_share"] < 0.5
+    assert stage1["evaluations_during_training"][-1]["accuracy"] > stage1["evaluations_during_training"][0]["accuracy"]
+    assert stage2["steps_before"] == stage1["steps"]
+    best = max(r["accuracy"] for r in stage2["evaluations_during_training"] if r["step"] > 0)
+    assert stage2["kept"]["best_metric"] == "accuracy" and stage2["kept"]["accuracy"] == best
+    # Its TensorBoard curves go on after stage 1's steps.
+    events = EventAccumulator(str(demo_workdir / "results/tensorboard/exp4/stage2")).Reload()
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [
+        stage1["steps"] + r["step"] for r in stage2["evaluations_during_training"]
+    ]
+    assert "eval/accuracy/count" in events.Tags()["scalars"]
+    # exp4 stage 1 is watched, exp3 stage 1 is not: the same adapter all the same (a repeat).
+    exp3 = json.loads((demo_workdir / "results/train/exp3/stage1/summary.json").read_text())
+    assert exp3["data_and_settings"] == stage1["data_and_settings"]
+
+
 def test_chain_of_thought_stage_generates_reasoning_then_answer(demo_workdir):
     rows = [json.loads(line) for line in (demo_workdir / "results/eval/exp5/main/test/predictions.jsonl").open()]
     with_reasoning = [r for r in rows if "Final answer:" in r["prediction"] and len(r["prediction"]) > 30]
@@ -99,8 +126,10 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
     page = (report / "index.html").read_text()
     for experiment, stage in EXPERIMENT_STAGES:
         assert f"<td>{experiment}</td>" in page and f"<td>{stage}</td>" in page
-    assert page.count("data:image/png;base64,") == 2  # loss curves, accuracy by category (a panel per split)
-    assert all((report / name).stat().st_size > 0 for name in ("loss_curves.png", "accuracy_by_category.png"))
+    # Loss curves, accuracy by category (a panel per split), accuracy during training (exp4's).
+    assert page.count("data:image/png;base64,") == 3 and "<h2>Accuracy during training</h2>" in page
+    charts = ("loss_curves.png", "accuracy_by_category.png", "accuracy_during_training.png")
+    assert all((report / name).stat().st_size > 0 for name in charts)
     assert "<script" not in page and 'src="http' not in page  # self-contained: images inline
     results = (report / "results.csv").read_text().splitlines()
     assert results[0].startswith("experiment,stage,split,accuracy,loss")

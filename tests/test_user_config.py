@@ -11,7 +11,7 @@ import yaml
 
 from conftest import copy_workflow, planned_outputs, snakemake
 from vlft.config import load_schema
-from vlft.plan import LEFT_OUT_WHEN_OFF, RUN_ONLY_KEYS
+from vlft.plan import LEFT_OUT_WHEN_OFF, LEFT_OUT_WITH, RUN_ONLY_KEYS
 
 MINIMAL = """\
 model: {path: my/model}
@@ -63,7 +63,7 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     # Options added after studies ran are left out while off (vlft.plan.LEFT_OUT_WHEN_OFF): the
     # job reads them as off, and adding them reruns no finished stage.
     assert train == {
-        **{k: v for k, v in documented.items() if k not in (*RUN_ONLY_KEYS, *LEFT_OUT_WHEN_OFF)},
+        **{k: v for k, v in documented.items() if k not in (*RUN_ONLY_KEYS, *LEFT_OUT_WHEN_OFF, *LEFT_OUT_WITH)},
         "dataset": "mine",
         "eval_splits": ["val"],
     }

@@ -58,54 +58,21 @@ def evaluate_split(
         max_seq_len=settings["max_seq_len"],
         convention=clicks.Convention.of(model.config) if settings["answer_format"] == "click" else None,
     )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
 
     batch_size = settings["batch_size"]
     # This process's batches: every N-th of the split, as one process forms them.
     starts = list(range(group.rank * batch_size, len(data.records), group.size * batch_size))
     mine = [i for start in starts for i in range(start, min(start + batch_size, len(data.records)))]
-
-    # Greedy answers of this process's records, batch_size of them at a time (vlft.generation), and
-    # the loss of the reference answers, in the format the stage was trained on, from the same
-    # forward that prefills each prompt: the prompt is computed once for both, the questions on one
-    # image with its prefix once, and each record's loss is the one it gets alone.
-    texts, losses = {}, {}  # by record index: the answer's text; (loss sum, answer tokens)
-    max_new_tokens = settings["max_new_tokens"]
-    stops = answer_lengths or {}
-
-    def requests():
-        for index in mine:
-            record = data.records[index]
-            limit = min(max_new_tokens, stops.get(record["id"], max_new_tokens))
-            request = prompt_request(
-                index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit, scored=True
-            )
-            yield request if share_images else dataclasses.replace(request, image=None)
-
-    def answer(index: int, ids: list[int]) -> None:
-        texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
-        if stats is not None:  # a benchmark compares the very tokens
-            stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
-
     loaded = _synchronized_time(device)
-    if mine:
-        longest = max(data.samples[data.records[i]["key"]].prompt_length for i in mine) + max_new_tokens
-        greedy_answers(
-            model,
-            requests(),
-            slots=min(batch_size, len(mine)),
-            end_id=builder.end_of_turn,
-            max_length=longest,
-            on_answer=answer,
-            stats=stats,
-            on_loss=lambda index, loss, tokens: losses.__setitem__(index, (loss, tokens)),
-        )
+    texts, losses = answer_records(
+        model, data, mine, builder, tokenizer, settings, answer_lengths, stats, share_images, device, dtype
+    )
     if stats is not None:
         stats["load_s"], stats["generate_s"] = loaded - started, _synchronized_time(device) - loaded
     answered = []
     for start in starts:
         batch = range(start, min(start + batch_size, len(data.records)))
-        predictions = [_prediction(data.records[i], texts[i], data) for i in batch]
+        predictions = [prediction_of(data.records[i], texts[i], data) for i in batch]
         # Each batch's loss summed in record order: the same sums however the prefills fell.
         loss, tokens = 0.0, 0
         for i in batch:
@@ -122,24 +89,84 @@ def evaluate_split(
     loss_sum, loss_tokens = 0.0, 0
     for _, _, loss, tokens in answered:
         loss_sum, loss_tokens = loss_sum + loss, loss_tokens + tokens
+    wall = time.time() - started
+    metrics = scores(predictions, loss_sum, loss_tokens, settings["answer_format"])
+    metrics |= {"wall_time_s": wall, "samples_per_s": len(predictions) / wall, "dataset": settings.get("dataset")}
+    write_jsonl(predictions_out, predictions)
+    write_json(metrics_out, metrics)
+    return metrics
 
+
+def answer_records(
+    model,
+    data: StageData,
+    indices: list[int],
+    builder: PromptBuilder,
+    tokenizer,
+    settings: dict,
+    answer_lengths: dict[str, int] | None = None,
+    stats: dict | None = None,
+    share_images: bool = True,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[dict[int, str], dict[int, tuple[float, int]]]:
+    """Greedy answers to the records at `indices` of `data`, `settings["batch_size"]` at a time
+    (vlft.generation), and the loss of their reference answers in the format the stage was trained
+    on, from the same forward that prefills each prompt: the prompt is computed once for both, the
+    questions on one image with its prefix once, and each record's loss is the one it gets alone.
+    By record index: the answer's text; (loss sum, answer tokens). `model`: a model as it stands,
+    with an adapter merged or not (the evaluation during training answers with the adapter it trains)."""
+    device = device or model.device
+    dtype = dtype or model.dtype
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
+    texts, losses = {}, {}
+    max_new_tokens = settings["max_new_tokens"]
+    stops = answer_lengths or {}
+
+    def requests():
+        for index in indices:
+            record = data.records[index]
+            limit = min(max_new_tokens, stops.get(record["id"], max_new_tokens))
+            request = prompt_request(
+                index, data.samples[record["key"]], data, builder, pad_id, model, device, dtype, limit, scored=True
+            )
+            yield request if share_images else dataclasses.replace(request, image=None)
+
+    def answer(index: int, ids: list[int]) -> None:
+        texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
+        if stats is not None:  # a benchmark compares the very tokens
+            stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
+
+    if indices:
+        longest = max(data.samples[data.records[i]["key"]].prompt_length for i in indices) + max_new_tokens
+        greedy_answers(
+            model,
+            requests(),
+            slots=min(settings["batch_size"], len(indices)),
+            end_id=builder.end_of_turn,
+            max_length=longest,
+            on_answer=answer,
+            stats=stats,
+            on_loss=lambda index, loss, tokens: losses.__setitem__(index, (loss, tokens)),
+        )
+    return texts, losses
+
+
+def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_format: str) -> dict:
+    """Accuracy (over all, and by category), loss per answer token and, for clicks, the distances."""
     # A click record with a point and no box has no right or wrong (None): the distance judges it.
     judged = [p for p in predictions if p["correct"] is not None]
     by_category = defaultdict(list)
     for p in judged:
         by_category[p["category"] or "all"].append(p["correct"])
-    wall = time.time() - started
     metrics = {
         "n": len(predictions),
         "accuracy": sum(p["correct"] for p in judged) / max(len(judged), 1),
         "accuracy_by_category": {c: sum(v) / len(v) for c, v in sorted(by_category.items())},
         "loss": loss_sum / max(loss_tokens, 1),
-        "wall_time_s": wall,
-        "samples_per_s": len(predictions) / wall,
-        "answer_format": settings["answer_format"],
-        "dataset": settings.get("dataset"),  # the base model's results are set beside a stage's by it
+        "answer_format": answer_format,
     }
-    if settings["answer_format"] == "click":
+    if answer_format == "click":
         distances = [p["distance"] for p in predictions if p["distance"] is not None]
         metrics |= {
             "n_with_box": len(judged),
@@ -147,8 +174,6 @@ def evaluate_split(
             # Over the answers that give a point; over the image's diagonal, in original pixels.
             "mean_distance": sum(distances) / len(distances) if distances else None,
         }
-    write_jsonl(predictions_out, predictions)
-    write_json(metrics_out, metrics)
     return metrics
 
 
@@ -176,7 +201,7 @@ def _synchronized_time(device: torch.device) -> float:
     return time.time()
 
 
-def _prediction(record: dict, text: str, data: StageData) -> dict:
+def prediction_of(record: dict, text: str, data: StageData) -> dict:
     prediction = {
         "id": record["id"],
         "category": record.get("category"),

@@ -65,17 +65,44 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_base_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
-    """The base model with every weight frozen; only adapters added later train."""
+# Kept in the model's dtype in a 4-bit base: the vision tower (its cached outputs are computed by the
+# tower in that dtype) and the output layer, as QLoRA keeps it. Module names from the model's root:
+# the tower is model.visual in transformers' current Qwen-VL classes, visual in older ones.
+NOT_QUANTIZED = ["model.visual", "visual", "lm_head"]
+
+
+def load_base_model(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    quantization_bit: int | None = None,
+):
+    """The base model with every weight frozen; only adapters added later train. `quantization_bit`
+    4: the language model's linear layers in 4-bit NF4 (bitsandbytes, double-quantized, computing in
+    `dtype`), QLoRA's base: about a quarter of the memory of its weights."""
     require_model_dir(model_dir)
+    quantized = {}
+    if quantization_bit == 4:
+        from transformers import BitsAndBytesConfig
+
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            llm_int8_skip_modules=NOT_QUANTIZED,
+        )
+        quantized = {"quantization_config": config, "device_map": {"": device}}
     model = AutoModelForImageTextToText.from_pretrained(
         model_dir,
         dtype=dtype,
         attn_implementation=attention_implementation(device),
         trust_remote_code=trust_remote_code,
+        **quantized,
     )
     model.requires_grad_(False)
-    return model.to(device)
+    return model if quantized else model.to(device)
 
 
 def unwrapped(model):

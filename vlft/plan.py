@@ -22,7 +22,9 @@ RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 
 # Options added after studies already ran, left out of a stage's parameters while off, so that
 # adding them reruns nothing a study has already trained. The training job reads them as off when absent.
-LEFT_OUT_WHEN_OFF = {"image_groups": False}
+LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None}
+# Options that mean something only while another is on: left out with it.
+LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
 
 # Settings that must match between a stage and the stage it starts from (the adapter's shape).
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
@@ -49,11 +51,18 @@ class Stage:
 
     def train_params(self) -> dict:
         """What the training job computes from: everything but run-only keys."""
-        return {
-            k: v
-            for k, v in self.settings.items()
-            if k not in RUN_ONLY_KEYS and not (k in LEFT_OUT_WHEN_OFF and v == LEFT_OUT_WHEN_OFF[k])
-        }
+        return {k: v for k, v in self.settings.items() if k not in RUN_ONLY_KEYS and not self._off(k)}
+
+    def _off(self, key: str) -> bool:
+        key = LEFT_OUT_WITH.get(key, key)
+        return key in LEFT_OUT_WHEN_OFF and self.settings[key] == LEFT_OUT_WHEN_OFF[key]
+
+    @property
+    def eval_split(self) -> str | None:
+        """The split its evaluations during training draw from, where it has them."""
+        if not self.settings["eval_every"]:
+            return None
+        return self.settings["eval_split"] or self.settings["eval_splits"][0]
 
     def pixels(self) -> str:
         return pixels_tag(self.settings["min_pixels"], self.settings["max_pixels"])
@@ -253,6 +262,15 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         raise ConfigError(f"{key}.order_field: order 'by_field' needs the field to sort by")
     if settings["min_pixels"] > settings["max_pixels"]:
         raise ConfigError(f"{key}.min_pixels: larger than max_pixels")
+    if settings["eval_split"] is not None and settings["eval_split"] not in splits:
+        known = ", ".join(sorted(splits))
+        raise ConfigError(
+            f"{key}.eval_split: unknown split '{settings['eval_split']}' of dataset '{name}' (it has: {known})"
+        )
+    if settings["eval_every"] and settings["eval_split"] is None and not settings["eval_splits"]:
+        raise ConfigError(f"{key}.eval_every: evaluating during training needs eval_split, or a split in eval_splits")
+    if settings["keep"] == "best" and not settings["eval_every"]:
+        raise ConfigError(f"{key}.keep: 'best' is chosen among the evaluations during training: set eval_every too")
     if settings["image_groups"] and not settings["packing"]:
         raise ConfigError(f"{key}.image_groups: needs packing: true (a group is laid out in one packed row)")
     # On the stage's splits as a whole, from the raw records where they exist already (the demo's

@@ -103,8 +103,11 @@ def collect(
     job_rows = []
     for trained in stages:
         summary = json.loads(Path(trained.summary).read_text())
-        for key in ("adapter_crc32", "model", "answering"):  # for using the adapter, not for reading
+        # For using the adapter, not for reading (the evaluations during training have a chart of their own).
+        for key in ("adapter_crc32", "model", "answering", "evaluations_during_training"):
             summary.pop(key, None)
+        if "kept" in summary:  # keep: best: the step whose adapter the stage kept
+            summary["kept_step"] = summary.pop("kept")["step"]
         job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})
     jobs = pd.DataFrame(job_rows).sort_values(["experiment", "stage"]).reset_index(drop=True)
     repeats = repeated_stages(jobs)
@@ -170,24 +173,37 @@ def _save_png(fig, path: Path) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def loss_curves(stages: list[TrainedStage], path: Path) -> str:
-    """One panel per experiment; a curriculum's stages one after the other, each from the step
-    where the stage it started from ended."""
-    logs = {trained.label: read_jsonl(trained.log) for trained in stages}
+def step_offsets(stages: list[TrainedStage], logs: dict[str, list[dict]]) -> dict[str, int]:
+    """Per stage, the steps of the stages it starts from: a curriculum's stages one after the other."""
     by_label = {trained.label: trained for trained in stages}
 
     def offset(trained: TrainedStage) -> int:
         start = by_label.get(trained.init_from)
         return offset(start) + len(logs[start.label]) if start else 0
 
-    experiments = sorted({trained.experiment for trained in stages})
+    return {trained.label: offset(trained) for trained in stages}
+
+
+def _panels(experiments: list[str]):
+    """One panel per experiment, two a row."""
     columns = min(2, len(experiments))
     rows = -(-len(experiments) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    for ax in list(axes.flat)[len(experiments) :]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def loss_curves(stages: list[TrainedStage], path: Path) -> str:
+    """One panel per experiment; a curriculum's stages one after the other, each from the step
+    where the stage it started from ended."""
+    logs = {trained.label: read_jsonl(trained.log) for trained in stages}
+    offsets = step_offsets(stages, logs)
+    experiments = sorted({trained.experiment for trained in stages})
+    fig, axes = _panels(experiments)
     for ax, experiment in zip(axes.flat, experiments):
         for trained in (t for t in stages if t.experiment == experiment):
-            start = offset(trained)
-            log = logs[trained.label]
+            start, log = offsets[trained.label], logs[trained.label]
             ax.plot([start + r["step"] for r in log], [r["loss"] for r in log], label=trained.stage, linewidth=1.2)
         ax.set_title(experiment, fontsize=10)
         ax.set_xlabel("optimizer step")
@@ -196,8 +212,43 @@ def loss_curves(stages: list[TrainedStage], path: Path) -> str:
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("training loss (per answer token)", fontsize=8)
-    for ax in list(axes.flat)[len(experiments) :]:
-        ax.set_visible(False)
+    fig.tight_layout()
+    return _save_png(fig, path)
+
+
+def evaluations_during_training(stages: list[TrainedStage]) -> dict[str, list[dict]]:
+    """The evaluations during training (`eval_every`) of each stage that has them, by its label."""
+    found = {}
+    for trained in stages:
+        evals = json.loads(Path(trained.summary).read_text()).get("evaluations_during_training")
+        if evals:
+            found[trained.label] = evals
+    return found
+
+
+def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]], path: Path) -> str:
+    """Accuracy over the steps, from the evaluations during training: one panel per experiment that
+    has them, its stages one after the other as in the loss curves; a kept best marked."""
+    logs = {trained.label: read_jsonl(trained.log) for trained in stages}
+    offsets = step_offsets(stages, logs)
+    experiments = sorted({t.experiment for t in stages if t.label in evals})
+    fig, axes = _panels(experiments)
+    for ax, experiment in zip(axes.flat, experiments):
+        for trained in (t for t in stages if t.experiment == experiment and t.label in evals):
+            start, records = offsets[trained.label], evals[trained.label]
+            steps = [start + r["step"] for r in records]
+            (line,) = ax.plot(steps, [r["accuracy"] for r in records], marker=".", label=trained.stage, linewidth=1.2)
+            kept = json.loads(Path(trained.summary).read_text()).get("kept")
+            if kept:
+                at = next(r for r in records if r["step"] == kept["step"])
+                ax.plot([start + at["step"]], [at["accuracy"]], marker="*", markersize=12, color=line.get_color())
+        ax.set_title(experiment, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("accuracy during training", fontsize=8)
     fig.tight_layout()
     return _save_png(fig, path)
 
@@ -322,6 +373,16 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
 
     charts = category_chart(categories, output_dir / "accuracy_by_category.png")
     losses = loss_curves(stages, output_dir / "loss_curves.png")
+    during = evaluations_during_training(stages)
+    accuracy_over_steps = ""
+    if during:
+        png = accuracy_curves(stages, during, output_dir / "accuracy_during_training.png")
+        accuracy_over_steps = (
+            "<h2>Accuracy during training</h2><p>The evaluations as each stage trained (<code>eval_every</code>), on a "
+            "fixed subset of one split (<code>eval_samples</code>); a star marks the adapter a stage kept "
+            "(<code>keep: best</code>). <code>eval_share</code> in the jobs table: their share of the stage's time.</p>"
+            f'<img alt="accuracy during training, one panel per experiment" src="data:image/png;base64,{png}">'
+        )
     job_columns = [
         c
         for c in (
@@ -335,6 +396,8 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             "peak_memory_gb",
             "final_loss",
             "resumed_from_step",
+            "eval_share",
+            "kept_step",
             "device",
             "repeats",
         )
@@ -366,6 +429,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 <img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">
 <h2>Training loss</h2><p>One panel per experiment; a curriculum's stages one after the other.</p>
 <img alt="training loss curves, one panel per experiment" src="data:image/png;base64,{losses}">
+{accuracy_over_steps}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 <h2>Example answers</h2>
 <p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>

@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from vlft import checkpoints, clicks, distributed
+from vlft import checkpoints, clicks, distributed, step_evals
 from vlft.curves import Curves
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
@@ -48,7 +49,7 @@ from vlft.modeling import (
 from vlft.image_groups import ImageGroup, group_rows, grouped_steps
 from vlft.packing import pack, pack_groups, packed_batches, use_packed_attention
 from vlft.prompts import PromptBuilder
-from vlft.plan import schedule_problem, warmup_steps
+from vlft.plan import LEFT_OUT_WITH, schedule_problem, warmup_steps
 from vlft.records import order_records
 from vlft.shards import INDEX
 from vlft.stage_data import load_stage_data, uses_vision_cache
@@ -75,6 +76,9 @@ class StageInputs:
     caches: list[str]  # pixel cache of each training split, same order
     init_adapter: str | None  # adapter of the stage this one starts from
     trust_remote_code: bool = False
+    # Where it evaluates as it trains (`eval_every`): the prepared split and its cache (of the kind it trains from).
+    eval_prepared: str | None = None
+    eval_cache: str | None = None
 
 
 def plan_steps(records: list[dict], settings: dict) -> list[list[list[str]]]:
@@ -138,7 +142,8 @@ def train_stage(
     of one computation beyond float32 rounding. In a data-parallel job every process calls this;
     the main one alone writes files. `curves_dir`: where the stage's TensorBoard run goes (vlft.curves).
     `activation_checkpointing`: recompute activations in the backward pass (less memory, the same
-    result: a setting of how the job runs, not of what it computes)."""
+    result: a setting of how the job runs, not of what it computes). With `eval_every` in the
+    settings, the stage evaluates as it trains (vlft.step_evals), as `settings["evaluation"]` says."""
     started = time.time()
     group = distributed.join()
     run_dir = _run_dir(checkpoint_root, inputs, settings, clean=group.is_main)
@@ -160,7 +165,9 @@ def train_stage(
 
     # Data: tokenized once; pixels are read from the cache per batch.
     tokenizer = load_tokenizer(inputs.model_dir, inputs.trust_remote_code)
-    model = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code)
+    # quantization_bit is absent while off (vlft.plan.LEFT_OUT_WHEN_OFF).
+    quantization_bit = settings.get("quantization_bit")
+    model = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code, quantization_bit)
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
     data = load_stage_data(
         inputs.prepared,
@@ -173,6 +180,19 @@ def train_stage(
     )
     image_groups = settings.get("image_groups", False)  # absent while off (vlft.plan.LEFT_OUT_WHEN_OFF)
     steps = grouped_steps(data.records, data.images, settings) if image_groups else plan_steps(data.records, settings)
+
+    evaluator = None
+    if settings.get("eval_every"):  # absent while off (vlft.plan.LEFT_OUT_WHEN_OFF)
+        evaluator = step_evals.StepEvaluator(
+            inputs.eval_prepared,
+            inputs.eval_cache,
+            settings["evaluation"],
+            settings,
+            builder,
+            tokenizer,
+            model,
+            run_dir,
+        )
 
     # Model: the adapter to train, on the base model as the stage's data and settings want it.
     model = _setup_model(
@@ -189,6 +209,12 @@ def train_stage(
     # Resume from the newest complete checkpoint of this exact stage, if any.
     running_log = run_dir / "log.jsonl"
     first_step = _resume(run_dir, running_log, model, optimizer, scheduler, truncate_log=group.is_main)
+    evals = []  # the evaluations during training so far (main process)
+    if evaluator and group.is_main:
+        _truncate_log(run_dir / step_evals.EVALS_LOG, first_step)
+        step_evals.forget_after(run_dir, first_step)
+        evals = step_evals.read(run_dir)
+    saved_step = first_step  # of the newest checkpoint
 
     # Loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
@@ -229,9 +255,27 @@ def train_stage(
     )
     todo = range(first_step, len(steps))
     step_start = time.time()  # a step's time runs from the end of the one before: waits included
-    curves = Curves(curves_dir, first_step) if curves_dir and group.is_main else nullcontext()
+    # A curriculum's curves go on from the steps of the stages it starts from.
+    steps_before = _steps_before(inputs.init_adapter)
+    curves = Curves(curves_dir, first_step, steps_before) if curves_dir and group.is_main else nullcontext()
+
+    def evaluate_after(step: int) -> None:
+        record = evaluator(model, step, device, dtype)
+        if group.is_main:
+            evaluator.keep_if_best(record, evals, model, saved_step)
+            evals.append(record)
+            step_evals.append(run_dir, record)
+            # Above the progress bar (stderr): in a job's log, a line of its own.
+            progress.write(step_evals.describe(record), file=sys.stderr)
+            if isinstance(curves, Curves):
+                curves.add_evaluation(record)
+
     # The bar is closed (its line ended) however the loop ends: an error's line then starts a line of its own.
     with progress, curves, open(running_log, "a") if group.is_main else open(os.devnull, "w") as log:
+        # Before the first step, or where a stopped attempt saved its checkpoint before it could evaluate.
+        if evaluator and evaluator.due(first_step, len(steps)) and _unevaluated(evals, first_step, group):
+            evaluate_after(first_step)
+            step_start = time.time()
         for step, micro_batches in zip(todo, prefetched(host_batches(step) for step in todo)):
             samples = [data.samples[key] for keys in steps[step] for key in keys]
             # Every answer token of the whole step, whichever process computes it.
@@ -271,6 +315,9 @@ def train_stage(
                 # All stop at this step, for the first reason by rank: a signal sent to every
                 # process may not yet have reached the one that saves, which then says what came.
                 reason = next(r for r in distributed.gathered(reason) if r)
+            if evaluator and evaluator.due(done, len(steps)) and not reason:
+                evaluate_after(done)
+                step_start = time.time()  # a step's time leaves the evaluation out
             if reason:
                 if group.is_main:
                     # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
@@ -283,6 +330,8 @@ def train_stage(
                 )
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
                 checkpoints.save(run_dir, done, model, optimizer, scheduler)
+                saved_step = done
+                step_evals.prune_bests(run_dir, saved_step)
     if not group.is_main:
         distributed.barrier()  # until the main process has written the outputs
         return json.loads((finished / "summary.json").read_text())
@@ -306,17 +355,29 @@ def train_stage(
             "trust_remote_code": inputs.trust_remote_code,
         },
         "answering": {k: settings[k] for k in ANSWERING_KEYS},
+        "steps_before": steps_before,
     }
+    kept = None
+    if evaluator:
+        summary |= _evaluation_summary(evals, rows)
+        if kept := step_evals.best_of(evals, settings["best_metric"]) if settings["keep"] == "best" else None:
+            summary["kept"] = {"step": kept["step"], "best_metric": settings["best_metric"]} | {
+                k: kept[k] for k in ("accuracy", "loss")
+            }
     with atomic_path(finished) as tmp:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter")
+        if kept:
+            shutil.copytree(run_dir / f"{step_evals.BEST_PREFIX}{kept['step']:08d}", tmp / "adapter")
+        else:
+            model.save_pretrained(tmp / "adapter")
         summary["adapter_crc32"] = adapter_checksums(tmp / "adapter")  # checked wherever it is loaded
         shutil.copyfile(running_log, tmp / "log.jsonl")
         write_json(tmp / "summary.json", summary)
         (tmp / UNPUBLISHED).touch()
-    for checkpoint in run_dir.glob("step-*"):
+    for checkpoint in [*run_dir.glob("step-*"), *step_evals.best_dirs(run_dir).values()]:
         remove_inside(checkpoint, run_dir)
     running_log.unlink()
+    (run_dir / step_evals.EVALS_LOG).unlink(missing_ok=True)
     result = _publish(finished, adapter_out, log_out, summary_out)
     distributed.barrier()
     return result
@@ -383,6 +444,28 @@ def _setup_optimizer(trainable: list, settings: dict, n_steps: int, device: torc
     return optimizer, scheduler
 
 
+def _unevaluated(evals: list[dict], step: int, group) -> bool:
+    """Whether the adapter after `step` has no evaluation yet, as the main process knows it."""
+    missing = not any(r["step"] == step for r in evals)
+    return distributed.gathered(missing)[0] if group.size > 1 else missing
+
+
+def _evaluation_summary(evals: list[dict], rows: list[dict]) -> dict:
+    """The evaluations during training, and their share of the stage's time (its steps' and theirs)."""
+    eval_s = sum(r["seconds"] for r in evals)
+    train_s = sum(r["samples"] / r["samples_per_s"] for r in rows)
+    return {"evaluations_during_training": evals, "eval_s": eval_s, "eval_share": eval_s / (eval_s + train_s)}
+
+
+def _steps_before(init_adapter: str | None) -> int:
+    """The optimizer steps of the stages this one starts from, from its starting stage's summary
+    (beside its adapter); 0 for none, or where that summary is of a version that did not count them."""
+    if not init_adapter:
+        return 0
+    summary = json.loads((Path(init_adapter).parent / "summary.json").read_text())
+    return summary.get("steps_before", 0) + summary["steps"]
+
+
 def _throughput(rows: list[dict]) -> dict:
     """The stage's speed and memory, from its per-step log."""
     return {
@@ -396,7 +479,7 @@ def _throughput(rows: list[dict]) -> dict:
 def _run_dir(checkpoint_root: str | Path, inputs: StageInputs, settings: dict, clean: bool) -> Path:
     """This exact stage's checkpoint directory: its settings and the content of its inputs. Those of
     the stage's earlier settings go: no run of this stage will resume them."""
-    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, _input_files(inputs))
+    run_dir = Path(checkpoint_root) / checkpoints.fingerprint(settings, _input_files(inputs) + _eval_files(inputs))
     for earlier in Path(checkpoint_root).glob("*") if clean else ():
         if earlier != run_dir:
             remove_inside(earlier, checkpoint_root)
@@ -413,13 +496,23 @@ def _input_files(inputs: StageInputs) -> list[Path]:
     return files
 
 
+def _eval_files(inputs: StageInputs) -> list[Path]:
+    """The files its evaluations during training read, where it has them."""
+    return [Path(inputs.eval_prepared), Path(inputs.eval_cache) / INDEX] if inputs.eval_prepared else []
+
+
 def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:
     """What a stage trained on, however its config said it: its inputs' content, its settings with
     the filter replaced by the records it selected (and without the splits it is evaluated on), and
     every step's records in order. Two stages with one fingerprint compute the same adapter (the
     report says so: a repeat is no second finding)."""
-    computed = {k: v for k, v in settings.items() if k not in ("filter", "eval_splits")} | {"steps": steps}
-    return checkpoints.fingerprint(computed, _input_files(inputs))
+    left_out, files = ["filter", "eval_splits"], _input_files(inputs)
+    if settings.get("keep", "last") == "last":  # evaluating as it trains changes nothing it trains
+        left_out += ["eval_every", *LEFT_OUT_WITH, "evaluation"]
+    else:
+        files += _eval_files(inputs)
+    computed = {k: v for k, v in settings.items() if k not in left_out} | {"steps": steps}
+    return checkpoints.fingerprint(computed, files)
 
 
 def _resume(run_dir: Path, running_log: Path, model, optimizer, scheduler, truncate_log: bool) -> int:

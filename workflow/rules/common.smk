@@ -108,17 +108,34 @@ def get_stage(wildcards):
 def get_train_inputs(wildcards):
     stage = get_stage(wildcards)
     settings = stage.settings
+    # The cache kind the stage trains from: its evaluations during training read the same kind.
+    cache_of = vision_cache_path if settings["vision_cache"] else cache_path
     inputs = {
         "model": MODEL,
         "prepared": [prepared_path(settings["dataset"], s) for s in settings["train_splits"]],
-        "caches": [
-            (vision_cache_path if settings["vision_cache"] else cache_path)(settings["dataset"], s, stage.pixels())
-            for s in settings["train_splits"]
-        ],
+        "caches": [cache_of(settings["dataset"], s, stage.pixels()) for s in settings["train_splits"]],
     }
     if stage.init_from:
         inputs["init_adapter"] = adapter_path(*stage.init_from.split("/"))
+    if stage.eval_split:
+        inputs["eval_prepared"] = prepared_path(settings["dataset"], stage.eval_split)
+        inputs["eval_cache"] = cache_of(settings["dataset"], stage.eval_split, stage.pixels())
     return inputs
+
+
+def get_train_eval_arg(wildcards, input):
+    """The evaluation during training: its split and cache, and how it generates (the config's
+    `evaluation`); nothing where the stage has none."""
+    stage = get_stage(wildcards)
+    if not stage.eval_split:
+        return ""
+    settings = json.dumps(
+        PLAN.eval_settings(wildcards.experiment, wildcards.stage, config["evaluation"]), sort_keys=True
+    )
+    return " ".join(
+        ["--eval-prepared", shlex.quote(input.eval_prepared), "--eval-cache", shlex.quote(input.eval_cache)]
+        + ["--eval-settings", shlex.quote(settings)]
+    )
 
 
 def get_train_settings(wildcards):

@@ -25,6 +25,8 @@ rule train:
         settings=get_train_settings,
         init_from_settings=get_lineage_settings(include_stage=False),
         init_adapter=get_init_adapter_arg,
+        # Where the stage evaluates as it trains (`eval_every`): the config's evaluation settings too.
+        evaluation=get_train_eval_arg,
         # Outside the declared outputs: Snakemake deletes those when a job fails.
         checkpoints=f"{RESULTS}/checkpoints/{{experiment}}/{{stage}}",
         # Live curves, also outside the outputs: a stopped attempt's continue in the retry's.
@@ -39,6 +41,6 @@ rule train:
         # exits 75, and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.stopping).
         "gpus=$(python -m vlft.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1 INT; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
-        "--caches {input.caches:q} {params.init_adapter} --settings {params.settings:q} "
+        "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
