@@ -44,6 +44,7 @@ from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.modeling import lora_config  # noqa: E402
 from vlft.config import stage_defaults  # noqa: E402
+from vlft.errors import ConfigError  # noqa: E402
 from vlft.prompts import PromptBuilder  # noqa: E402
 from vlft.records import prepare_split  # noqa: E402
 
@@ -303,6 +304,7 @@ def run_ours(
         "tokens": [row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in log],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "losses": [row["loss"] for row in log],
+        "auto": json.loads((out / "summary.json").read_text()).get("max_batch_tokens_auto"),
     }
 
 
@@ -367,6 +369,7 @@ def summarize(run: dict, flops_per_token: float, peak_tflops: float) -> dict:
         "peak_gib": run["peak_gib"],
         "steps_measured": len(run["step_s"]),
         **({"losses": run["losses"]} if "losses" in run else {}),
+        **({"auto": run["auto"]} if run.get("auto") else {}),
     }
 
 
@@ -380,11 +383,22 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=lambda v: v if v == "auto" else int(v),
         nargs="+",
         default=[8192],
-        help="token budgets of our micro-batches: one run of ours for each",
+        help="token budgets of our micro-batches (a number, or auto): one run of ours for each",
     )
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction), as a smaller card has",
+    )
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="also run ours on a 4-bit base (quantization_bit: 4) with activation_checkpointing",
+    )
+    parser.add_argument("--no-plain", action="store_true", help="leave out the runs of ours with neither option")
     parser.add_argument(
         "--grouped",
         action="store_true",
@@ -413,6 +427,10 @@ def main():
     )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.memory_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+        )
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)
 
@@ -462,7 +480,7 @@ def main():
         del model
         torch.cuda.empty_cache()
         settings = our_settings(args.steps)
-        runs = [(f"ours@{budget}", budget, dict(packing=True)) for budget in args.max_batch_tokens]
+        runs = [] if args.no_plain else [(f"ours@{b}", b, dict(packing=True)) for b in args.max_batch_tokens]
         if args.grouped:
             runs += [(f"ours grouped@{budget}", budget, dict(packing=False)) for budget in args.max_batch_tokens]
         if args.image_groups:
@@ -471,6 +489,11 @@ def main():
             runs += [
                 (f"ours recompute@{budget}", budget, dict(packing=True, activation_checkpointing=True))
                 for budget in args.max_batch_tokens
+            ]
+        if args.qlora:
+            runs += [
+                (f"ours 4-bit recompute@{b}", b, dict(quantization_bit=4, activation_checkpointing=True))
+                for b in args.max_batch_tokens
             ]
         for name, budget, options in runs:
             try:
@@ -494,6 +517,8 @@ def main():
                     results[name]["mfu"] = float("nan")
             except torch.OutOfMemoryError as error:
                 results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+            except ConfigError as error:  # auto found no budget that fits
+                results[name] = {"error": str(error)}
             import gc
 
             torch._dynamo.reset()  # drop this run's compiled graphs with its model
@@ -516,6 +541,7 @@ def main():
         "liger_kernel": _installed("liger_kernel"),
         "flash_attn": _installed("flash_attn"),
         "torch": torch.__version__,
+        "memory_cap_gib": args.memory_gib,
         **results,
     }
     if "reference" in results:

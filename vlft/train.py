@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from vlft import checkpoints, clicks, distributed, step_evals
+from vlft import checkpoints, clicks, distributed, step_evals, token_budget
 from vlft.curves import Curves
 from vlft.batching import collate, prefetched, to_device, token_budget_batches
 from vlft.loss import answer_loss_sum
@@ -220,6 +220,16 @@ def train_stage(
     # background thread, while the GPU trains on the step before.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
     positions, pin = rope_index(model), device.type == "cuda"
+    budget, chosen = settings["max_batch_tokens"], None
+    if budget == "auto":
+        chosen = _auto_budget(
+            model, data, builder, positions, pad_id, settings, optimizer, forward_context, device, dtype
+        )
+        budget = chosen["max_batch_tokens"]
+        if group.size > 1:  # the tightest GPU's
+            budget = min((b for b in distributed.gathered(budget) if b), default=None)
+        if group.is_main:
+            print(_auto_budget_line(chosen), flush=True)
 
     def host_batches(step: int) -> list[dict]:
         if image_groups:
@@ -230,9 +240,9 @@ def train_stage(
             micro_batches = [
                 share[i : i + settings["micro_batch"]] for i in range(0, len(share), settings["micro_batch"])
             ]
-        if settings["max_batch_tokens"]:
+        if budget:
             split = packed_batches if settings["packing"] else token_budget_batches
-            micro_batches = split([s for b in micro_batches for s in b], settings["max_batch_tokens"])
+            micro_batches = split([s for b in micro_batches for s in b], budget)
         if settings["packing"]:
             return [pack(b, data.images, builder, positions, pin=pin) for b in micro_batches]
         return [collate(b, data.images, builder, pad_id, rope_index=positions, pin=pin) for b in micro_batches]
@@ -242,7 +252,6 @@ def train_stage(
         if group.size > 1:  # this process's share of the step: whole groups, balanced by tokens
             groups = distributed.share_by_tokens(groups, group.size, length=lambda g: g.tokens)[group.rank]
         # Rows under the token budget, or of at most micro_batch samples without one.
-        budget = settings["max_batch_tokens"]
         rows = group_rows(groups, budget, None if budget else settings["micro_batch"])
         return [pack_groups(row, data.images, builder, positions, pin=pin) for row in rows]
 
@@ -357,6 +366,8 @@ def train_stage(
         "answering": {k: settings[k] for k in ANSWERING_KEYS},
         "steps_before": steps_before,
     }
+    if chosen:
+        summary["max_batch_tokens_auto"] = chosen
     kept = None
     if evaluator:
         summary |= _evaluation_summary(evals, rows)
@@ -442,6 +453,73 @@ def _setup_optimizer(trainable: list, settings: dict, n_steps: int, device: torc
         num_training_steps=n_steps,
     )
     return optimizer, scheduler
+
+
+def _auto_budget(model, data, builder, positions, pad_id, settings, optimizer, forward_context, device, dtype) -> dict:
+    """`max_batch_tokens: auto` (vlft.token_budget): the budget chosen for this GPU and the
+    measurement it was chosen from, for the summary."""
+    if device.type != "cuda":
+        return {"max_batch_tokens": None, "why": "no GPU: micro_batch samples a micro-batch"}
+    ordered = [data.samples[record["key"]] for record in data.records]
+    longest = max(len(s.input_ids) for s in ordered)
+
+    def run_micro_batch(length: int) -> int:
+        """A forward and backward of the stage's first samples, packed (or padded) to `length` tokens."""
+        candidates, total = [], 0
+        for sample in ordered:
+            if total >= 2 * length:
+                break
+            candidates.append(sample)
+            total += len(sample.input_ids)
+        if settings["packing"]:
+            batch = max(packed_batches(candidates, length), key=lambda b: sum(len(s.input_ids) for s in b))
+            host = pack(batch, data.images, builder, positions)
+        else:
+            batch = max(token_budget_batches(candidates, length), key=len)
+            host = collate(batch, data.images, builder, pad_id, rope_index=positions)
+        with forward_context:
+            loss_sum, _ = answer_loss_sum(model, to_device(host, device, dtype))
+        loss_sum.backward()
+        return sum(len(s.input_ids) for s in batch)
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    moments = 0 if optimizer.state else 2 * 4 * trainable  # AdamW's, made at the first step
+    limit = token_budget.memory_limit(device)
+    try:
+        fixed, per_token = token_budget.without_side_effects(
+            model, lambda: token_budget.measure(run_micro_batch, (longest, 2 * longest), device)
+        )
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        raise ConfigError(
+            f"max_batch_tokens: auto: this GPU's {limit / 2**30:.1f} GiB cannot train micro-batches of twice the longest "
+            f"sample ({2 * longest} tokens); give activation_checkpointing: true or quantization_bit: 4"
+        ) from None
+    torch.cuda.empty_cache()
+    budget = token_budget.choose(limit, fixed + moments, per_token, longest)
+    if budget is None:
+        raise ConfigError(
+            f"max_batch_tokens: auto: this GPU's {limit / 2**30:.1f} GiB cannot hold the longest sample ({longest} tokens) "
+            "besides the model; give activation_checkpointing: true or quantization_bit: 4"
+        )
+    return {
+        "max_batch_tokens": budget,
+        "memory_limit_gib": limit / 2**30,
+        "held_gib": (fixed + moments) / 2**30,
+        "per_token_kib": per_token / 2**10,
+        "longest_sample": longest,
+    }
+
+
+def _auto_budget_line(chosen: dict) -> str:
+    if chosen["max_batch_tokens"] is None:
+        return f"max_batch_tokens: auto: {chosen['why']}"
+    return (
+        f"max_batch_tokens: auto: {chosen['max_batch_tokens']} tokens, to fill {token_budget.SAFETY:.0%} of "
+        f"{chosen['memory_limit_gib']:.1f} GiB at {chosen['per_token_kib']:.0f} KiB a token "
+        f"beside {chosen['held_gib']:.1f} GiB held (measured on this stage's samples)"
+    )
 
 
 def _unevaluated(evals: list[dict], step: int, group) -> bool:
