@@ -162,14 +162,15 @@ def _runner_up(jobs: pd.DataFrame, best: float) -> str:
     return f"{', '.join(second.experiment + '/' + second.stage)} ({second.accuracy.iloc[0]:.3f})"
 
 
-def _save_png(fig, path: Path) -> str:
-    """Write the figure as a PNG file (for Snakemake's report) and return it base64-encoded (for the
-    self-contained page)."""
+def _save_png(fig, path: Path | None) -> str:
+    """Write the figure as a PNG file (for Snakemake's report; None: the page alone has it) and return
+    it base64-encoded (for the self-contained page)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(buffer.getvalue())
+    if path is not None:
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(buffer.getvalue())
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -226,7 +227,7 @@ def evaluations_during_training(stages: list[TrainedStage]) -> dict[str, list[di
     return found
 
 
-def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]], path: Path) -> str:
+def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]]) -> str:
     """Accuracy over the steps, from the evaluations during training: one panel per experiment that
     has them, its stages one after the other as in the loss curves; a kept best marked."""
     logs = {trained.label: read_jsonl(trained.log) for trained in stages}
@@ -250,7 +251,9 @@ def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]], pa
     for ax in axes[:, 0]:
         ax.set_ylabel("accuracy during training", fontsize=8)
     fig.tight_layout()
-    return _save_png(fig, path)
+    # In the page only: a study without evaluations during training has no such chart, and the
+    # report rule's outputs are the same files for every study.
+    return _save_png(fig, None)
 
 
 def category_chart(categories: pd.DataFrame, path: Path) -> str:
@@ -376,7 +379,7 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
     during = evaluations_during_training(stages)
     accuracy_over_steps = ""
     if during:
-        png = accuracy_curves(stages, during, output_dir / "accuracy_during_training.png")
+        png = accuracy_curves(stages, during)
         accuracy_over_steps = (
             "<h2>Accuracy during training</h2><p>The evaluations as each stage trained (<code>eval_every</code>), on a "
             "fixed subset of one split (<code>eval_samples</code>); a star marks the adapter a stage kept "
