@@ -195,6 +195,18 @@ def _panels(experiments: list[str]):
     return fig, axes
 
 
+def _label_panels(fig, axes, experiments: list[str], ylabel: str) -> None:
+    """Each panel titled by its experiment, over optimizer steps; the y axis named on the left."""
+    for ax, experiment in zip(axes.flat, experiments):
+        ax.set_title(experiment, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel, fontsize=8)
+    fig.tight_layout()
+
+
 def loss_curves(stages: list[TrainedStage], path: Path) -> str:
     """One panel per experiment; a curriculum's stages one after the other, each from the step
     where the stage it started from ended."""
@@ -206,28 +218,23 @@ def loss_curves(stages: list[TrainedStage], path: Path) -> str:
         for trained in (t for t in stages if t.experiment == experiment):
             start, log = offsets[trained.label], logs[trained.label]
             ax.plot([start + r["step"] for r in log], [r["loss"] for r in log], label=trained.stage, linewidth=1.2)
-        ax.set_title(experiment, fontsize=10)
-        ax.set_xlabel("optimizer step")
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("training loss (per answer token)", fontsize=8)
-    fig.tight_layout()
+    _label_panels(fig, axes, experiments, "training loss (per answer token)")
     return _save_png(fig, path)
 
 
-def evaluations_during_training(stages: list[TrainedStage]) -> dict[str, list[dict]]:
-    """The evaluations during training (`eval_every`) of each stage that has them, by its label."""
+def evaluations_during_training(stages: list[TrainedStage]) -> dict[str, tuple[list[dict], dict | None]]:
+    """The evaluations during training (`eval_every`) of each stage that has them, and the one whose
+    adapter it kept (`keep: best`; None for the last), by its label."""
     found = {}
     for trained in stages:
-        evals = json.loads(Path(trained.summary).read_text()).get("evaluations_during_training")
-        if evals:
-            found[trained.label] = evals
+        summary = json.loads(Path(trained.summary).read_text())
+        if summary.get("evaluations_during_training"):
+            found[trained.label] = summary["evaluations_during_training"], summary.get("kept")
     return found
 
 
-def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]]) -> str:
+def accuracy_curves(stages: list[TrainedStage], evals: dict[str, tuple[list[dict], dict | None]]) -> str:
     """Accuracy over the steps, from the evaluations during training: one panel per experiment that
     has them, its stages one after the other as in the loss curves; a kept best marked."""
     logs = {trained.label: read_jsonl(trained.log) for trained in stages}
@@ -236,21 +243,13 @@ def accuracy_curves(stages: list[TrainedStage], evals: dict[str, list[dict]]) ->
     fig, axes = _panels(experiments)
     for ax, experiment in zip(axes.flat, experiments):
         for trained in (t for t in stages if t.experiment == experiment and t.label in evals):
-            start, records = offsets[trained.label], evals[trained.label]
+            start, (records, kept) = offsets[trained.label], evals[trained.label]
             steps = [start + r["step"] for r in records]
             (line,) = ax.plot(steps, [r["accuracy"] for r in records], marker=".", label=trained.stage, linewidth=1.2)
-            kept = json.loads(Path(trained.summary).read_text()).get("kept")
             if kept:
-                at = next(r for r in records if r["step"] == kept["step"])
-                ax.plot([start + at["step"]], [at["accuracy"]], marker="*", markersize=12, color=line.get_color())
-        ax.set_title(experiment, fontsize=10)
-        ax.set_xlabel("optimizer step")
+                ax.plot([start + kept["step"]], [kept["accuracy"]], marker="*", markersize=12, color=line.get_color())
         ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("accuracy during training", fontsize=8)
-    fig.tight_layout()
+    _label_panels(fig, axes, experiments, "accuracy during training")
     # In the page only: a study without evaluations during training has no such chart, and the
     # report rule's outputs are the same files for every study.
     return _save_png(fig, None)
