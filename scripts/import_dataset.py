@@ -20,15 +20,20 @@ def main():
     kvasir = formats.add_parser("kvasir-vqa", help="Kvasir-VQA as published (parquet with the image bytes)")
     kvasir.add_argument("--parquet", nargs="+", required=True)
     x1 = formats.add_parser("kvasir-vqa-x1", help="Kvasir-VQA-x1, its images from Kvasir-VQA's parquet")
-    x1.add_argument("--x1", nargs="+", required=True, help="Kvasir-VQA-x1's parquet files")
+    x1.add_argument("--x1", nargs="+", required=True, help="Kvasir-VQA-x1's train-*.parquet and test-*.parquet files")
     x1.add_argument("--parquet", nargs="+", required=True, help="Kvasir-VQA's parquet files, for the images")
-    chat = formats.add_parser("chat", help="LLaMA-Factory (sharegpt), ms-swift or LLaVA JSON / JSONL")
+    chat = formats.add_parser("chat", help="LLaMA-Factory, ms-swift or LLaVA conversations (JSON / JSONL)")
     chat.add_argument("--json", nargs="+", required=True)
     chat.add_argument("--image-root", required=True, help="the directory the records' image paths are relative to")
     chat.add_argument("--split", default="train", help="the split the records form")
-    clicks = formats.add_parser("screenspot", help="ScreenSpot-style click data")
+    clicks = formats.add_parser("screenspot", help="ScreenSpot v1, v2 or Pro click data (JSON)")
     clicks.add_argument("--json", nargs="+", required=True)
-    clicks.add_argument("--bbox", choices=["xywh", "xyxy"], default="xywh", help="x, y, width, height; or corners")
+    clicks.add_argument(
+        "--bbox",
+        choices=["auto", "xywh", "xyxy"],
+        default="auto",
+        help="x, y, width, height; or corners; auto: corners for ScreenSpot-Pro and the Hub mirror, else x, y, w, h",
+    )
     clicks.add_argument("--split", default="test", help="the split the records form")
     for sub in (kvasir, x1, chat, clicks):
         sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")

@@ -442,8 +442,19 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
     [line] = [line for line in (result.stdout + result.stderr).splitlines() if "Invalid config" in line]
     assert line == (
         "Invalid config: experiments.x.stages[0].filter: {'category': ['size', 'shape']} selects no record of "
-        "a.jsonl, b.jsonl, so the stage has nothing to train on"
+        "a.jsonl, b.jsonl, so the stage cannot train"
     )
+    # A field no record has (a curriculum by difficulty on data without it) is named, for the
+    # filter and for the order alike, before any job is queued.
+    for change, named in (
+        ({"filter": {"difficulty": [1]}}, "filter: no record of a.jsonl, b.jsonl has the field 'difficulty'"),
+        ({"order": "by_field", "order_field": "level"}, "order_field: no record of a.jsonl, b.jsonl has the field"),
+    ):
+        config["experiments"]["x"]["stages"][0] = dict({"name": "main", "train_splits": ["a", "b"]}, **change)
+        (workdir / "study.yaml").write_text(yaml.safe_dump(config))
+        result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", check=False)
+        assert result.returncode != 0 and not (workdir / "results").exists()
+        assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr
 
 
 def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp_path):

@@ -9,12 +9,13 @@ import sys
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 from PIL import Image
 
 from vlft.errors import InputError
-from vlft.files import read_jsonl
+from vlft.files import read_jsonl, write_jsonl
 from vlft.importers import (
     import_chat,
     import_kvasir_vqa,
@@ -22,7 +23,7 @@ from vlft.importers import (
     import_screenspot,
     question_type,
 )
-from vlft.records import prepare_split
+from vlft.records import prepare_split, select_records
 
 
 def jpeg_bytes(seed: int, size=(96, 64)) -> bytes:
@@ -101,31 +102,71 @@ def test_kvasir_vqa_as_published_becomes_records_split_by_image(tmp_path):
     assert len(read_jsonl(tmp_path / "prepared.jsonl")) == len(splits["train"])
 
 
-def test_kvasir_vqa_x1_takes_its_images_from_kvasir_vqa_and_its_difficulty_from_complexity(tmp_path):
-    kvasir_parquet(tmp_path / "kvasir.parquet", n_images=4)
-    x1 = [
+def x1_rows(n=9, images=3):
+    """Kvasir-VQA-x1 rows as the Hub publishes them: question_class and original as lists."""
+    return [
         {
-            "img_id": f"cl8k{i % 3:04d}",
+            "img_id": f"cl8k{i % images:04d}",
             "complexity": i % 3 + 1,
             "question": f"Describe finding {i} and its colour.",
             "answer": f"A finding, number {i}.",
             "question_class": ["polyp_type", "color"] if i % 2 else ["instrument"],
-            "original": ["q", "a"],
+            "original": [json.dumps({"q": f"q{i}", "a": f"a{i}"})],
         }
-        for i in range(9)
+        for i in range(n)
     ]
-    pd.DataFrame(x1).to_parquet(tmp_path / "x1.parquet")
-    summary = import_kvasir_vqa_x1([tmp_path / "x1.parquet"], [tmp_path / "kvasir.parquet"], tmp_path / "out")
-    assert summary["records"] == 9 and summary["images"] == 3  # only the images its records use
-    records = [r for s in ("train", "val", "test") for r in read_jsonl(tmp_path / f"out/{s}.jsonl")]
-    assert sorted(r["difficulty"] for r in records) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
-    assert {r["category"] for r in records} == {"polyp_type+color", "instrument"}
 
-    x1[4]["img_id"] = "missing"
-    pd.DataFrame(x1).to_parquet(tmp_path / "x1.parquet")
-    with pytest.raises(InputError, match=r"x1.parquet:5: field 'img_id': img_id 'missing' is not among"):
-        import_kvasir_vqa_x1([tmp_path / "x1.parquet"], [tmp_path / "kvasir.parquet"], tmp_path / "bad")
+
+def test_kvasir_vqa_x1_keeps_its_published_splits_classes_and_originals(tmp_path):
+    kvasir_parquet(tmp_path / "kvasir.parquet", n_images=40)
+    train, test = x1_rows(300, images=30), x1_rows(20, images=40)[-10:]
+    pd.DataFrame(train).to_parquet(tmp_path / "train-00000-of-00001.parquet")
+    pd.DataFrame(test).to_parquet(tmp_path / "test-00000-of-00001.parquet")
+    files = [tmp_path / "train-00000-of-00001.parquet", tmp_path / "test-00000-of-00001.parquet"]
+    summary = import_kvasir_vqa_x1(files, [tmp_path / "kvasir.parquet"], tmp_path / "out")
+    splits = {s: read_jsonl(tmp_path / f"out/{s}.jsonl") for s in ("train", "val", "test")}
+
+    # The published test split whole, and nothing else in it; val carved from train by image.
+    assert [r["question"] for r in splits["test"]] == [r["question"] for r in test]
+    assert len(splits["train"]) + len(splits["val"]) == len(train) and splits["val"] and splits["train"]
+    assert not {r["image"] for r in splits["train"]} & {r["image"] for r in splits["val"]}
+    assert summary["splits"] == {s: len(r) for s, r in splits.items()} and summary["images"] == 30
+    assert "as published" in summary["split_by"]
+    images_of = {s: {r["image"] for r in records} for s, records in splits.items()}
+    assert summary["images_in_train_and_test"] == len((images_of["train"] | images_of["val"]) & images_of["test"])
+
+    records = [r for s in splits.values() for r in s]
+    by_question = {r["question"]: r for r in records}
+    for row in train + test:
+        record = by_question[row["question"]]
+        assert record["difficulty"] == row["complexity"] and record["original"] == row["original"]
+        assert record["question_class"] == row["question_class"] and record["category"] == "+".join(
+            row["question_class"]
+        )
+    # A filter on one class selects every record that has it, alone or with others.
+    color = select_records(records, {"question_class": "color"})
+    assert color and len(color) == sum("color" in r["question_class"] for r in records)
+    assert len(select_records(records, {"question_class": ["instrument", "color"]})) == len(records)
+
+    bad = x1_rows()
+    bad[4]["img_id"] = "missing"
+    pd.DataFrame(bad).to_parquet(tmp_path / "train-bad.parquet")
+    with pytest.raises(InputError, match=r"train-bad.parquet:5: field 'img_id': img_id 'missing' is not among"):
+        import_kvasir_vqa_x1([tmp_path / "train-bad.parquet"], [tmp_path / "kvasir.parquet"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+    pd.DataFrame(x1_rows()).to_parquet(tmp_path / "x1.parquet")
+    with pytest.raises(InputError, match=r"x1.parquet: cannot tell its split: Kvasir-VQA-x1 publishes train-\*"):
+        import_kvasir_vqa_x1([tmp_path / "x1.parquet"], [tmp_path / "kvasir.parquet"], tmp_path / "bad")
+
+
+def test_kvasir_vqa_is_read_one_row_group_at_a_time_with_the_same_records(tmp_path):
+    rows = kvasir_parquet(tmp_path / "whole.parquet", n_images=5)
+    pd.DataFrame(rows).to_parquet(tmp_path / "groups.parquet", row_group_size=4)
+    assert pq.ParquetFile(tmp_path / "groups.parquet").num_row_groups == 8
+    import_kvasir_vqa([tmp_path / "whole.parquet"], tmp_path / "a")
+    import_kvasir_vqa([tmp_path / "groups.parquet"], tmp_path / "b")
+    for split in ("train", "val", "test"):
+        assert (tmp_path / f"a/{split}.jsonl").read_text() == (tmp_path / f"b/{split}.jsonl").read_text()
 
 
 @pytest.mark.parametrize(
@@ -201,27 +242,157 @@ def test_chat_formats_become_one_record_a_conversation(tmp_path, name):
     prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
 
 
+MLLM_DEMO = [  # LLaMA-Factory's data/mllm_demo.json, in its shape: two rounds on one image, no <image> marker
+    {
+        "messages": [
+            {"content": f"Who is in {x}?", "role": "user"},
+            {"content": f"Someone in {x}.", "role": "assistant"},
+            {"content": "What are they doing?", "role": "user"},
+            {"content": f"Celebrating in {x}.", "role": "assistant"},
+        ],
+        "images": [f"{x}.jpg"],
+    }
+    for x in "ab"
+]
+
+
+def typed_parts(row: dict) -> dict:
+    """The same conversation in LLaMA-Factory's v1 format (data/v1_multimodal_demo.jsonl): typed
+    parts, the image a part of the first question and shown again with the second."""
+    messages = []
+    for n, m in enumerate(row["messages"]):
+        parts = [{"type": "text", "value": m["content"]}]
+        if m["role"] == "user":
+            parts.insert(0 if n == 0 else 1, {"type": "image_url", "value": row["images"][0]})
+        messages.append({"role": m["role"], "content": parts})
+    return {"messages": messages}
+
+
+@pytest.mark.parametrize("shape", ["mllm_demo", "v1_typed_parts"])
+def test_a_conversation_of_n_rounds_becomes_n_records_each_with_its_history(tmp_path, shape):
+    chat_fixtures(tmp_path)
+    rows = MLLM_DEMO if shape == "mllm_demo" else [typed_parts(r) for r in MLLM_DEMO]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = import_chat([tmp_path / "chat.jsonl"], tmp_path / "images", tmp_path / "out")
+    records = read_jsonl(tmp_path / "out/train.jsonl")
+    assert summary["records"] == 4 and summary["conversations"] == 2
+    assert summary["image_shown_again"] == (2 if shape == "v1_typed_parts" else 0)
+    first, second = records[:2]
+    assert (first["id"], first["image"], first["question"], first["answer"]) == (
+        "chat-1-1",
+        "a.jpg",
+        "Who is in a?",
+        "Someone in a.",
+    )
+    assert "history" not in first and second["id"] == "chat-1-2"
+    assert second["history"] == [{"question": "Who is in a?", "answer": "Someone in a."}]
+    assert (second["question"], second["answer"]) == ("What are they doing?", "Celebrating in a.")
+    prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+
+
+def test_system_turns_are_kept_and_rows_without_an_image_are_skipped_and_counted(tmp_path):
+    sharegpt, swift, llava = chat_fixtures(tmp_path)
+    swift[0]["messages"].insert(0, {"role": "system", "content": "You are a careful radiologist."})
+    sharegpt[1]["system"] = "Answer in one word."
+    llava.insert(
+        1, {"id": "text-only", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}
+    )
+    for name, rows in (("swift.jsonl", swift), ("sharegpt.json", sharegpt), ("llava.json", llava)):
+        (tmp_path / name).write_text(
+            json.dumps(rows) if name.endswith(".json") else "".join(json.dumps(r) + "\n" for r in rows)
+        )
+    import_chat([tmp_path / "swift.jsonl"], tmp_path / "images", tmp_path / "swift")
+    assert [r.get("system") for r in read_jsonl(tmp_path / "swift/train.jsonl")] == [
+        "You are a careful radiologist.",
+        None,
+    ]
+    import_chat([tmp_path / "sharegpt.json"], tmp_path / "images", tmp_path / "sharegpt")
+    assert [r.get("system") for r in read_jsonl(tmp_path / "sharegpt/train.jsonl")] == [None, "Answer in one word."]
+    summary = import_chat([tmp_path / "llava.json"], tmp_path / "images", tmp_path / "llava")
+    assert summary["records"] == 2 and summary["skipped_without_image"] == 1
+    assert [r["id"] for r in read_jsonl(tmp_path / "llava/train.jsonl")] == ["llava-a", "llava-b"]
+
+
+def grounding_row(refs=("the red car",), boxes=([10, 20, 50, 60],), **objects):
+    """ms-swift's grounding example's shape."""
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a grounding model."},
+            {"role": "user", "content": "<image>Find " + " and ".join(["<ref-object>"] * len(refs))},
+            {"role": "assistant", "content": " ".join(["<bbox>"] * len(boxes))},
+        ],
+        "images": ["a.jpg"],
+        "objects": {"ref": list(refs), "bbox": [list(b) for b in boxes], **objects},
+    }
+
+
+def test_grounding_rows_with_one_target_become_click_records(tmp_path):
+    chat_fixtures(tmp_path)  # a.jpg is 96 x 64
+    rows = [grounding_row(), grounding_row(boxes=([100, 250, 500, 750],), bbox_type="norm1000")]
+    (tmp_path / "ground.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = import_chat([tmp_path / "ground.jsonl"], tmp_path / "images", tmp_path / "out")
+    first, second = read_jsonl(tmp_path / "out/train.jsonl")
+    assert summary["grounding_rows"] == 2
+    assert (first["question"], first["box"], first["answer"]) == ("Find the red car", [10, 20, 50, 60], "(30, 40)")
+    assert first["system"] == "You are a grounding model."
+    assert second["box"] == [9.6, 16.0, 48.0, 48.0]  # per mille of 96 x 64
+    prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+
+
 @pytest.mark.parametrize(
-    "change, message",
+    "row, message",
     [
-        (lambda r: r["images"].append("b.jpg"), r"sharegpt.json:2: field 'images': needs exactly one image, has 2"),
         (
-            lambda r: r["conversations"].extend([{"from": "human", "value": "And?"}, {"from": "gpt", "value": "No."}]),
-            r"sharegpt.json:2: needs exactly one user turn then one assistant turn",
+            dict(MLLM_DEMO[0], images=["a.jpg", "b.jpg"]),
+            r"chat.jsonl:2: field 'images': needs one image, has 2: a.jpg, b.jpg",
         ),
         (
-            lambda r: r["conversations"].insert(0, {"from": "system", "value": "Be brief."}),
-            r"sharegpt.json:2: needs exactly one user turn then one assistant turn, has \['system'",
+            dict(MLLM_DEMO[0], images=["https://example.org/a.jpg"]),
+            r"chat.jsonl:2: field 'images': image https://example.org/a.jpg is a URL",
+        ),
+        (
+            {"messages": MLLM_DEMO[0]["messages"], "rejected_response": "No.", "images": ["a.jpg"]},
+            r"chat.jsonl:2: a preference pair \(rejected_response\): this project trains on answers",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "<image>And this?"},
+                    {"role": "assistant", "content": "A cat."},
+                ],
+                "images": ["a.jpg"],
+            },
+            r"chat.jsonl:2: its image is first shown in turn 3",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "<image>Hi"}, {"role": "user", "content": "Hello"}],
+                "images": ["a.jpg"],
+            },
+            r"chat.jsonl:2: needs user and assistant turns in turn, ending with an answer; has \['user', 'user'\]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "function_call", "content": "{}"}]},
+            r"chat.jsonl:2: a turn of role 'function_call'",
+        ),
+        (
+            grounding_row(refs=("a car", "a bus"), boxes=([1, 2, 3, 4], [5, 6, 7, 8])),
+            r"chat.jsonl:2: field 'objects': asks for 2 target",
+        ),
+        (
+            dict(MLLM_DEMO[0], messages=grounding_row()["messages"]),
+            r"chat.jsonl:2: has <ref-object> or <bbox> placeholders",
         ),
     ],
-    ids=["two-images", "two-rounds", "system-turn"],
+    ids=["two-images", "url", "preference", "image-later", "no-answer", "tool-turn", "two-targets", "unfilled"],
 )
-def test_chat_records_that_do_not_fit_are_refused_never_cut(tmp_path, change, message):
-    sharegpt, _, _ = chat_fixtures(tmp_path)
-    change(sharegpt[1])
-    (tmp_path / "sharegpt.json").write_text(json.dumps(sharegpt))
+def test_chat_rows_that_do_not_fit_are_refused_with_the_row_and_the_reason(tmp_path, row, message):
+    chat_fixtures(tmp_path)
+    (tmp_path / "chat.jsonl").write_text(json.dumps(MLLM_DEMO[1]) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(InputError, match=message):
-        import_chat([tmp_path / "sharegpt.json"], tmp_path / "images", tmp_path / "out")
+        import_chat([tmp_path / "chat.jsonl"], tmp_path / "images", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -283,3 +454,54 @@ def test_the_import_script_runs_as_the_readme_shows(tmp_path):
         text=True,
     )
     assert bad.returncode != 0
+
+
+def test_screenspot_v1_v2_pro_and_their_republications_each_read_in_their_own_layout(tmp_path):
+    v1 = {"img_filename": "web_1.png", "bbox": [10, 20, 30, 40], "instruction": "search", "data_type": "icon"}
+    pro = {  # ScreenSpot-Pro's annotations: corners, img_size, ui_type
+        "img_filename": "pr_1.png",
+        "bbox": [1774, 1586, 1887, 1604],
+        "instruction": "open the layer panel",
+        "id": "photoshop_windows_0",
+        "application": "photoshop",
+        "platform": "windows",
+        "img_size": [3840, 2160],
+        "ui_type": "icon",
+        "group": "Creative",
+    }
+    mirror = {"file_name": "web_1.png", "bbox": [10, 20, 40, 60], "instruction": "search", "data_type": "icon"}
+    uground = {"image": "web_1.png", "bbox": [10, 20, 30, 40], "instruction": "search", "data_type": "text"}
+    for name, row in (("v1", v1), ("pro", pro), ("mirror", mirror), ("uground", uground)):
+        (tmp_path / f"{name}.json").write_text(json.dumps([row]))
+        summary = import_screenspot([tmp_path / f"{name}.json"], tmp_path / name)
+        (record,) = read_jsonl(tmp_path / f"{name}/test.jsonl")
+        assert summary["bbox"] == {str(tmp_path / f"{name}.json"): "xywh" if name in ("v1", "uground") else "xyxy"}
+        assert record["image"] == ("pr_1.png" if name == "pro" else "web_1.png")
+        assert record["box"] == ([1774, 1586, 1887, 1604] if name == "pro" else [10, 20, 40, 60])
+    (record,) = read_jsonl(tmp_path / "pro/test.jsonl")
+    assert record["id"] == "photoshop_windows_0" and record["category"] == "icon"
+    assert (record["platform"], record["application"], record["img_size"]) == ("windows", "photoshop", [3840, 2160])
+
+    # Pro's corners read as x, y, w, h leave its image: refused, with the image's size.
+    with pytest.raises(InputError, match=r"pro.json:1: field 'bbox': .* outside the 3840x2160 image \(img_size\)"):
+        import_screenspot([tmp_path / "pro.json"], tmp_path / "bad", bbox="xywh")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("box", [10, 20, 100, 40], r"box \[10, 20, 100, 40\] is not a box of positive area inside the 96x64 image"),
+        ("box", [10, 20, 10, 40], r"box \[10, 20, 10, 40\] is not a box of positive area inside the 96x64 image"),
+        ("point", [50, 70], r"point \[50, 70\] is not inside the 96x64 image"),
+    ],
+)
+def test_prepare_split_refuses_a_box_or_point_outside_its_image(tmp_path, field, value, message):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/a.jpg").write_bytes(jpeg_bytes(0))  # 96 x 64
+    good = {"id": "1", "image": "a.jpg", "question": "Where?", "answer": "(1, 1)", field: [1, 1, 5, 5][: len(value)]}
+    bad = dict(good, id="2", **{field: value})
+    write_jsonl(tmp_path / "raw.jsonl", [good, bad])
+    with pytest.raises(InputError, match=rf"raw.jsonl:2: field '{field}': {message} of .*a.jpg"):
+        prepare_split(tmp_path / "raw.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+    assert not (tmp_path / "prepared.jsonl").exists()

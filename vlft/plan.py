@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError
-from vlft.records import filter_problem
+from vlft.records import selection_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
@@ -276,9 +276,10 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
     # On the stage's splits as a whole, from the raw records where they exist already (the demo's
     # are made by a job: its training job checks them): before any job is queued, not in a GPU job.
     train_records = [splits[split] for split in settings["train_splits"]]
-    if settings["filter"] and all(Path(path).is_file() for path in train_records):
-        if problem := filter_problem(train_records, settings["filter"]):
-            raise ConfigError(f"{key}.filter: {problem}, so the stage has nothing to train on")
+    order_field = settings["order_field"] if settings["order"] == "by_field" else None
+    if (settings["filter"] or order_field) and all(Path(path).is_file() for path in train_records):
+        if problem := selection_problem(train_records, settings["filter"], order_field):
+            raise ConfigError(f"{key}.{problem}, so the stage cannot train")
 
 
 def _check_init_from(plan: Plan, stage: Stage) -> None:

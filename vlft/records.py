@@ -2,7 +2,9 @@
 
 A record is one JSON object a line: id, image (relative to the dataset's image root), question,
 answer (may hold reasoning that ends in a final answer), and optionally category, difficulty,
-box or point, and any other fields a filter or an order may use.
+box or point, a conversation's `system` prompt and its earlier rounds as `history` (a list of
+{"question", "answer"}: the image is shown with the first of them), and any other fields a filter
+or an order may use.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ def _check_fields(record: dict, jsonl, line_no: int) -> None:
         value = record.get(name)
         if not isinstance(value, str) or not value.strip():
             raise InputError(jsonl, "missing or empty", line_no, name)
+    if "system" in record and (not isinstance(record["system"], str) or not record["system"].strip()):
+        raise InputError(jsonl, "must be non-empty text", line_no, "system")
+    history = record.get("history")
+    if history is not None and not (
+        isinstance(history, list)
+        and all(
+            isinstance(turn, dict)
+            and set(turn) == {"question", "answer"}
+            and all(isinstance(v, str) and v.strip() for v in turn.values())
+            for turn in history
+        )
+    ):
+        raise InputError(jsonl, 'must be a list of {"question": ..., "answer": ...} with text in both', line_no, "history")
     for name, size in (("box", 4), ("point", 2)):
         value = record.get(name)
         if value is not None and not (
@@ -100,7 +115,7 @@ def aspect_ratio_problem(width: int, height: int) -> str | None:
     return None
 
 
-def _check_image(path: Path) -> tuple[int, int] | str:
+def check_image(path: Path) -> tuple[int, int] | str:
     """(width, height) of a readable image as a person sees it (EXIF orientation applied), or the
     reason it cannot be used."""
     if not path.is_file():
@@ -121,30 +136,55 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
     records = read_raw_records(raw_jsonl)
     paths = [Path(image_root) / record["image"] for _, record in records]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        checks = list(pool.map(_check_image, paths))
+        checks = list(pool.map(check_image, paths))
     normalized = []
     for (line_no, record), path, check in zip(records, paths, checks):
         if isinstance(check, str):
             raise InputError(raw_jsonl, f"{check}: {path}", line_no, "image")
+        if problem := place_problem(record, *check):
+            raise InputError(raw_jsonl, f"{problem} of {path}", line_no, problem.split(" ", 1)[0])
         record = dict(record, image_path=str(path), width=check[0], height=check[1])
         normalized.append(record)
     write_jsonl(output, normalized)
     return len(normalized)
 
 
+def place_problem(record: dict, width: int, height: int) -> str | None:
+    """Why a record's box or point does not lie in its image of `width` x `height` pixels (a box's
+    corners within it and its area positive), or None; the sentence starts with the field's name."""
+    box, point = record.get("box"), record.get("point")
+    if box is not None and not (0 <= box[0] < box[2] <= width and 0 <= box[1] < box[3] <= height):
+        return f"box {box} is not a box of positive area inside the {width}x{height} image"
+    if point is not None and not (0 <= point[0] <= width and 0 <= point[1] <= height):
+        return f"point {point} is not inside the {width}x{height} image"
+    return None
+
+
+def matches(value, accepted) -> bool:
+    """Whether a record's field matches a filter's value (or list of accepted values); a field that
+    is a list (a record in several classes) matches where any one of its values does."""
+    accepted = accepted if isinstance(accepted, list) else [accepted]
+    if isinstance(value, list):
+        return any(v in accepted for v in value)
+    return value in accepted
+
+
 def selected_by(record: dict, filters: dict) -> bool:
-    """Whether a record's fields match every filter (a value or a list of accepted values)."""
-    return all(record.get(name) in (v if isinstance(v, list) else [v]) for name, v in filters.items())
+    """Whether a record's fields match every filter."""
+    return all(matches(record.get(name), v) for name, v in filters.items())
 
 
 def select_records(records: list[dict], filters: dict) -> list[dict]:
     return [r for r in records if selected_by(r, filters)]
 
 
-def filter_problem(jsonl_paths: list[str | Path], filters: dict) -> str | None:
-    """Why a stage's filter cannot train (it selects no record of its splits, taken as a whole), or
-    None; read from the raw splits before any job runs, leniently: lines that do not parse are the
-    prepare step's to report, with their line numbers."""
+def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field: str | None = None) -> str | None:
+    """Why a stage cannot train on its splits, taken as a whole: its filter or its order names a
+    field that no record has, or the filter selects no record; or None. Read from the raw splits
+    before any job runs, leniently: lines that do not parse are the prepare step's to report, with
+    their line numbers. The sentence starts with the stage's key it is about (filter, order_field)."""
+    named = ", ".join(str(p) for p in jsonl_paths)
+    fields_seen, selected = set(), False
     for path in jsonl_paths:
         with open(path) as f:
             for line in f:
@@ -152,9 +192,17 @@ def filter_problem(jsonl_paths: list[str | Path], filters: dict) -> str | None:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(record, dict) and selected_by(record, filters):
-                    return None
-    return f"{filters} selects no record of {', '.join(str(p) for p in jsonl_paths)}"
+                if isinstance(record, dict):
+                    fields_seen.update(k for k, v in record.items() if v is not None)
+                    selected = selected or selected_by(record, filters)
+    for name in filters:
+        if name not in fields_seen:
+            return f"filter: no record of {named} has the field '{name}'"
+    if order_field and order_field not in fields_seen:
+        return f"order_field: no record of {named} has the field '{order_field}'"
+    if not selected:
+        return f"filter: {filters} selects no record of {named}"
+    return None
 
 
 def order_records(
