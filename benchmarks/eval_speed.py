@@ -99,9 +99,7 @@ def run_reference(model, records, image_processor, builder, pad_id, lengths) -> 
             images=images, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, return_tensors="pt"
         )
         merge = image_processor.merge_size**2
-        prompts = [
-            builder.prompt_ids(r["question"], int(g.prod()) // merge) for r, g in zip(batch, vision["image_grid_thw"])
-        ]
+        prompts = [builder.prompt_ids(r, int(g.prod()) // merge) for r, g in zip(batch, vision["image_grid_thw"])]
         prompt_tokens.update({r["id"]: len(ids) for r, ids in zip(batch, prompts)})
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(batch), width), pad_id)

@@ -182,7 +182,7 @@ class ReferenceCollator:
         )
         merge = self.image_processor.merge_size**2
         samples = [
-            self.builder.sample(r["id"], r["question"], r["answer"], int(g.prod()) // merge, 8192)
+            self.builder.sample(r["id"], r, r["answer"], int(g.prod()) // merge, 8192)
             for r, g in zip(records, vision["image_grid_thw"])
         ]
         width = max(len(s.input_ids) for s in samples)

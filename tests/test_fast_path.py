@@ -63,7 +63,7 @@ def samples_and_images(root, cache):
     samples = [
         builder.sample(
             r["id"],
-            r["question"],
+            r,
             r["answer"] + " because" * (3 * i),
             cache.num_image_tokens(cache.image_of(r["id"])),
             1024,
@@ -391,7 +391,8 @@ IMAGE_OF_RECORD = [0, 0, 0, 0, 0, 5, 5, 5, 8, 8, 10, 11]
 @pytest.fixture(scope="module", params=FAMILIES)
 def grouped_family_setup(request, tmp_path_factory):
     """A tiny model of one family and 12 records asking 1 to 5 questions each about 5 images of
-    three sizes (the questions of one image differ, as Kvasir's do), prepared and pixel-cached."""
+    three sizes (the questions of one image differ, as Kvasir's do; some with a history or a system
+    prompt), prepared and pixel-cached."""
     from PIL import Image
 
     root = tmp_path_factory.mktemp(f"grouped-{request.param}")
@@ -399,6 +400,12 @@ def grouped_family_setup(request, tmp_path_factory):
     records = read_jsonl(root / "raw.jsonl")
     for record, owner in zip(records, IMAGE_OF_RECORD):
         record["image"] = records[owner]["image"] if owner < record_index(records, record) else record["image"]
+    # Conversations too: two questions of the first image carry earlier rounds (history), and the
+    # second image's questions a system prompt; the image still comes first in what they share.
+    records[1]["history"] = [{"question": "What is in the image?", "answer": "Shapes."}]
+    records[2]["history"] = [{"question": "How many?", "answer": "Two."}, {"question": "Colour?", "answer": "Red."}]
+    for index in (5, 6, 7):
+        records[index]["system"] = "Answer briefly."
     for owner, size in ((5, (128, 64)), (8, (64, 112))):  # other sizes than the demo's 96 x 96
         path = root / "images" / records[owner]["image"]
         Image.open(path).resize(size).save(path)

@@ -9,9 +9,13 @@ NUMBER_WORDS = {w: str(i) for i, w in enumerate("zero one two three four five si
 ARTICLES = {"a", "an", "the"}
 
 
+END_OF_THINKING = "</think>"
+
+
 def final_answer(text: str) -> str:
-    """The text after the last 'Final answer:' marker, or the whole text when there is none."""
-    return FINAL_ANSWER.split(text)[-1].strip()
+    """The text after the last 'Final answer:' marker, or the whole text when there is none; of a
+    Thinking checkpoint's answer, only what follows its think block counts."""
+    return FINAL_ANSWER.split(text.split(END_OF_THINKING)[-1])[-1].strip()
 
 
 def normalize(answer: str) -> str:

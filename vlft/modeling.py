@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from contextlib import nullcontext
@@ -13,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from vlft.errors import DeviceError
+from vlft.errors import DeviceError, InputError
 from vlft.integrity import verify_adapter
 from vlft.model_files import require_model_dir
 
@@ -120,10 +121,17 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     require_model_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
-        # Some checkpoints keep the chat template with the processor only.
-        template = Path(model_dir) / "chat_template.jinja"
-        if template.exists():
-            tokenizer.chat_template = template.read_text()
+        # Some checkpoints keep the chat template with the processor only: as a Jinja file, or in
+        # chat_template.json ({"chat_template": "..."}) as earlier processors saved it.
+        jinja, as_json = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "chat_template.json"
+        if jinja.exists():
+            tokenizer.chat_template = jinja.read_text()
+        elif as_json.exists():
+            tokenizer.chat_template = json.loads(as_json.read_text())["chat_template"]
+        else:
+            raise InputError(
+                model_dir, "has no chat template (in tokenizer_config.json, chat_template.jinja or chat_template.json)"
+            )
     return tokenizer
 
 

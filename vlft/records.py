@@ -67,7 +67,9 @@ def _check_fields(record: dict, jsonl, line_no: int) -> None:
             for turn in history
         )
     ):
-        raise InputError(jsonl, 'must be a list of {"question": ..., "answer": ...} with text in both', line_no, "history")
+        raise InputError(
+            jsonl, 'must be a list of {"question": ..., "answer": ...} with text in both', line_no, "history"
+        )
     for name, size in (("box", 4), ("point", 2)):
         value = record.get(name)
         if value is not None and not (

@@ -67,7 +67,7 @@ def load_stage_data(
         return target_text(record["answer"], answer_format)
 
     samples = {
-        r["key"]: builder.sample(r["key"], r["question"], target(r), image_tokens_of(images, r["key"]), max_seq_len)
+        r["key"]: builder.sample(r["key"], r, target(r), image_tokens_of(images, r["key"]), max_seq_len)
         for r in records
     }
     return StageData(records, images, samples, frames)

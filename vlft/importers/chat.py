@@ -82,7 +82,9 @@ class Conversation:
         system = _content(system, where, "system")[0] if system is not None else None
         roles = [role for role, _ in turns]
         if not roles or roles != ["user", "assistant"] * (len(roles) // 2) or len(roles) % 2:
-            raise InputError(path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number)
+            raise InputError(
+                path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number
+            )
         texts, images_by_turn = [], []
         for n, (_, content) in enumerate(turns):
             text, images = _content(content, where, f"turn {n + 1}")
@@ -103,7 +105,8 @@ class Conversation:
         shown = [n for n in (first_shown, parts_first) if n is not None]
         if shown and min(shown) != 0:
             raise InputError(
-                path, f"its image is first shown in turn {min(shown) + 1}; a record shows its image in its first question",
+                path,
+                f"its image is first shown in turn {min(shown) + 1}; a record shows its image in its first question",
                 number,
             )
         markers = sum(t.count(IMAGE_MARKER) for t in texts) + sum(map(len, images_by_turn))
@@ -157,7 +160,9 @@ def _content(content, where, what: str) -> tuple[str, list[str]]:
                 raise InputError(where[0], f"{what}: an image part without a path: {part!r}", where[1])
             images.append(value)
         else:
-            raise InputError(where[0], f"{what}: a part of type {kind!r}: only text and image parts are taken", where[1])
+            raise InputError(
+                where[0], f"{what}: a part of type {kind!r}: only text and image parts are taken", where[1]
+            )
     return "\n".join(texts), images
 
 
@@ -165,8 +170,10 @@ def _relative(image: str, image_root: Path, where) -> str:
     """The image's path relative to `image_root`; a URL is refused (nothing is downloaded at run time)."""
     if "://" in image:
         raise InputError(
-            where[0], f"image {image} is a URL: download it and name the file (nothing is downloaded at run time)",
-            where[1], "images",
+            where[0],
+            f"image {image} is a URL: download it and name the file (nothing is downloaded at run time)",
+            where[1],
+            "images",
         )
     path = Path(image)
     if path.is_absolute():
@@ -193,8 +200,11 @@ def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path
         raise InputError(path, "asks about a box (<bbox> in the question): a click record asks for a target", number)
     if len(boxes) != 1 or len(refs) > 1 or answer.count("<bbox>") != 1 or question.count("<ref-object>") != len(refs):
         raise InputError(
-            path, f"asks for {len(boxes)} target(s) ({len(refs)} ref, {answer.count('<bbox>')} <bbox> in the "
-            "answer): a click record has one target", number, "objects",
+            path,
+            f"asks for {len(boxes)} target(s) ({len(refs)} ref, {answer.count('<bbox>')} <bbox> in the "
+            "answer): a click record has one target",
+            number,
+            "objects",
         )
     box = boxes[0]
     if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):

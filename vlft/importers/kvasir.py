@@ -202,7 +202,9 @@ class ImageWriter:
         if image_id in self.first:
             seen_digest, row, name = self.first[image_id]
             if seen_digest != digest:
-                raise InputError(where[0], f"img_id {image_id!r} has other image bytes than on row {row}", where[1], "image")
+                raise InputError(
+                    where[0], f"img_id {image_id!r} has other image bytes than on row {row}", where[1], "image"
+                )
             return name
         name = f"{image_id}{_extension(data)}"
         (self.directory / name).write_bytes(data)

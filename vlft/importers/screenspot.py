@@ -66,11 +66,16 @@ def _click_record(row, where, layout: str, ids: UniqueIds) -> dict:
     size = row.get("img_size")
     if size is not None and not (0 <= x1 and 0 <= y1 and x2 <= size[0] and y2 <= size[1]):
         raise InputError(
-            path, f"{box!r} read as {layout} is [{x1}, {y1}, {x2}, {y2}], outside the {size[0]}x{size[1]} image "
-            "(img_size); give --bbox for this file's layout", number, "bbox"
+            path,
+            f"{box!r} read as {layout} is [{x1}, {y1}, {x2}, {y2}], outside the {size[0]}x{size[1]} image "
+            "(img_size); give --bbox for this file's layout",
+            number,
+            "bbox",
         )
     category = next((row[f] for f in CATEGORY_FIELDS if row.get(f) is not None), None)
-    kept = {k: v for k, v in row.items() if k not in RECORD_FIELDS + FILE_FIELDS + CATEGORY_FIELDS + ("bbox", "instruction")}
+    kept = {
+        k: v for k, v in row.items() if k not in RECORD_FIELDS + FILE_FIELDS + CATEGORY_FIELDS + ("bbox", "instruction")
+    }
     return {
         "id": ids.add(str(row.get("id", f"{Path(path).stem}-{number}")), where),
         "image": row[file_field],
