@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import yaml
 
 from conftest import copy_workflow, planned_outputs, snakemake
@@ -44,8 +45,9 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     assert planned_outputs(workdir, "--configfile", "my.yaml") == {
         "results/prepared/mine/train.jsonl",
         "results/prepared/mine/val.jsonl",
-        "results/cache/images/mine/train/3136-1003520",
-        "results/cache/images/mine/val/3136-1003520",
+        # The pixel range the config leaves out is the checkpoint's own (the tiny one's processor).
+        "results/cache/images/mine/train/1024-65536",
+        "results/cache/images/mine/val/1024-65536",
         "results/train/only/main/adapter",
         "results/eval/only/main/val/predictions.jsonl",
         "results/eval/base/base/val/predictions.jsonl",
@@ -66,7 +68,10 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
         **{k: v for k, v in documented.items() if k not in (*RUN_ONLY_KEYS, *LEFT_OUT_WHEN_OFF, *LEFT_OUT_WITH)},
         "dataset": "mine",
         "eval_splits": ["val"],
+        "min_pixels": 1024,
+        "max_pixels": 65536,
     }
+    assert documented["min_pixels"] is None and documented["max_pixels"] is None
     assert (train["learning_rate"], train["epochs"], train["max_seq_len"], train["micro_batch"]) == (2e-4, 1, 4096, 4)
     evaluation = load_schema()["properties"]["evaluation"]["properties"]
     assert evaluate["max_new_tokens"] == evaluation["max_new_tokens"]["default"] == 512
@@ -74,6 +79,40 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     resources = re.search(r"^rule train:\n(?:\s+.*\n)*?\s+resources: (.*)$", output, re.MULTILINE).group(1)
     assert "runtime=360" in resources and "mem_mb=32000" in resources and "checkpoint_every=200" in resources
     assert "activation_checkpointing=0" in resources  # how the job runs: a resource, not a setting
+
+
+def test_the_pixel_range_a_config_leaves_out_is_the_checkpoints_own(tmp_path, tiny_model_dir):
+    """Read from its preprocessor_config.json as Qwen3-VL (size) and Qwen2-VL (min/max_pixels)
+    save it, recorded in the stage's settings: another checkpoint's values change what runs."""
+    import shutil
+
+    from vlft.config import resolve_config
+    from vlft.errors import ConfigError
+    from vlft.plan import build_plan
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = yaml.safe_load(MINIMAL.replace("my/model", str(model)))
+
+    def pixels(cfg):
+        stage = build_plan(resolve_config(cfg)).stage("only", "main")
+        return stage.settings["min_pixels"], stage.settings["max_pixels"], stage.pixels()
+
+    assert pixels(config) == (1024, 65536, "1024-65536")
+    processor = json.loads((model / "preprocessor_config.json").read_text())
+    del processor["size"]
+    (model / "preprocessor_config.json").write_text(
+        json.dumps(processor | {"min_pixels": 3136, "max_pixels": 12845056})
+    )
+    assert pixels(config) == (3136, 12845056, "3136-12845056")
+    # What the config sets wins, key by key.
+    assert pixels(dict(config, defaults={"max_pixels": 200704})) == (3136, 200704, "3136-200704")
+    (model / "preprocessor_config.json").unlink()
+    with pytest.raises(
+        ConfigError, match=r"defaults.min_pixels: left out, so the checkpoint's image processor decides"
+    ):
+        pixels(config)
+    assert pixels(dict(config, defaults={"min_pixels": 4096, "max_pixels": 16384})) == (4096, 16384, "4096-16384")
 
 
 def test_without_a_config_file_the_demo_runs(tmp_path):

@@ -56,3 +56,26 @@ def _has_image_processor(model_dir: Path) -> bool:
         return True
     nested = model_dir / "processor_config.json"
     return nested.is_file() and "image_processor" in json.loads(nested.read_text())
+
+
+def checkpoint_pixels(model_dir: str | Path) -> tuple[int, int]:
+    """The image area range (min_pixels, max_pixels) the checkpoint's own image processor resizes
+    to: `size` {shortest_edge, longest_edge} as transformers writes it now (Qwen3-VL), or
+    min_pixels / max_pixels as Qwen2-VL's and Qwen2.5-VL's processors were saved."""
+    model_dir = Path(model_dir)
+    settings = None
+    if (model_dir / "preprocessor_config.json").is_file():
+        settings = json.loads((model_dir / "preprocessor_config.json").read_text())
+    elif (model_dir / "processor_config.json").is_file():
+        settings = json.loads((model_dir / "processor_config.json").read_text()).get("image_processor")
+    if settings is None:
+        raise InputError(model_dir, "has no preprocessor_config.json to read the image processor's pixel range from")
+    size = settings.get("size") or {}
+    low, high = size.get("shortest_edge", settings.get("min_pixels")), size.get(
+        "longest_edge", settings.get("max_pixels")
+    )
+    if not (isinstance(low, int) and isinstance(high, int)):
+        raise InputError(
+            model_dir / "preprocessor_config.json", "names no pixel range (size or min_pixels / max_pixels)"
+        )
+    return low, high

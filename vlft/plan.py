@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlft.config import stage_defaults
-from vlft.errors import ConfigError
+from vlft.errors import ConfigError, InputError
+from vlft.model_files import checkpoint_pixels
 from vlft.records import selection_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
@@ -151,6 +152,7 @@ def build_plan(config: dict) -> Plan:
                 f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})"
             )
         defaults["dataset"] = next(iter(datasets))
+    _checkpoint_pixels(defaults, config["model"]["path"])
     if BASE_STAGE in datasets and defaults["dataset"] != BASE_STAGE:
         # The base model's evaluations on a dataset other than the defaults' are named after it.
         raise ConfigError(f"datasets.{BASE_STAGE}: the name is reserved unless it is the defaults' dataset")
@@ -181,6 +183,23 @@ def build_plan(config: dict) -> Plan:
     _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
     _check_runtimes(config, plan)
     return plan
+
+
+def _checkpoint_pixels(defaults: dict, model_dir: str) -> None:
+    """min_pixels and max_pixels that the config leaves out are the checkpoint's own (its image
+    processor's), read now so that they are part of every stage's settings: another checkpoint
+    with other values reruns what it changes."""
+    if defaults["min_pixels"] is not None and defaults["max_pixels"] is not None:
+        return
+    try:
+        low, high = checkpoint_pixels(model_dir)
+    except InputError as err:
+        raise ConfigError(
+            f"defaults.min_pixels: left out, so the checkpoint's image processor decides, but {err}; "
+            "set min_pixels and max_pixels, or point model.path at the checkpoint"
+        ) from None
+    defaults["min_pixels"] = low if defaults["min_pixels"] is None else defaults["min_pixels"]
+    defaults["max_pixels"] = high if defaults["max_pixels"] is None else defaults["max_pixels"]
 
 
 def _check_demo(demo_datasets: dict, datasets: dict) -> None:
