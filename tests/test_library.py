@@ -41,8 +41,16 @@ def test_example_config_is_valid():
     plan = build_plan(config)
     assert sorted({s.experiment for s in plan.stages.values()}) == ["exp1", "exp2", "exp3", "exp4", "exp5"]
     assert plan.stage("exp4", "stage2").init_from == "exp4/stage1"
-    # Kvasir asks about 9 questions an image: each image computed once, from the vision cache.
-    assert all(s.settings["image_groups"] and s.settings["vision_cache"] for s in plan.stages.values())
+    # Kvasir asks about 9 questions an image (x1 about 25): each image computed once; from the
+    # vision cache where it fits the bound (Kvasir-VQA's train split), else from pixels.
+    assert all(s.settings["image_groups"] for s in plan.stages.values())
+    assert {s.id for s in plan.stages.values() if s.settings["vision_cache"]} == {
+        "exp1/main",
+        "exp4/stage1",
+        "exp4/stage2",
+    }
+    assert {s.settings["dataset"] for s in plan.stages.values() if not s.settings["vision_cache"]} == {"kvasir-x1"}
+    assert plan.stage("exp3", "stage1").settings["filter"] == {"difficulty": [1]}
     assert plan.stage("exp5", "main").settings["answer_format"] == "cot"
 
 

@@ -40,33 +40,53 @@ def shell(command: str, cwd: Path, env: dict | None = None) -> str:
     return result.stdout + result.stderr
 
 
+KVASIR_IMPORTS = [
+    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/*.parquet --out data/kvasir",
+    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/*.parquet --parquet kvasir-vqa/*.parquet "
+    "--out data/kvasir-x1",
+]
+
+
+def published_kvasir(directory: Path, n_images: int = 12) -> None:
+    """Kvasir-VQA and Kvasir-VQA-x1 in the files and shapes the Hub publishes, where the README's
+    import commands expect them: kvasir-vqa/*.parquet, kvasir-vqa-x1/{train,test}-*.parquet."""
+    import pandas as pd
+    from test_importers import kvasir_parquet, x1_rows
+
+    (directory / "kvasir-vqa").mkdir(parents=True)
+    kvasir_parquet(directory / "kvasir-vqa/data-00000-of-00001.parquet", n_images=n_images)
+    (directory / "kvasir-vqa-x1").mkdir()
+    rows = x1_rows(n_images * 4, images=n_images)
+    pd.DataFrame(rows[: n_images * 3]).to_parquet(directory / "kvasir-vqa-x1/train-00000-of-00001.parquet")
+    pd.DataFrame(rows[n_images * 3 :]).to_parquet(directory / "kvasir-vqa-x1/test-00000-of-00001.parquet")
+
+
 @pytest.fixture(scope="module")
 def kvasir_workdir(tmp_path_factory, tiny_model_dir):
-    """A clone whose Kvasir example has the user's paths put in, as the README asks: a small
-    Kvasir-like set (train, val and the reordered train split) and a tiny Qwen3-VL."""
-    from vlft.demo.shapes import make_dataset
-
+    """A clone where the README's commands made the Kvasir example's datasets from Kvasir-VQA and
+    Kvasir-VQA-x1 as published, and the example points at a tiny Qwen3-VL, as the README asks."""
     workdir = copy_workflow(tmp_path_factory.mktemp("kvasir"))
-    data = tmp_path_factory.mktemp("kvasir-data")
-    files = {"train": data / "train.jsonl", "val": data / "val.jsonl", "reordered": data / "train_reordered.jsonl"}
-    make_dataset(files, data / "images", {"train": 8, "val": 4, "reordered": 8}, seed=0)
+    published_kvasir(workdir)
+    for command in KVASIR_IMPORTS:
+        assert f"\n{command}\n" in (REPO / "README.md").read_text().replace("\\\n   ", ""), command
+        shell(command, workdir)
     example = workdir / EXAMPLE
     text = example.read_text().replace("/path/to/models/Qwen3-VL-8B-Instruct", str(tiny_model_dir))
-    text = text.replace("/path/to/kvasir-vqa", str(data))
     assert "/path/to" not in text
     example.write_text(text)
     return workdir
 
 
-# The example's plan: its 8 stages, each evaluated on val beside the base model, on 3 splits' pixel
-# caches and the vision caches of the 2 it trains on.
+# The example's plan: its 8 stages, each evaluated on its dataset's val split, the base model on
+# both datasets' val; the pixel caches of the 4 splits, the vision cache of the Kvasir-VQA train split.
 KVASIR_STAGES = list(build_plan(resolve_config(yaml.safe_load((REPO / EXAMPLE).read_text()))).stages)
+KVASIR_SPLITS = [f"{d}/{s}" for d in ("kvasir", "kvasir-x1") for s in ("train", "val")]
 KVASIR_PLAN = {
     *(f"results/kvasir/train/{s}/adapter" for s in KVASIR_STAGES),
-    *(f"results/kvasir/eval/{s}/val/predictions.jsonl" for s in KVASIR_STAGES + ["base/base"]),
-    *(f"results/kvasir/prepared/kvasir/{s}.jsonl" for s in ("train", "val", "reordered")),
-    *(f"results/kvasir/cache/images/kvasir/{s}/3136-1336320" for s in ("train", "val", "reordered")),
-    *(f"results/kvasir/cache/vision/kvasir/{s}/3136-1336320" for s in ("train", "reordered")),
+    *(f"results/kvasir/eval/{s}/val/predictions.jsonl" for s in KVASIR_STAGES + ["base/base", "base/kvasir-x1"]),
+    *(f"results/kvasir/prepared/{s}.jsonl" for s in KVASIR_SPLITS),
+    *(f"results/kvasir/cache/images/{s}/3136-1336320" for s in KVASIR_SPLITS),
+    "results/kvasir/cache/vision/kvasir/train/3136-1336320",
     "results/kvasir/report/index.html",
     "rule:all",
 }
@@ -119,6 +139,7 @@ def run_kvasir_plan(command, fixture, tmp_path):
     output = shell(command, kvasir_workdir, env={"HOME": str(kvasir_workdir / "home")})
     planned = {m.group(1).split(",")[0].strip() for m in re.finditer(r"^\s+output: (.+)$", output, re.MULTILINE)}
     assert len(KVASIR_STAGES) == 8 and planned | {"rule:all"} == KVASIR_PLAN
+    assert len([p for p in planned if p.endswith("predictions.jsonl")]) == 10
     return output
 
 
@@ -195,25 +216,10 @@ def run_import(command, fixture, tmp_path):
     """Each importer on files in its published format, at the paths the README names."""
     import json
 
-    import pandas as pd
-    from test_importers import chat_fixtures, kvasir_parquet
+    from test_importers import chat_fixtures
 
     workdir = copy_workflow(tmp_path / "work")
-    (workdir / "kvasir-vqa").mkdir()
-    kvasir_parquet(workdir / "kvasir-vqa/train-00000.parquet", n_images=6)
-    (workdir / "kvasir-vqa-x1").mkdir()
-    x1 = [
-        {
-            "img_id": f"cl8k{i:04d}",
-            "complexity": 1 + i % 3,
-            "question": "Why?",
-            "answer": "Because.",
-            "question_class": ["polyp_type"],
-            "original": ["q", "a"],
-        }
-        for i in range(6)
-    ]
-    pd.DataFrame(x1).to_parquet(workdir / "kvasir-vqa-x1/train.parquet")
+    published_kvasir(workdir, n_images=6)
     (workdir / "chat").mkdir()
     sharegpt, _, _ = chat_fixtures(workdir / "chat")
     (workdir / "chat/train.json").write_text(json.dumps(sharegpt))
