@@ -313,13 +313,15 @@ def test_system_turns_are_kept_and_rows_without_an_image_are_skipped_and_counted
     assert [r["id"] for r in read_jsonl(tmp_path / "llava/train.jsonl")] == ["llava-a", "llava-b"]
 
 
-def grounding_row(refs=("the red car",), boxes=([10, 20, 50, 60],), **objects):
-    """ms-swift's grounding example's shape."""
+def grounding_row(refs=("sheep", "sheep"), boxes=([10, 20, 50, 60],), **objects):
+    """ms-swift's grounding example's shape (docs, Custom-dataset, grounding): the referring
+    expression in the question and as the answer's label, one box per <bbox>."""
+    label = '{"bbox_2d": <bbox>, "label": "<ref-object>"}'
     return {
         "messages": [
             {"role": "system", "content": "You are a grounding model."},
-            {"role": "user", "content": "<image>Find " + " and ".join(["<ref-object>"] * len(refs))},
-            {"role": "assistant", "content": " ".join(["<bbox>"] * len(boxes))},
+            {"role": "user", "content": "<image>Locate the <ref-object> in the image"},
+            {"role": "assistant", "content": "[\n\t" + ",\n\t".join([label] * len(boxes)) + "\n]"},
         ],
         "images": ["a.jpg"],
         "objects": {"ref": list(refs), "bbox": [list(b) for b in boxes], **objects},
@@ -333,7 +335,11 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
     summary = import_chat([tmp_path / "ground.jsonl"], tmp_path / "images", tmp_path / "out")
     first, second = read_jsonl(tmp_path / "out/train.jsonl")
     assert summary["grounding_rows"] == 2
-    assert (first["question"], first["box"], first["answer"]) == ("Find the red car", [10, 20, 50, 60], "(30, 40)")
+    assert (first["question"], first["box"], first["answer"]) == (
+        "Locate the sheep in the image",
+        [10, 20, 50, 60],
+        "(30, 40)",
+    )
     assert first["system"] == "You are a grounding model."
     assert second["box"] == [9.6, 16.0, 48.0, 48.0]  # per mille of 96 x 64
     prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
@@ -377,16 +383,36 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
             {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "function_call", "content": "{}"}]},
             r"chat.jsonl:2: a turn of role 'function_call'",
         ),
+        (  # ms-swift's own example: two sheep, two boxes
+            grounding_row(refs=("sheep",) * 3, boxes=([90.9, 160.8, 135, 212.8], [360.9, 480.8, 495, 532.8])),
+            r"chat.jsonl:2: field 'objects': asks for 2 targets \(2 <bbox> in the answer, 2 in objects.bbox\)",
+        ),
         (
-            grounding_row(refs=("a car", "a bus"), boxes=([1, 2, 3, 4], [5, 6, 7, 8])),
-            r"chat.jsonl:2: field 'objects': asks for 2 target",
+            dict(
+                grounding_row(),
+                messages=[
+                    {"role": "user", "content": "<image>What is in <bbox>?"},
+                    {"role": "assistant", "content": "<ref-object>"},
+                ],
+            ),
+            r"chat.jsonl:2: asks about a box \(<bbox> in the question\)",
         ),
         (
             dict(MLLM_DEMO[0], messages=grounding_row()["messages"]),
             r"chat.jsonl:2: has <ref-object> or <bbox> placeholders",
         ),
     ],
-    ids=["two-images", "url", "preference", "image-later", "no-answer", "tool-turn", "two-targets", "unfilled"],
+    ids=[
+        "two-images",
+        "url",
+        "preference",
+        "image-later",
+        "no-answer",
+        "tool-turn",
+        "two-targets",
+        "box-asked",
+        "unfilled",
+    ],
 )
 def test_chat_rows_that_do_not_fit_are_refused_with_the_row_and_the_reason(tmp_path, row, message):
     chat_fixtures(tmp_path)

@@ -185,27 +185,35 @@ def _relative(image: str, image_root: Path, where) -> str:
 
 
 def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path) -> tuple[list, dict]:
-    """ms-swift's grounding row as a click record: the referring expression in the question, the
-    one target's box as `box` (pixels, corners) and its centre as the answer. Refused where the row
-    asks for more than one target, or asks about a box instead of for one."""
+    """ms-swift's grounding row as a click record. ms-swift fills `<ref-object>` placeholders with
+    `objects.ref` and `<bbox>` ones with `objects.bbox`, each in order through the conversation; a
+    row whose answer places one box asks for one target: its question (the referring expressions
+    filled in) and that box (pixels, corners) make the record, the box's centre its answer. Refused
+    where it places several boxes or none, or asks about a box instead of for one."""
     from vlft.records import check_image
 
     path, number = where
-    objects = row["objects"]
-    refs, boxes = objects.get("ref", []), objects.get("bbox", [])
+    objects = row["objects"] if isinstance(row["objects"], dict) else {}
+    refs, boxes = list(objects.get("ref") or []), list(objects.get("bbox") or [])
     if len(rounds) != 1:
         raise InputError(path, f"a grounding row of {len(rounds)} rounds: a click record has one", number, "objects")
     question, answer = rounds[0]
-    if "<bbox>" in question or "<ref-object>" in answer:
+    if "<bbox>" in question:
         raise InputError(path, "asks about a box (<bbox> in the question): a click record asks for a target", number)
-    if len(boxes) != 1 or len(refs) > 1 or answer.count("<bbox>") != 1 or question.count("<ref-object>") != len(refs):
+    placed = answer.count("<bbox>")
+    if placed != 1 or len(boxes) != 1:
         raise InputError(
             path,
-            f"asks for {len(boxes)} target(s) ({len(refs)} ref, {answer.count('<bbox>')} <bbox> in the "
-            "answer): a click record has one target",
+            f"asks for {max(placed, len(boxes))} targets ({placed} <bbox> in the answer, {len(boxes)} in objects.bbox): "
+            "a click record has one",
             number,
             "objects",
         )
+    asked = question.count("<ref-object>")
+    if asked > len(refs):
+        raise InputError(path, f"{asked} <ref-object> in the question, {len(refs)} in objects.ref", number, "objects")
+    for ref in refs[:asked]:
+        question = question.replace("<ref-object>", str(ref), 1)
     box = boxes[0]
     if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
         raise InputError(path, f"must be 4 numbers, not {box!r}", number, "objects.bbox")
@@ -218,5 +226,4 @@ def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path
     elif kind != "real":
         raise InputError(path, f"bbox_type {kind!r}: only 'real' (pixels) and 'norm1000' are read", number, "objects")
     x1, y1, x2, y2 = box
-    question = question.replace("<ref-object>", refs[0]) if refs else question
     return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": box}
