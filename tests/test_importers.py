@@ -268,10 +268,26 @@ def typed_parts(row: dict) -> dict:
     return {"messages": messages}
 
 
-@pytest.mark.parametrize("shape", ["mllm_demo", "v1_typed_parts"])
+def swift_shapes(row: dict, shape: str) -> dict:
+    """The same conversation in ms-swift's sharegpt and query-response layouts."""
+    turns = [m["content"] for m in row["messages"]]
+    if shape == "swift_sharegpt":
+        return {"conversation": [{"human": q, "assistant": a} for q, a in zip(turns[::2], turns[1::2])], **row}
+    pairs = [[q, a] for q, a in zip(turns[::2], turns[1::2])]
+    return {"query": pairs[-1][0], "response": pairs[-1][1], "history": pairs[:-1], "images": row["images"]}
+
+
+@pytest.mark.parametrize("shape", ["mllm_demo", "v1_typed_parts", "swift_sharegpt", "swift_query_response"])
 def test_a_conversation_of_n_rounds_becomes_n_records_each_with_its_history(tmp_path, shape):
     chat_fixtures(tmp_path)
-    rows = MLLM_DEMO if shape == "mllm_demo" else [typed_parts(r) for r in MLLM_DEMO]
+    rows = {
+        "mllm_demo": MLLM_DEMO,
+        "v1_typed_parts": [typed_parts(r) for r in MLLM_DEMO],
+        "swift_sharegpt": [
+            {k: v for k, v in swift_shapes(r, "swift_sharegpt").items() if k != "messages"} for r in MLLM_DEMO
+        ],
+        "swift_query_response": [swift_shapes(r, "query") for r in MLLM_DEMO],
+    }[shape]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = import_chat([tmp_path / "chat.jsonl"], tmp_path / "images", tmp_path / "out")
     records = read_jsonl(tmp_path / "out/train.jsonl")
@@ -330,18 +346,27 @@ def grounding_row(refs=("sheep", "sheep"), boxes=([10, 20, 50, 60],), **objects)
 
 def test_grounding_rows_with_one_target_become_click_records(tmp_path):
     chat_fixtures(tmp_path)  # a.jpg is 96 x 64
-    rows = [grounding_row(), grounding_row(boxes=([100, 250, 500, 750],), bbox_type="norm1000")]
+    click = {  # ms-swift's documented click example: a point
+        "messages": [
+            {"role": "user", "content": "<image>Help me open Google Chrome"},
+            {"role": "assistant", "content": "Action: click(start_box='<bbox>')"},
+        ],
+        "images": ["a.jpg"],
+        "objects": {"ref": [], "bbox": [[61, 22]]},
+    }
+    rows = [grounding_row(), grounding_row(boxes=([0.1, 0.25, 0.5, 0.75],), bbox_type="norm1"), click]
     (tmp_path / "ground.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = import_chat([tmp_path / "ground.jsonl"], tmp_path / "images", tmp_path / "out")
-    first, second = read_jsonl(tmp_path / "out/train.jsonl")
-    assert summary["grounding_rows"] == 2
+    first, second, third = read_jsonl(tmp_path / "out/train.jsonl")
+    assert summary["grounding_rows"] == 3
     assert (first["question"], first["box"], first["answer"]) == (
         "Locate the sheep in the image",
         [10, 20, 50, 60],
         "(30, 40)",
     )
     assert first["system"] == "You are a grounding model."
-    assert second["box"] == [9.6, 16.0, 48.0, 48.0]  # per mille of 96 x 64
+    assert second["box"] == [9.6, 16.0, 48.0, 48.0]  # fractions of 96 x 64
+    assert (third["question"], third["point"], third["answer"]) == ("Help me open Google Chrome", [61, 22], "(61, 22)")
     prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
 
 

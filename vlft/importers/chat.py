@@ -4,6 +4,7 @@ Read: sharegpt `conversations` (from / value) with `images` or LLaVA's `image`; 
 (role / content) with `images`; content as text with `<image>` markers or as typed parts
 (`{"type": "image_url" | "image" | "text", "value" | "text" | "image_url": ...}`, LLaMA-Factory's
 v1 format and OpenAI's); a system turn (a first `system` message, or sharegpt's `system` field);
+ms-swift's sharegpt (`conversation`: [{human, assistant}]) and query / response / history rows;
 ms-swift's grounding rows (`objects: {ref, bbox}` with `<ref-object>` and `<bbox>` in the text).
 
 A conversation of n rounds on one image becomes n records, each with the rounds before it as its
@@ -37,7 +38,7 @@ def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | 
                 continue
             counts["conversations"] += 1
             counts["image_shown_again"] += conversation.shown_again
-            counts["grounding_rows"] += "box" in conversation.extra
+            counts["grounding_rows"] += bool(conversation.extra)
             base_id = str(row.get("id", f"{Path(path).stem}-{where[1]}"))
             for record in conversation.records(base_id):
                 ids.add(record["id"], where)
@@ -124,13 +125,27 @@ class Conversation:
 
 
 def _turns(row: dict, where) -> list[tuple[str, object]]:
+    """(role, content) of each turn, from any of the published layouts: `messages` (role /
+    content), `conversations` (from / value, as sharegpt and LLaVA write it), ms-swift's sharegpt
+    `conversation` ([{human, assistant}]) and its query / response / history ([[query, response]])."""
     path, number = where
+    if "conversation" in row and "conversations" not in row:
+        pairs = row["conversation"]
+        if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
+            raise InputError(path, "must be a list of {human, assistant}", number, "conversation")
+        return [t for p in pairs for t in (("user", p.get("human")), ("assistant", p.get("assistant")))]
+    if "query" in row and "messages" not in row:
+        history = row.get("history") or []
+        if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+            raise InputError(path, "must be a list of [query, response] pairs", number, "history")
+        pairs = history + [[row["query"], row.get("response")]]
+        return [t for q, r in pairs for t in (("user", q), ("assistant", r))]
     if "messages" in row:
         raw = row["messages"]
     elif "conversations" in row:
         raw = row["conversations"]
     else:
-        raise InputError(path, "neither 'messages' nor 'conversations'", number)
+        raise InputError(path, "none of 'messages', 'conversations', 'conversation' or 'query'", number)
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
         raise InputError(path, "must be a list of turns", number, "messages" if "messages" in row else "conversations")
     turns = []
@@ -215,15 +230,17 @@ def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path
     for ref in refs[:asked]:
         question = question.replace("<ref-object>", str(ref), 1)
     box = boxes[0]
-    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
-        raise InputError(path, f"must be 4 numbers, not {box!r}", number, "objects.bbox")
+    if not (isinstance(box, list) and len(box) in (2, 4) and all(isinstance(v, (int, float)) for v in box)):
+        raise InputError(path, f"must be 2 numbers (a point) or 4 (a box), not {box!r}", number, "objects.bbox")
     kind = objects.get("bbox_type", "real")
-    if kind == "norm1000":
+    if kind == "norm1":  # fractions of the image's width and height
         size = check_image(image_file)
         if isinstance(size, str):
-            raise InputError(path, f"{size}: {image_file} (its size turns the norm1000 box into pixels)", number)
-        box = [round(v * size[i % 2] / 1000, 2) for i, v in enumerate(box)]
+            raise InputError(path, f"{size}: {image_file} (its size turns the norm1 box into pixels)", number)
+        box = [round(v * size[i % 2], 2) for i, v in enumerate(box)]
     elif kind != "real":
-        raise InputError(path, f"bbox_type {kind!r}: only 'real' (pixels) and 'norm1000' are read", number, "objects")
+        raise InputError(path, f"bbox_type {kind!r}: only 'real' (pixels) and 'norm1' are read", number, "objects")
+    if len(box) == 2:  # a point to click, as ms-swift's "click(start_box='<bbox>')" example has
+        return [(question, f"({box[0]:g}, {box[1]:g})")], {"point": box}
     x1, y1, x2, y2 = box
     return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": box}
