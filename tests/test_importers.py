@@ -374,6 +374,10 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
     "row, message",
     [
         (
+            {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Hello"}]},
+            r"chat.jsonl:2: field 'images': has <image> in its text but names no image",
+        ),
+        (
             dict(MLLM_DEMO[0], images=["a.jpg", "b.jpg"]),
             r"chat.jsonl:2: field 'images': needs one image, has 2: a.jpg, b.jpg",
         ),
@@ -428,6 +432,7 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
         ),
     ],
     ids=[
+        "marker-without-image",
         "two-images",
         "url",
         "preference",

@@ -97,6 +97,8 @@ class Conversation:
             raise InputError(path, f"must be a list of paths, not {listed!r}", number, "images")
         images = listed + [image for turn in images_by_turn for image in turn]
         if not images:
+            if any(IMAGE_MARKER in t for t in texts):
+                raise InputError(path, f"has {IMAGE_MARKER} in its text but names no image", number, "images")
             return None
         distinct = list(dict.fromkeys(images))
         if len(distinct) > 1:
