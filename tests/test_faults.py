@@ -444,17 +444,19 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
         "Invalid config: experiments.x.stages[0].filter: {'category': ['size', 'shape']} selects no record of "
         "a.jsonl, b.jsonl, so the stage cannot train"
     )
-    # A field no record has (a curriculum by difficulty on data without it) is named, for the
+    # A field no record has (a curriculum on a field the data lacks) is named, for the
     # filter and for the order alike, before any job is queued.
     for change, named in (
-        ({"filter": {"difficulty": [1]}}, "filter: no record of a.jsonl, b.jsonl has the field 'difficulty'"),
-        ({"order": "by_field", "order_field": "level"}, "order_field: no record of a.jsonl, b.jsonl has the field"),
+        ({"filter": {"severity": [1]}}, "filter: no record of a.jsonl, b.jsonl has the field 'severity'"),
+        ({"order": "by_field", "order_field": "urgency"}, "order_field: no record of a.jsonl, b.jsonl has the field"),
     ):
-        config["experiments"]["x"]["stages"][0] = dict({"name": "main", "train_splits": ["a", "b"]}, **change)
+        config["experiments"]["x"]["stages"][0] = dict(
+            {"name": "main", "train_splits": ["a", "b"], "eval_splits": ["a"]}, **change
+        )
         (workdir / "study.yaml").write_text(yaml.safe_dump(config))
         result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", check=False)
         assert result.returncode != 0 and not (workdir / "results").exists()
-        assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr
+        assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr, result.stdout[-1500:]
 
 
 def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp_path):

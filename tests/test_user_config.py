@@ -107,9 +107,11 @@ def test_the_pixel_range_a_config_leaves_out_is_the_checkpoints_own(tmp_path, ti
     assert pixels(config) == (3136, 12845056, "3136-12845056")
     # What the config sets wins, key by key.
     assert pixels(dict(config, defaults={"max_pixels": 200704})) == (3136, 200704, "3136-200704")
-    (model / "preprocessor_config.json").unlink()
+    (model / "preprocessor_config.json").write_text(json.dumps(processor))  # no range in it
     with pytest.raises(
-        ConfigError, match=r"defaults.min_pixels: left out, so the checkpoint's image processor decides"
+        ConfigError,
+        match=r"defaults.min_pixels: left out, so the checkpoint's image processor decides, "
+        r"but .*preprocessor_config.json: names no pixel range",
     ):
         pixels(config)
     assert pixels(dict(config, defaults={"min_pixels": 4096, "max_pixels": 16384})) == (4096, 16384, "4096-16384")

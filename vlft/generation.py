@@ -146,7 +146,8 @@ class CacheWindow:
         self.cache, self.length = cache, length
         self.rows, self.write_at = cache.rows[:rows], cache.write_at[:rows]
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # Whatever else transformers passes (cache_kwargs, or kwargs= since 5.24) a slot cache does not use.
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         keys[self.rows, :, self.write_at] = key_states[:, :, 0]
         values[self.rows, :, self.write_at] = value_states[:, :, 0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError, InputError
-from vlft.model_files import checkpoint_pixels
+from vlft.model_files import checkpoint_pixels, model_dir_problem
 from vlft.records import selection_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
@@ -191,6 +191,8 @@ def _checkpoint_pixels(defaults: dict, model_dir: str) -> None:
     with other values reruns what it changes."""
     if defaults["min_pixels"] is not None and defaults["max_pixels"] is not None:
         return
+    if Path(model_dir).exists() and (problem := model_dir_problem(model_dir)):
+        raise ConfigError(f"model.path: {model_dir} {problem}")  # what a partial copy lacks, not its symptom
     try:
         low, high = checkpoint_pixels(model_dir)
     except InputError as err:
