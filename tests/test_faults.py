@@ -456,7 +456,9 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
         (workdir / "study.yaml").write_text(yaml.safe_dump(config))
         result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", check=False)
         assert result.returncode != 0 and not (workdir / "results").exists()
-        assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr, result.stdout[-1500:]
+        assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr, result.stdout[
+            -1500:
+        ]
 
 
 def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp_path):
