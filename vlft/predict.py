@@ -17,7 +17,8 @@ from vlft.records import prepare_split
 from vlft.report import thumbnail_jpeg
 
 # Asked questions have no reference: the evaluation path needs one, and its judgement is dropped.
-NO_REFERENCE = {"answer": "unknown", "box": [0, 0, 0, 0]}
+# A click's is a point at the image's corner (inside every image, as prepare_split requires).
+NO_REFERENCE = {"answer": "unknown", "point": [0, 0]}
 
 
 def stage_settings(stage_dir: Path) -> dict:
@@ -57,7 +58,7 @@ def predict(
         work = Path(work)
         records = [
             {"id": str(i), "image": str(Path(q["image"]).resolve()), "question": q["question"]}
-            | ({"answer": NO_REFERENCE["answer"]} | ({"box": NO_REFERENCE["box"]} if clicks else {}))
+            | ({"answer": NO_REFERENCE["answer"]} | ({"point": NO_REFERENCE["point"]} if clicks else {}))
             for i, q in enumerate(questions)
         ]
         write_jsonl(work / "asked.jsonl", records)
