@@ -51,11 +51,15 @@ def require_model_dir(model_dir: str | Path) -> None:
 
 
 def _has_image_processor(model_dir: Path) -> bool:
-    """preprocessor_config.json, or a processor_config.json that nests the image processor's settings."""
+    return _image_processor_settings(model_dir) is not None
+
+
+def _image_processor_settings(model_dir: Path) -> dict | None:
+    """preprocessor_config.json, or the image processor's settings nested in processor_config.json."""
     if (model_dir / "preprocessor_config.json").is_file():
-        return True
+        return json.loads((model_dir / "preprocessor_config.json").read_text())
     nested = model_dir / "processor_config.json"
-    return nested.is_file() and "image_processor" in json.loads(nested.read_text())
+    return json.loads(nested.read_text()).get("image_processor") if nested.is_file() else None
 
 
 def checkpoint_pixels(model_dir: str | Path) -> tuple[int, int]:
@@ -63,11 +67,7 @@ def checkpoint_pixels(model_dir: str | Path) -> tuple[int, int]:
     to: `size` {shortest_edge, longest_edge} as transformers writes it now (Qwen3-VL), or
     min_pixels / max_pixels as Qwen2-VL's and Qwen2.5-VL's processors were saved."""
     model_dir = Path(model_dir)
-    settings = None
-    if (model_dir / "preprocessor_config.json").is_file():
-        settings = json.loads((model_dir / "preprocessor_config.json").read_text())
-    elif (model_dir / "processor_config.json").is_file():
-        settings = json.loads((model_dir / "processor_config.json").read_text()).get("image_processor")
+    settings = _image_processor_settings(model_dir)
     if settings is None:
         raise InputError(model_dir, "has no preprocessor_config.json to read the image processor's pixel range from")
     size = settings.get("size") or {}

@@ -144,21 +144,22 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
         if isinstance(check, str):
             raise InputError(raw_jsonl, f"{check}: {path}", line_no, "image")
         if problem := place_problem(record, *check):
-            raise InputError(raw_jsonl, f"{problem} of {path}", line_no, problem.split(" ", 1)[0])
+            field, reason = problem
+            raise InputError(raw_jsonl, f"{reason} of {path}", line_no, field)
         record = dict(record, image_path=str(path), width=check[0], height=check[1])
         normalized.append(record)
     write_jsonl(output, normalized)
     return len(normalized)
 
 
-def place_problem(record: dict, width: int, height: int) -> str | None:
-    """Why a record's box or point does not lie in its image of `width` x `height` pixels (a box's
-    corners within it and its area positive), or None; the sentence starts with the field's name."""
+def place_problem(record: dict, width: int, height: int) -> tuple[str, str] | None:
+    """(field, why) where a record's box or point does not lie in its image of `width` x `height`
+    pixels (a box's corners within it and its area positive), or None."""
     box, point = record.get("box"), record.get("point")
     if box is not None and not (0 <= box[0] < box[2] <= width and 0 <= box[1] < box[3] <= height):
-        return f"box {box} is not a box of positive area inside the {width}x{height} image"
+        return "box", f"box {box} is not a box of positive area inside the {width}x{height} image"
     if point is not None and not (0 <= point[0] <= width and 0 <= point[1] <= height):
-        return f"point {point} is not inside the {width}x{height} image"
+        return "point", f"point {point} is not inside the {width}x{height} image"
     return None
 
 
@@ -186,17 +187,13 @@ def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field:
     before any job runs, leniently: lines that do not parse are the prepare step's to report, with
     their line numbers. The sentence starts with the stage's key it is about (filter, order_field)."""
     named = ", ".join(str(p) for p in jsonl_paths)
+    needed = set(filters) | ({order_field} if order_field else set())
     fields_seen, selected = set(), False
-    for path in jsonl_paths:
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict):
-                    fields_seen.update(k for k, v in record.items() if v is not None)
-                    selected = selected or selected_by(record, filters)
+    for record in _raw_objects(jsonl_paths):
+        fields_seen.update(k for k, v in record.items() if v is not None)
+        selected = selected or selected_by(record, filters)
+        if selected and needed <= fields_seen:  # all it can know: stop reading (this runs at every start)
+            return None
     for name in filters:
         if name not in fields_seen:
             return f"filter: no record of {named} has the field '{name}'"
@@ -205,6 +202,19 @@ def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field:
     if not selected:
         return f"filter: {filters} selects no record of {named}"
     return None
+
+
+def _raw_objects(jsonl_paths: list[str | Path]):
+    """The JSON objects of raw splits, lines that do not parse left out (prepare_split names them)."""
+    for path in jsonl_paths:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict):
+                    yield record
 
 
 def order_records(

@@ -118,12 +118,12 @@ class Conversation:
         for n, (question, answer) in enumerate(rounds, start=1):
             if not question or not answer:
                 raise InputError(path, f"an empty question or answer in round {n}", number)
-        extra = {}
+        image, extra = _relative(distinct[0], image_root, where), {}
         if "objects" in row:
-            rounds, extra = _grounding(row, rounds, where, image_root / _relative(distinct[0], image_root, where))
+            rounds, extra = _grounding(row, rounds, where, image_root / image)
         elif any("<ref-object>" in t or "<bbox>" in t for pair in rounds for t in pair):
             raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
-        return cls(_relative(distinct[0], image_root, where), system, rounds, max(0, markers - 1), extra)
+        return cls(image, system, rounds, max(0, markers - 1), extra)
 
 
 def _turns(row: dict, where) -> list[tuple[str, object]]:

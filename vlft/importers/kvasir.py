@@ -83,7 +83,9 @@ def import_kvasir_vqa(parquet_files: list[str | Path], out_dir: str | Path) -> d
                     "source": text(row.get("source")),
                 }
             )
-        splits = {split: [r for r in records if split_of(images.id_of[r["image"]]) == split] for split in SPLITS}
+        splits = {split: [] for split in SPLITS}
+        for record in records:
+            splits[split_of(images.id_of[record["image"]])].append(record)
         _write(tmp, splits)
     return {
         "records": len(records),
@@ -197,15 +199,19 @@ class ImageWriter:
         self.id_of: dict[str, str] = {}  # file name -> img_id
 
     def add(self, image_id: str, value, where) -> str:
-        data = _image_bytes(value, where)
+        data = value.get("bytes") if isinstance(value, dict) else value
+        if not isinstance(data, (bytes, bytearray)) or not data:
+            raise InputError(where[0], "no image bytes", where[1], "image")
         digest = hashlib.sha256(data).hexdigest()
         if image_id in self.first:
             seen_digest, row, name = self.first[image_id]
             if seen_digest != digest:
+                _checked_image(data, where)  # unreadable bytes are named as such first
                 raise InputError(
                     where[0], f"img_id {image_id!r} has other image bytes than on row {row}", where[1], "image"
                 )
             return name
+        data = _checked_image(data, where)  # once per image: the same bytes met again are known by their digest
         name = f"{image_id}{_extension(data)}"
         (self.directory / name).write_bytes(data)
         self.first[image_id] = (digest, where[1], name)
@@ -213,12 +219,9 @@ class ImageWriter:
         return name
 
 
-def _image_bytes(value, where) -> bytes:
-    """The image's original bytes, as Hugging Face datasets stores an Image column ({bytes, path}) or
-    as plain bytes; opened once to be sure they are an image."""
-    data = value.get("bytes") if isinstance(value, dict) else value
-    if not isinstance(data, (bytes, bytearray)) or not data:
-        raise InputError(where[0], "no image bytes", where[1], "image")
+def _checked_image(data: bytes, where) -> bytes:
+    """An image's original bytes (from a Hugging Face datasets Image column, {bytes, path}, or plain
+    bytes), opened once to be sure they are an image."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.verify()
