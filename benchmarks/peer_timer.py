@@ -1,0 +1,83 @@
+"""Run a peer's training command with a step timer on its Trainer (used by benchmarks/peers.py).
+
+    python benchmarks/peer_timer.py RESULT.json swift --model ... (ms-swift's `swift sft` arguments)
+    python benchmarks/peer_timer.py RESULT.json llamafactory train CONFIG.yaml
+
+Both peers train with a transformers Trainer. This wraps that class, whichever subclass the peer
+uses, the way the training benchmark times its reference: the GPU synchronized at each optimizer
+step's start and end. It counts what each step computed from the batches themselves: samples
+(each has one image, so one `<|vision_start|>` token) and tokens that are not padding. At the end
+it writes the steps, the logged losses and the peak GPU memory to RESULT.json. Nothing of the
+peer's training is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+
+
+def install(result_path: str, vision_start_id: int) -> None:
+    import torch
+    import transformers
+
+    steps, losses, counts = [], [], {"samples": 0, "tokens": 0}
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            counts.update(samples=0, tokens=0)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            steps.append({"s": time.perf_counter() - self.start, **counts})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            result = {"steps": steps, "losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+
+    trainer_init = transformers.Trainer.__init__
+    training_step = transformers.Trainer.training_step
+
+    def init(self, *args, **kwargs):
+        trainer_init(self, *args, **kwargs)
+        self.add_callback(StepTimer())
+
+    def step(self, model, inputs, *args, **kwargs):
+        ids = inputs["input_ids"]
+        counts["samples"] += int((ids == vision_start_id).sum())
+        mask = inputs.get("attention_mask")
+        # Padding-free batches carry no 2-D mask (or a 4-D one built from the sequences): all their tokens count.
+        counts["tokens"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        return training_step(self, model, inputs, *args, **kwargs)
+
+    transformers.Trainer.__init__ = init
+    transformers.Trainer.training_step = step
+
+
+def main() -> None:
+    result_path, peer, *args = sys.argv[1:]
+    install(result_path, int(os.environ["PEER_VISION_START_ID"]))
+    if peer == "swift":  # what `swift sft` runs on one GPU
+        sys.argv = ["swift-sft", *args]
+        runpy.run_module("swift.cli.sft", run_name="__main__")
+    elif peer == "llamafactory":  # what `llamafactory-cli` runs
+        sys.argv = ["llamafactory-cli", *args]
+        from llamafactory.cli import main as cli
+
+        cli()
+    else:
+        raise SystemExit(f"unknown peer {peer!r}: swift or llamafactory")
+
+
+if __name__ == "__main__":
+    main()

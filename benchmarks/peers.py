@@ -1,0 +1,434 @@
+"""Peers side by side: ms-swift's `swift sft` and LLaMA-Factory's `llamafactory-cli train` on the
+training benchmark's workload, and ours, in one run on one GPU.
+
+    bash benchmarks/peer_wheels.sh .whl-peers          # here: download the peers' wheels
+    # on the GPU machine: install each peer into a folder of its own, then
+    python benchmarks/peers.py --arch qwen3-vl-8b --swift-site /tmp/peer-swift \
+        --llamafactory-site /tmp/peer-llamafactory --out benchmarks/results
+
+The workload is train_speed.py's: the same random-weight Qwen3-VL checkpoint (saved with a full
+Qwen3-VL processor, as a published one is), the same JPEGs and answers, 16 samples a step
+(micro-batch 4 x accumulation 4 where a peer packs no rows), LoRA r=16 (alpha 32, no dropout) on
+the language model's linear layers, vision tower and merger frozen, bf16, learning rate 1e-4,
+sequences up to 8,192 tokens. Each peer runs in a process of its own, with its own pinned
+transformers/peft/trl/datasets first on PYTHONPATH, through benchmarks/peer_timer.py, which times
+its Trainer's optimizer steps as the training benchmark times its reference and counts the samples
+and tokens each step computed from the batches themselves. A setting a peer refuses, or that fails,
+is reported with the error's last line; nothing is reported that did not run.
+
+Each run's samples/s is over the same measured steps (the first --warmup steps left out). Packed
+rows carry a varying number of samples a step: samples/s counts those the batches held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from train_speed import (  # noqa: E402
+    MAX_PIXELS,
+    MIN_PIXELS,
+    SAMPLES_PER_STEP,
+    build_model,
+    commit_of,
+    image_processor_for,
+    make_workload,
+    our_settings,
+    run_ours,
+)
+
+MAX_LENGTH = 8192
+MICRO_BATCH, ACCUMULATION = 4, SAMPLES_PER_STEP // 4
+LORA = dict(rank=16, alpha=32)
+
+# Each peer's settings, fastest first, as its documentation gives them for Qwen3-VL LoRA on one GPU:
+# ms-swift: docs/source_en/BestPractices/Qwen3-VL-Best-Practice.md ("Dense Models": flash_attn,
+#   padding_free, packing, freeze_vit, freeze_aligner) and Command-line-parameters.md (use_liger_kernel);
+# LLaMA-Factory: README ("flash_attn: fa2", "neat_packing: true" for contamination-free packing,
+#   "enable_liger_kernel: true") and examples/train_lora/qwen3vl_lora_sft.yaml.
+# Packed runs put one row of up to MAX_LENGTH tokens in a micro-batch (a row holds several samples).
+SWIFT_SETTINGS = {
+    "flash_attn, packing": dict(attn_impl="flash_attn", packing="true", padding_free="true", batch=1),
+    "sdpa, packing": dict(attn_impl="sdpa", packing="true", padding_free="true", batch=1),
+    "sdpa, padding_free": dict(attn_impl="sdpa", packing="false", padding_free="true", batch=MICRO_BATCH),
+    "sdpa, padded": dict(attn_impl="sdpa", packing="false", padding_free="false", batch=MICRO_BATCH),
+}
+LLAMAFACTORY_SETTINGS = {
+    "fa2, neat_packing": dict(flash_attn="fa2", neat_packing=True, batch=1),
+    "sdpa, neat_packing": dict(flash_attn="sdpa", neat_packing=True, batch=1),
+    "sdpa, padded": dict(flash_attn="sdpa", neat_packing=False, batch=MICRO_BATCH),
+}
+
+
+def save_checkpoint(arch: str, tokenizer, model_dir: Path):
+    """The random-weight model as a checkpoint directory with the processor files a published
+    Qwen3-VL has (image and video processors, chat template), which the peers load."""
+    import torch
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    model = build_model(arch, tokenizer, "cuda")
+    model.save_pretrained(model_dir)
+    image_processor = image_processor_for(model)
+    vision = model.config.vision_config
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+    Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=tokenizer.chat_template,
+    ).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor.save_pretrained(model_dir)
+    del model
+    torch.cuda.empty_cache()
+    return image_processor
+
+
+def write_peer_data(raw: Path, images: Path, work: Path) -> tuple[Path, Path]:
+    """The workload's records in each peer's documented multimodal format: ms-swift's `messages` +
+    `images` JSONL, and LLaMA-Factory's sharegpt-style file with its dataset_info.json entry."""
+    rows = []
+    for line in raw.read_text().splitlines():
+        record = json.loads(line)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": "<image>" + record["question"]},
+                    {"role": "assistant", "content": record["answer"]},
+                ],
+                "images": [str(images / record["image"])],
+            }
+        )
+    swift = work / "swift.jsonl"
+    swift.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lf_dir = work / "llamafactory-data"
+    lf_dir.mkdir(exist_ok=True)
+    (lf_dir / "bench.json").write_text(json.dumps(rows))
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    info = {
+        "bench": {
+            "file_name": "bench.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": tags,
+        }
+    }
+    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+    return swift, lf_dir
+
+
+def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int) -> list[str]:
+    batch = setting["batch"]
+    args = {
+        "model": model_dir,
+        "model_type": "qwen3_vl",
+        "check_model": "false",
+        "dataset": data,
+        "split_dataset_ratio": 0,
+        "tuner_type": "lora",
+        "lora_rank": LORA["rank"],
+        "lora_alpha": LORA["alpha"],
+        "lora_dropout": 0,
+        "target_modules": "all-linear",
+        "freeze_vit": "true",
+        "freeze_aligner": "true",
+        "torch_dtype": "bfloat16",
+        "attn_impl": setting["attn_impl"],
+        "packing": setting["packing"],
+        "padding_free": setting["padding_free"],
+        "use_liger_kernel": "true",
+        "gradient_checkpointing": "false",
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": SAMPLES_PER_STEP // MICRO_BATCH,
+        "max_length": MAX_LENGTH,
+        "learning_rate": 1e-4,
+        "max_steps": steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "dataloader_num_workers": 4,
+        "dataset_num_proc": 4,
+        "seed": 0,
+        "output_dir": out,
+    }
+    return [word for key, value in args.items() for word in (f"--{key}", str(value))]
+
+
+def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Path, steps: int) -> Path:
+    config = {
+        "model_name_or_path": str(model_dir),
+        "image_max_pixels": MAX_PIXELS,
+        "image_min_pixels": MIN_PIXELS,
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_rank": LORA["rank"],
+        "lora_alpha": LORA["alpha"],
+        "lora_dropout": 0.0,
+        "lora_target": "all",
+        "freeze_vision_tower": True,
+        "freeze_multi_modal_projector": True,
+        "dataset": "bench",
+        "dataset_dir": str(data_dir),
+        "template": "qwen3_vl_nothink",
+        "cutoff_len": MAX_LENGTH,
+        "neat_packing": setting["neat_packing"],
+        "flash_attn": setting["flash_attn"],
+        "enable_liger_kernel": True,
+        "preprocessing_num_workers": 4,
+        "dataloader_num_workers": 4,
+        "overwrite_cache": True,
+        "output_dir": str(out),
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "per_device_train_batch_size": setting["batch"],
+        "gradient_accumulation_steps": SAMPLES_PER_STEP // MICRO_BATCH,
+        "learning_rate": 1.0e-4,
+        "max_steps": steps,
+        "bf16": True,
+        "seed": 0,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "train.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def run_peer(peer: str, site: str, argv: list[str], out: Path, vision_start_id: int, warmup: int, env: dict) -> dict:
+    """One peer's training in a process of its own; its measured steps, or the reason it did not run."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "timer.json"
+    result.unlink(missing_ok=True)
+    log = out / "log.txt"
+    environment = dict(
+        os.environ,
+        PYTHONPATH=site,  # the peer's own pinned libraries first, then the machine's
+        PEER_VISION_START_ID=str(vision_start_id),
+        HF_HUB_OFFLINE="1",
+        MODELSCOPE_OFFLINE="1",
+        **env,
+    )
+    started = time.time()
+    with open(log, "w") as f:
+        code = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks/peer_timer.py"), str(result), peer, *argv],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=out,
+        ).returncode
+    wall = time.time() - started
+    if code != 0 or not result.exists():
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        return {"error": (errors or lines or ["no output"])[-1][:300], "exit": code, "wall_s": wall}
+    timer = json.loads(result.read_text())
+    # A peer that falls back from the attention it was asked for says so in its log: report that.
+    fallbacks = [line for line in log.read_text(errors="replace").splitlines() if "is not installed" in line]
+    measured = timer["steps"][warmup:]
+    seconds = sum(s["s"] for s in measured)
+    samples = sum(s["samples"] for s in measured)
+    if not measured or samples == 0:
+        return {"error": f"no samples counted in {len(timer['steps'])} steps", "wall_s": wall}
+    return {
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": sum(s["tokens"] for s in measured) / seconds,
+        "tokens_per_sample": sum(s["tokens"] for s in measured) / samples,
+        "samples_per_step": samples / len(measured),
+        "peak_gib": timer["peak_gib"],
+        "steps_measured": len(measured),
+        "losses": timer["losses"],
+        "wall_s": wall,
+        **({"fell_back": fallbacks[-1][-200:]} if fallbacks else {}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-peers"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    parser.add_argument("--swift-site", help="folder ms-swift and its pinned libraries are installed in")
+    parser.add_argument("--llamafactory-site", help="folder LLaMA-Factory and its pinned libraries are installed in")
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--questions-per-image", type=int, default=1)
+    parser.add_argument("--short-answers", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-batch-tokens", type=int, default=12288, help="our micro-batches' token budget")
+    parser.add_argument(
+        "--settings",
+        default="all",
+        help="'all': every setting of each peer in the lists above; 'best': each peer's in order until one runs",
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=[], help="run only the peers' settings whose name contains one of these"
+    )
+    parser.add_argument("--no-ours", action="store_true")
+    parser.add_argument("--commit")
+    args = parser.parse_args()
+
+    import torch
+
+    from vlft.demo.tiny_model import make_tokenizer
+    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.records import prepare_split
+    from vlft.vision_cache import build_vision_cache
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    work = args.work / args.arch
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer()
+    raw = make_workload(
+        work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
+    )
+    model_dir = work / "model"
+    image_processor = save_checkpoint(args.arch, tokenizer, model_dir)
+    swift_data, lf_data = write_peer_data(raw, work / "images", work)
+    vision_start_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    results = {}
+
+    peers = [
+        ("ms-swift", "swift", args.swift_site, SWIFT_SETTINGS),
+        ("LLaMA-Factory", "llamafactory", args.llamafactory_site, LLAMAFACTORY_SETTINGS),
+    ]
+    for name, peer, site, settings in peers:
+        if not site:
+            continue
+        for label, setting in settings.items():
+            if args.only and not any(part in f"{name} ({label})" for part in args.only):
+                continue
+            out = work / f"{peer}-{label.replace(', ', '-')}"
+            if peer == "swift":
+                argv = swift_command(setting, model_dir, swift_data, out, args.steps)
+                env = {"MAX_PIXELS": str(MAX_PIXELS), "MIN_PIXELS": str(MIN_PIXELS)}
+            else:
+                argv = ["train", str(llamafactory_config(setting, model_dir, lf_data, out, args.steps))]
+                env = {}
+            result = run_peer(peer, site, argv, out, vision_start_id, args.warmup, env)
+            results[f"{name} ({label})"] = result
+            print(f"{name} ({label}): {json.dumps(result)[:400]}", flush=True)
+            if args.settings == "best" and "error" not in result:
+                break
+
+    if not args.no_ours:
+        prepare_split(raw, work / "images", work / "prepared.jsonl")
+        started = time.time()
+        build_image_cache(
+            work / "prepared.jsonl",
+            work / "pixels",
+            PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
+            threads=16,
+        )
+        pixel_cache_s = time.time() - started
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+        started = time.time()
+        build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device("cuda"))
+        vision_cache_s = time.time() - started
+        del model
+        torch.cuda.empty_cache()
+        ours = [("ours (vision cache)", work / "vision", {}), ("ours (from pixels)", work / "pixels", {})]
+        if args.questions_per_image > 1:
+            ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
+        for label, cache, options in ours:
+            settings = dict(
+                our_settings(args.steps),
+                max_batch_tokens=args.max_batch_tokens,
+                packing=True,
+                vision_cache=cache.name == "vision",
+                **options,
+            )
+            try:
+                run = run_ours(
+                    model_dir, work / "prepared.jsonl", cache, args.steps, args.warmup, settings, work / label
+                )
+                seconds = sum(run["step_s"])
+                results[label] = {
+                    "samples_per_s": sum(run["samples"]) / seconds,
+                    "tokens_per_s": sum(run["tokens"]) / seconds,
+                    "tokens_per_sample": sum(run["tokens"]) / sum(run["samples"]),
+                    "samples_per_step": sum(run["samples"]) / len(run["samples"]),
+                    "peak_gib": run["peak_gib"],
+                    "steps_measured": len(run["step_s"]),
+                    "losses": run["losses"],
+                    "pixel_cache_s": pixel_cache_s,
+                    "vision_cache_s": vision_cache_s,
+                }
+            except Exception as error:  # a run that fails is reported as such, as a peer's is
+                results[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+            print(f"{label}: {json.dumps(results[label])[:400]}", flush=True)
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+
+    report = {
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit_of(args.commit) or "unknown",
+        "command": " ".join(sys.argv),
+        "images": args.images,
+        "questions_per_image": args.questions_per_image,
+        "answers": "1-16 tokens" if args.short_answers else "20-400 tokens",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        **results,
+    }
+    best_ours = max(
+        (r["samples_per_s"] for k, r in results.items() if k.startswith("ours") and "error" not in r), default=None
+    )
+    report["ratios"] = {
+        k: {
+            o: results[o]["samples_per_s"] / r["samples_per_s"]
+            for o in results
+            if o.startswith("ours") and "error" not in results[o]
+        }
+        for k, r in results.items()
+        if not k.startswith("ours") and "error" not in r
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = "kvasir" if args.questions_per_image > 1 else "benchmark"
+    answers = "short" if args.short_answers else "long"
+    name = f"peers-{kind}-{answers}-{args.arch}-{report['device'].split()[-1]}-{report['date']}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
+    print(
+        f"\n{args.arch} on {report['device']}, {report['answers']} answers, {args.questions_per_image} question(s) an image"
+    )
+    print(
+        f"{'':44} {'samples/s':>9} {'tok/sample':>10} {'samples/step':>12} {'peak GiB':>8} {'last loss':>9} {'ours/it':>7}"
+    )
+    for label, r in results.items():
+        if "error" in r:
+            print(f"{label:44} did not run: {r['error'][:120]}")
+            continue
+        if "fell_back" in r:
+            print(f"{label:44} ran otherwise than set: {r['fell_back'][-120:]}")
+        ratio = best_ours / r["samples_per_s"] if best_ours and not label.startswith("ours") else float("nan")
+        loss = r["losses"][-1] if r["losses"] else float("nan")
+        print(
+            f"{label:44} {r['samples_per_s']:9.2f} {r['tokens_per_sample']:10.0f} {r['samples_per_step']:12.1f}"
+            f" {r['peak_gib']:8.1f} {loss:9.3f} {ratio:7.2f}"
+        )
+    print(f"results: {args.out / name}")
+
+
+if __name__ == "__main__":
+    main()
