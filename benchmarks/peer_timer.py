@@ -6,13 +6,15 @@
 Both peers train with a transformers Trainer. This wraps that class, whichever subclass the peer
 uses, the way the training benchmark times its reference: the GPU synchronized at each optimizer
 step's start and end. It counts what each step computed from the batches themselves: samples
-(each has one image, so one `<|vision_start|>` token) and tokens that are not padding. At the end
+(each has one image, so one `<|vision_start|>` token), tokens that are not padding, and all the
+tokens its batches held (padding included). At the end
 it writes the steps, the logged losses and the peak GPU memory to RESULT.json. Nothing of the
 peer's training is changed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -20,16 +22,16 @@ import sys
 import time
 
 
-def install(result_path: str, vision_start_id: int) -> None:
+def install(result_path: str, vision_start_id: int, pad_id: int) -> None:
     import torch
     import transformers
 
-    steps, losses, counts = [], [], {"samples": 0, "tokens": 0}
+    steps, losses, counts = [], [], {"samples": 0, "tokens": 0, "computed": 0}
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             torch.cuda.synchronize()
-            counts.update(samples=0, tokens=0)
+            counts.update(samples=0, tokens=0, computed=0)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -48,16 +50,17 @@ def install(result_path: str, vision_start_id: int) -> None:
     trainer_init = transformers.Trainer.__init__
     training_step = transformers.Trainer.training_step
 
+    @functools.wraps(trainer_init)  # peers read the signature (ms-swift: processing_class or tokenizer)
     def init(self, *args, **kwargs):
         trainer_init(self, *args, **kwargs)
         self.add_callback(StepTimer())
 
+    @functools.wraps(training_step)
     def step(self, model, inputs, *args, **kwargs):
         ids = inputs["input_ids"]
         counts["samples"] += int((ids == vision_start_id).sum())
-        mask = inputs.get("attention_mask")
-        # Padding-free batches carry no 2-D mask (or a 4-D one built from the sequences): all their tokens count.
-        counts["tokens"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        counts["tokens"] += int((ids != pad_id).sum())
+        counts["computed"] += ids.numel()
         return training_step(self, model, inputs, *args, **kwargs)
 
     transformers.Trainer.__init__ = init
@@ -66,7 +69,7 @@ def install(result_path: str, vision_start_id: int) -> None:
 
 def main() -> None:
     result_path, peer, *args = sys.argv[1:]
-    install(result_path, int(os.environ["PEER_VISION_START_ID"]))
+    install(result_path, int(os.environ["PEER_VISION_START_ID"]), int(os.environ["PEER_PAD_ID"]))
     if peer == "swift":  # what `swift sft` runs on one GPU
         sys.argv = ["swift-sft", *args]
         runpy.run_module("swift.cli.sft", run_name="__main__")

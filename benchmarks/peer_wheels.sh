@@ -12,7 +12,7 @@
 # About 40 MB in all (the device's carry limit is 64 MiB a call).
 set -euo pipefail
 dest=${1:-.whl-peers}
-mkdir -p "$dest/common" "$dest/swift" "$dest/llamafactory"
+mkdir -p "$dest/common" "$dest/swift" "$dest/llamafactory" "$dest/ours"
 plat=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
       --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
@@ -34,6 +34,8 @@ get swift ms-swift==4.6.0 peft==0.20.0 trl==0.29.1 datasets==4.8.4 addict==2.4.0
 get llamafactory llamafactory==0.9.5 transformers==5.6.0 tokenizers==0.22.2 peft==0.18.1 trl==0.24.0 \
   datasets==4.0.0 accelerate==1.11.0 omegaconf==2.4.0 fire==0.7.1 termcolor==3.3.0 tyro==0.8.14 \
   docstring-parser==0.18.0 shtab==1.13.0 typeguard==4.6.1 torchdata==0.11.0
+# Ours, in the benchmark's own process: the project's imports the machine lacks (liger-kernel is in common).
+get ours jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 # antlr4-python3-runtime (omegaconf's parser) is published as source only: build its pure-Python wheel.
 python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$dest/llamafactory" 2>&1 | grep -iE '^error' || true
 ls "$dest"/* | grep -c whl | xargs echo "wheels in $dest:"

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
@@ -68,6 +70,41 @@ LLAMAFACTORY_SETTINGS = {
     "sdpa, neat_packing": dict(flash_attn="sdpa", neat_packing=True, batch=1),
     "sdpa, padded": dict(flash_attn="sdpa", neat_packing=False, batch=MICRO_BATCH),
 }
+
+
+# The ids Qwen's own tokenizer gives its special tokens. ms-swift's Qwen-VL templates write the image
+# token by this number (151655) rather than reading it from the checkpoint, so the benchmark's small
+# tokenizer takes these numbers for its special tokens; its other tokens, and so the workload, are unchanged.
+QWEN_SPECIAL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+
+
+def qwen_numbered_tokenizer():
+    """The benchmark's tokenizer with its special tokens at the ids Qwen's tokenizer gives them."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from vlft.demo.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tokenizer
+
+    data = json.loads(make_tokenizer().backend_tokenizer.to_str())
+    for added in data["added_tokens"]:
+        added["id"] = QWEN_SPECIAL_IDS[added["content"]]
+    data["model"]["vocab"].update(QWEN_SPECIAL_IDS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(data)),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    return tokenizer
 
 
 def save_checkpoint(arch: str, tokenizer, model_dir: Path):
@@ -205,12 +242,12 @@ def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Pat
         "seed": 0,
     }
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "train.json"
-    path.write_text(json.dumps(config, indent=1))
+    path = out / "train.yaml"  # as its examples are written (0.9.5 fails to read a .json config)
+    path.write_text(yaml.safe_dump(config))
     return path
 
 
-def run_peer(peer: str, site: str, argv: list[str], out: Path, vision_start_id: int, warmup: int, env: dict) -> dict:
+def run_peer(peer: str, site: str, argv: list[str], out: Path, tokenizer, warmup: int, env: dict) -> dict:
     """One peer's training in a process of its own; its measured steps, or the reason it did not run."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "timer.json"
@@ -219,7 +256,8 @@ def run_peer(peer: str, site: str, argv: list[str], out: Path, vision_start_id: 
     environment = dict(
         os.environ,
         PYTHONPATH=site,  # the peer's own pinned libraries first, then the machine's
-        PEER_VISION_START_ID=str(vision_start_id),
+        PEER_VISION_START_ID=str(tokenizer.convert_tokens_to_ids("<|vision_start|>")),
+        PEER_PAD_ID=str(tokenizer.pad_token_id),
         HF_HUB_OFFLINE="1",
         MODELSCOPE_OFFLINE="1",
         **env,
@@ -250,6 +288,7 @@ def run_peer(peer: str, site: str, argv: list[str], out: Path, vision_start_id: 
         "samples_per_s": samples / seconds,
         "tokens_per_s": sum(s["tokens"] for s in measured) / seconds,
         "tokens_per_sample": sum(s["tokens"] for s in measured) / samples,
+        "padding": 1 - sum(s["tokens"] for s in measured) / sum(s["computed"] for s in measured),
         "samples_per_step": samples / len(measured),
         "peak_gib": timer["peak_gib"],
         "steps_measured": len(measured),
@@ -286,7 +325,6 @@ def main() -> None:
 
     import torch
 
-    from vlft.demo.tiny_model import make_tokenizer
     from vlft.image_cache import PixelSettings, build_image_cache
     from vlft.records import prepare_split
     from vlft.vision_cache import build_vision_cache
@@ -294,14 +332,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer()
+    tokenizer = qwen_numbered_tokenizer()
     raw = make_workload(
         work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
     )
     model_dir = work / "model"
     image_processor = save_checkpoint(args.arch, tokenizer, model_dir)
     swift_data, lf_data = write_peer_data(raw, work / "images", work)
-    vision_start_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
     results = {}
 
     peers = [
@@ -321,7 +358,7 @@ def main() -> None:
             else:
                 argv = ["train", str(llamafactory_config(setting, model_dir, lf_data, out, args.steps))]
                 env = {}
-            result = run_peer(peer, site, argv, out, vision_start_id, args.warmup, env)
+            result = run_peer(peer, site, argv, out, tokenizer, args.warmup, env)
             results[f"{name} ({label})"] = result
             print(f"{name} ({label}): {json.dumps(result)[:400]}", flush=True)
             if args.settings == "best" and "error" not in result:
@@ -413,7 +450,7 @@ def main() -> None:
         f"\n{args.arch} on {report['device']}, {report['answers']} answers, {args.questions_per_image} question(s) an image"
     )
     print(
-        f"{'':44} {'samples/s':>9} {'tok/sample':>10} {'samples/step':>12} {'peak GiB':>8} {'last loss':>9} {'ours/it':>7}"
+        f"{'':44} {'samples/s':>9} {'tok/sample':>10} {'samples/step':>12} {'padding':>7} {'peak GiB':>8} {'last loss':>9} {'ours/it':>7}"
     )
     for label, r in results.items():
         if "error" in r:
@@ -425,7 +462,7 @@ def main() -> None:
         loss = r["losses"][-1] if r["losses"] else float("nan")
         print(
             f"{label:44} {r['samples_per_s']:9.2f} {r['tokens_per_sample']:10.0f} {r['samples_per_step']:12.1f}"
-            f" {r['peak_gib']:8.1f} {loss:9.3f} {ratio:7.2f}"
+            f" {r.get('padding', 0):7.1%} {r['peak_gib']:8.1f} {loss:9.3f} {ratio:7.2f}"
         )
     print(f"results: {args.out / name}")
 
