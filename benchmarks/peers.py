@@ -9,8 +9,9 @@ training benchmark's workload, and ours, in one run on one GPU.
 The workload is train_speed.py's: the same random-weight Qwen3-VL checkpoint (saved with a full
 Qwen3-VL processor, as a published one is), the same JPEGs and answers, 16 samples a step
 (micro-batch 4 x accumulation 4 where a peer packs no rows), LoRA r=16 (alpha 32, no dropout) on
-the language model's linear layers, vision tower and merger frozen, bf16, learning rate 1e-4,
-sequences up to 8,192 tokens. Each peer runs in a process of its own, with its own pinned
+the language model's linear layers, vision tower and merger frozen, bf16, a constant learning rate
+of 1e-4 with no warm-up and no weight decay, the records in the file's order (no shuffling), sequences
+up to 8,192 tokens. Each peer runs in a process of its own, with its own pinned
 transformers/peft/trl/datasets first on PYTHONPATH, through benchmarks/peer_timer.py, which times
 its Trainer's optimizer steps as the training benchmark times its reference and counts the samples
 and tokens each step computed from the batches themselves. A setting a peer refuses, or that fails,
@@ -194,6 +195,11 @@ def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: 
         "gradient_accumulation_steps": SAMPLES_PER_STEP // MICRO_BATCH,
         "max_length": MAX_LENGTH,
         "learning_rate": 1e-4,
+        "lr_scheduler_type": "constant",
+        "warmup_ratio": 0,
+        "weight_decay": 0,  # ms-swift's default is 0.1; the others' is 0
+        "dataset_shuffle": "false",
+        "train_dataloader_shuffle": "false",
         "max_steps": steps,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -237,6 +243,10 @@ def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Pat
         "per_device_train_batch_size": setting["batch"],
         "gradient_accumulation_steps": SAMPLES_PER_STEP // MICRO_BATCH,
         "learning_rate": 1.0e-4,
+        "lr_scheduler_type": "constant",
+        "warmup_ratio": 0.0,
+        "weight_decay": 0.0,
+        "disable_shuffling": True,
         "max_steps": steps,
         "bf16": True,
         "seed": 0,
@@ -390,6 +400,8 @@ def main() -> None:
                 our_settings(args.steps),
                 max_batch_tokens=args.max_batch_tokens,
                 packing=True,
+                lr_schedule="constant",
+                warmup_ratio=0.0,
                 vision_cache=cache.name == "vision",
                 **options,
             )
