@@ -257,6 +257,11 @@ def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Pat
     return path
 
 
+# What the peers' logs say where they leave out a setting they were given (LLaMA-Factory: flash_attn: fa2
+# without flash-attn installed; enable_liger_kernel for a model it has no liger patch for).
+FALLBACKS = ("is not installed", "does not support liger")
+
+
 def run_peer(peer: str, site: str, argv: list[str], out: Path, tokenizer, warmup: int, env: dict) -> dict:
     """One peer's training in a process of its own; its measured steps, or the reason it did not run."""
     out.mkdir(parents=True, exist_ok=True)
@@ -287,8 +292,8 @@ def run_peer(peer: str, site: str, argv: list[str], out: Path, tokenizer, warmup
         errors = [line for line in lines if "Error" in line or "error" in line]
         return {"error": (errors or lines or ["no output"])[-1][:300], "exit": code, "wall_s": wall}
     timer = json.loads(result.read_text())
-    # A peer that falls back from the attention it was asked for says so in its log: report that.
-    fallbacks = [line for line in log.read_text(errors="replace").splitlines() if "is not installed" in line]
+    # A peer that leaves out something it was asked for (an attention kernel, liger) says so in its log.
+    fallbacks = [line for line in log.read_text(errors="replace").splitlines() if any(s in line for s in FALLBACKS)]
     measured = timer["steps"][warmup:]
     seconds = sum(s["s"] for s in measured)
     samples = sum(s["samples"] for s in measured)
@@ -304,7 +309,7 @@ def run_peer(peer: str, site: str, argv: list[str], out: Path, tokenizer, warmup
         "steps_measured": len(measured),
         "losses": timer["losses"],
         "wall_s": wall,
-        **({"fell_back": fallbacks[-1][-200:]} if fallbacks else {}),
+        **({"fell_back": [line[-200:] for line in fallbacks]} if fallbacks else {}),
     }
 
 
@@ -468,8 +473,8 @@ def main() -> None:
         if "error" in r:
             print(f"{label:44} did not run: {r['error'][:120]}")
             continue
-        if "fell_back" in r:
-            print(f"{label:44} ran otherwise than set: {r['fell_back'][-120:]}")
+        for line in r.get("fell_back", []):
+            print(f"{label:44} ran otherwise than set: {line[-120:]}")
         ratio = best_ours / r["samples_per_s"] if best_ours and not label.startswith("ours") else float("nan")
         loss = r["losses"][-1] if r["losses"] else float("nan")
         print(
