@@ -27,15 +27,17 @@ def install(result_path: str, vision_start_id: int, pad_id: int) -> None:
     import transformers
 
     steps, losses, counts = [], [], {"samples": 0, "tokens": 0, "computed": 0}
+    gpu = torch.cuda.is_available()
+    synchronize = torch.cuda.synchronize if gpu else lambda: None  # the CPU: the test of this counting
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            synchronize()
             counts.update(samples=0, tokens=0, computed=0)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            synchronize()
             steps.append({"s": time.perf_counter() - self.start, **counts})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -43,7 +45,11 @@ def install(result_path: str, vision_start_id: int, pad_id: int) -> None:
                 losses.append(float(logs["loss"]))
 
         def on_train_end(self, args, state, control, **kwargs):
-            result = {"steps": steps, "losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            result = {
+                "steps": steps,
+                "losses": losses,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
+            }
             with open(result_path, "w") as f:
                 json.dump(result, f)
 

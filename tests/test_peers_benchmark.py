@@ -1,0 +1,122 @@
+"""The peers benchmark's own logic, on the CPU: what it counts in a peer's steps, the tokenizer it
+gives the peers, and the data files it writes in each peer's format. The peers themselves run on
+the GPU machine only (benchmarks/README.md, "Peers")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import peer_timer  # noqa: E402
+import peers  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+
+VISION_START, PAD = 5, 0
+
+
+class Rows(torch.utils.data.Dataset):
+    """Samples of known lengths, each with one vision-start token, as a peer's encoded samples are."""
+
+    def __init__(self, lengths):
+        self.rows = [[VISION_START] + [7 + i % 20 for i in range(n - 1)] for n in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def pad_right(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+    mask = (ids != PAD).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_step_timer_counts_the_samples_and_tokens_each_optimizer_step_computed(tmp_path, monkeypatch):
+    init, step = Trainer.__init__, Trainer.training_step
+    monkeypatch.setattr(Trainer, "__init__", init)  # restored after the test, as the timer replaces them
+    monkeypatch.setattr(Trainer, "training_step", step)
+    result = tmp_path / "timer.json"
+    peer_timer.install(str(result), VISION_START, PAD)
+    config = Qwen3Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, pad_token_id=PAD,
+    )  # fmt: skip
+    lengths = [3, 9, 4, 6, 5, 2, 8, 7]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    batches = []  # the micro-batches' sample lengths, in the order the steps took them
+
+    def collate(rows):
+        batches.append([len(r) for r in rows])
+        return pad_right(rows)
+
+    trainer = Trainer(model=Qwen3ForCausalLM(config), args=args, train_dataset=Rows(lengths), data_collator=collate)
+    trainer.train()
+
+    timed = json.loads(result.read_text())
+    steps = [batches[0:2], batches[2:4]]  # accumulation 2: two micro-batches a step
+    expected = [
+        (sum(len(b) for b in step), sum(sum(b) for b in step), sum(len(b) * max(b) for b in step)) for step in steps
+    ]
+    assert sorted(sum(batches, [])) == sorted(lengths)  # one epoch: every sample once
+    assert [(s["samples"], s["tokens"], s["computed"]) for s in timed["steps"]] == expected
+    assert expected[0][2] > expected[0][1] or expected[1][2] > expected[1][1]  # padding is told apart
+    assert len(timed["losses"]) == 2 and all(s["s"] > 0 for s in timed["steps"])
+
+
+def test_the_peers_tokenizer_numbers_special_tokens_as_qwen_and_encodes_text_as_the_benchmarks():
+    plain, numbered = make_tokenizer(), peers.qwen_numbered_tokenizer()
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>is the circle red?<|im_end|>\n"
+    special = {plain.convert_tokens_to_ids(t): i for t, i in peers.QWEN_SPECIAL_IDS.items()}
+    expected = [special.get(i, i) for i in plain(text)["input_ids"]]
+    assert numbered(text)["input_ids"] == expected
+    assert numbered.convert_tokens_to_ids("<|image_pad|>") == 151655 and numbered.pad_token_id == 151643
+    assert numbered.decode(expected) == text
+
+
+def test_the_peers_tokenizer_loads_back_as_a_checkpoints_does(tmp_path):
+    numbered = peers.qwen_numbered_tokenizer()
+    numbered.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "<|im_start|>assistant\nthree<|im_end|>"
+    assert loaded(text)["input_ids"] == numbered(text)["input_ids"]
+    assert loaded.convert_tokens_to_ids("<|vision_start|>") == 151652
+
+
+def test_peer_data_files_hold_every_record_in_each_peers_format(tmp_path):
+    raw = peers.make_workload(tmp_path, 6, make_tokenizer(), 0, 3, True)
+    records = [json.loads(line) for line in raw.read_text().splitlines()]
+    swift, lf_dir = peers.write_peer_data(raw, tmp_path / "images", tmp_path)
+
+    swift_rows = [json.loads(line) for line in swift.read_text().splitlines()]
+    lf_rows = json.loads((lf_dir / "bench.json").read_text())
+    assert swift_rows == lf_rows and len(swift_rows) == len(records)
+    for row, record in zip(swift_rows, records):
+        assert row["messages"] == [
+            {"role": "user", "content": "<image>" + record["question"]},
+            {"role": "assistant", "content": record["answer"]},
+        ]
+        assert row["images"] == [str(tmp_path / "images" / record["image"])] and Path(row["images"][0]).is_file()
+    entry = json.loads((lf_dir / "dataset_info.json").read_text())["bench"]
+    assert entry["file_name"] == "bench.json" and entry["formatting"] == "sharegpt"
+    assert entry["columns"] == {"messages": "messages", "images": "images"}
+    assert entry["tags"]["user_tag"] == "user" and entry["tags"]["assistant_tag"] == "assistant"
