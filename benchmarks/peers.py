@@ -43,6 +43,7 @@ from train_speed import (  # noqa: E402
     MAX_PIXELS,
     MIN_PIXELS,
     SAMPLES_PER_STEP,
+    build_caches,
     build_model,
     commit_of,
     image_processor_for,
@@ -346,9 +347,7 @@ def main() -> None:
 
     import torch
 
-    from vlft.image_cache import PixelSettings, build_image_cache
     from vlft.records import prepare_split
-    from vlft.vision_cache import build_vision_cache
 
     torch.backends.cuda.matmul.allow_tf32 = True
     work = args.work / args.arch
@@ -387,20 +386,10 @@ def main() -> None:
 
     if not args.no_ours:
         prepare_split(raw, work / "images", work / "prepared.jsonl")
-        started = time.time()
-        build_image_cache(
-            work / "prepared.jsonl",
-            work / "pixels",
-            PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
-            threads=16,
-        )
-        pixel_cache_s = time.time() - started
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-        started = time.time()
-        build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device("cuda"))
-        vision_cache_s = time.time() - started
+        pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
         del model
         torch.cuda.empty_cache()
         ours = [("ours (vision cache)", work / "vision", {})]

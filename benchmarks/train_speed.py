@@ -356,6 +356,24 @@ def print_kernel_time(prof, work: Path) -> None:
     (work / "kernels.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80))
 
 
+def build_caches(work: Path, image_processor, model) -> tuple[float, float]:
+    """The pixel cache of work/prepared.jsonl (work/pixels) and its vision cache (work/vision), as
+    the cache_images and cache_vision jobs make them; the seconds each took."""
+    from vlft.vision_cache import build_vision_cache
+
+    started = time.time()
+    build_image_cache(
+        work / "prepared.jsonl",
+        work / "pixels",
+        PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
+        threads=16,
+    )
+    pixel_cache_s = time.time() - started
+    started = time.time()
+    build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device("cuda"))
+    return pixel_cache_s, time.time() - started
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -464,19 +482,7 @@ def main():
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         image_processor.save_pretrained(model_dir)
-        started = time.time()
-        build_image_cache(
-            work / "prepared.jsonl",
-            work / "pixels",
-            PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
-            threads=16,
-        )
-        pixel_cache_s = time.time() - started
-        from vlft.vision_cache import build_vision_cache
-
-        started = time.time()
-        build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device("cuda"))
-        vision_cache_s = time.time() - started
+        pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
         del model
         torch.cuda.empty_cache()
         settings = our_settings(args.steps)
