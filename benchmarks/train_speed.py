@@ -356,7 +356,7 @@ def print_kernel_time(prof, work: Path) -> None:
     (work / "kernels.txt").write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80))
 
 
-def build_caches(work: Path, image_processor, model) -> tuple[float, float]:
+def build_caches(work: Path, image_processor, model, device: str = "cuda") -> tuple[float, float]:
     """The pixel cache of work/prepared.jsonl (work/pixels) and its vision cache (work/vision), as
     the cache_images and cache_vision jobs make them; the seconds each took."""
     from vlft.vision_cache import build_vision_cache
@@ -370,7 +370,7 @@ def build_caches(work: Path, image_processor, model) -> tuple[float, float]:
     )
     pixel_cache_s = time.time() - started
     started = time.time()
-    build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device("cuda"))
+    build_vision_cache(work / "pixels", model, work / "vision", max_gb=1000, device=torch.device(device))
     return pixel_cache_s, time.time() - started
 
 

@@ -120,3 +120,27 @@ def test_peer_data_files_hold_every_record_in_each_peers_format(tmp_path):
     assert entry["file_name"] == "bench.json" and entry["formatting"] == "sharegpt"
     assert entry["columns"] == {"messages": "messages", "images": "images"}
     assert entry["tags"]["user_tag"] == "user" and entry["tags"]["assistant_tag"] == "assistant"
+
+
+def test_the_benchmarks_caches_hold_every_record_of_the_workload(tmp_path):
+    """build_caches, which the training and peers benchmarks run on the GPU, here on the CPU with the
+    tiny model: a pixel and a vision cache entry for each record, as the jobs make them."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlft.demo.tiny_model import make_tiny_model
+    from vlft.files import read_jsonl
+    from vlft.image_cache import ImageCache
+    from vlft.records import prepare_split
+    from vlft.vision_cache import VisionCache
+
+    make_tiny_model(tmp_path / "model")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model")
+    raw = peers.make_workload(tmp_path, 4, make_tokenizer(), 0, 2, True)  # two images, two questions each
+    prepare_split(raw, tmp_path / "images", tmp_path / "prepared.jsonl")
+    peers.build_caches(tmp_path, peers.image_processor_for(model), model, device="cpu")
+    records = read_jsonl(tmp_path / "prepared.jsonl")
+    pixels, vision = ImageCache(tmp_path / "pixels"), VisionCache(tmp_path / "vision")
+    images = {pixels.image_of(r["id"]) for r in records}
+    assert len(images) == 2 and {vision.image_of(r["id"]) for r in records} == images
+    for image in images:  # the tower's output for each image: one row per merged patch group
+        assert vision.tensor(image).shape[0] == pixels.num_image_tokens(image)
