@@ -177,7 +177,6 @@ def write_peer_data(raw: Path, images: Path, work: Path) -> tuple[Path, Path]:
 
 
 def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int) -> list[str]:
-    batch = setting["batch"]
     args = {
         "model": model_dir,
         "model_type": "qwen3_vl",
@@ -197,7 +196,7 @@ def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: 
         "padding_free": setting["padding_free"],
         "use_liger_kernel": "true",
         "gradient_checkpointing": "false",
-        "per_device_train_batch_size": batch,
+        "per_device_train_batch_size": setting["batch"],
         "gradient_accumulation_steps": setting.get("accum", ACCUMULATION),
         "max_length": MAX_LENGTH,
         "learning_rate": 1e-4,
