@@ -113,6 +113,30 @@ def rule_times(workdir: Path) -> list[dict]:
     return rows
 
 
+SNAKEMAKE_TIME = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
+SNAKEMAKE_JOB = re.compile(r"^\s*jobid: (\d+)$")
+SNAKEMAKE_RULE = re.compile(r"^(?:local)?rule (\w+):$")
+SNAKEMAKE_DONE = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)$")
+
+
+def snakemake_timeline(log: Path) -> list[dict]:
+    """Each job's rule, start and end in seconds from Snakemake's first timestamp (its log has
+    whole seconds): where the run's time went between and around the jobs."""
+    stamp, rule, first, jobs = None, None, None, {}
+    for line in log.read_text(errors="replace").splitlines():
+        if match := SNAKEMAKE_TIME.match(line):
+            stamp = datetime.strptime(match.group(1), "%a %b %d %H:%M:%S %Y").timestamp()
+            first = stamp if first is None else first
+        elif match := SNAKEMAKE_RULE.match(line):
+            rule = match.group(1)
+        elif (match := SNAKEMAKE_JOB.match(line)) and rule:
+            jobs[match.group(1)] = {"rule": rule, "start_s": stamp - first, "end_s": None}
+            rule = None
+        elif (match := SNAKEMAKE_DONE.match(line)) and match.group(1) in jobs:
+            jobs[match.group(1)]["end_s"] = stamp - first
+    return sorted(jobs.values(), key=lambda job: job["start_s"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
@@ -126,6 +150,9 @@ def main():
     parser.add_argument("--timeout", type=int, default=420, help="seconds for the Snakemake run")
     parser.add_argument(
         "--eval-every", type=int, default=0, help="exp4 stage 2 evaluates every this many steps (64 records)"
+    )
+    parser.add_argument(
+        "--warm-start", choices=["on", "off"], default="on", help="jobs run by a warm process (vlft.warm_start)"
     )
     args = parser.parse_args()
 
@@ -142,8 +169,10 @@ def main():
     command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
     # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
+    env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
     started = time.time()
-    with open(args.out / f"workflow_gpu-{args.arch}.log", "w") as log:
+    snakemake_log = args.out / f"workflow_gpu-{args.arch}.log"
+    with open(snakemake_log, "w") as log:
         try:
             status = subprocess.run(
                 command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
@@ -154,6 +183,11 @@ def main():
     run_s = time.time() - started
 
     times = rule_times(workdir)
+    timeline = snakemake_timeline(snakemake_log)
+    warm_jobs = sum(
+        "run by a warm process" in log.read_text(errors="replace")[:4000]
+        for log in (workdir / "results/logs").rglob("*.log")
+    )
     by_rule: dict[str, list[float]] = {}
     for row in times:
         by_rule.setdefault(row["rule"], []).append(row["wall_s"])
@@ -191,7 +225,10 @@ def main():
         "build_data_and_model_s": round(build_s, 1),
         "snakemake_s": round(run_s, 1),
         "snakemake_exit": returncode,
+        "warm_start": args.warm_start,
+        "jobs_run_by_a_warm_process": warm_jobs,
         "jobs": times,
+        "snakemake_timeline": timeline,
         "train": summaries,
         "evaluate": evaluations,
         "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
@@ -205,6 +242,14 @@ def main():
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", str(path), str(target)], check=False)
     print(f"data and model built in {build_s:.0f} s; snakemake: exit {returncode} after {run_s:.0f} s")
+    print(f"warm start {args.warm_start}: {warm_jobs} jobs run by a warm process")
+    print(
+        "timeline (Snakemake's log, whole seconds): "
+        + ", ".join(
+            f"{job['rule']} {job['start_s']:.0f}-{job['end_s'] if job['end_s'] is None else round(job['end_s'])}"
+            for job in timeline
+        )
+    )
     print(f"{'rule':<14} {'jobs':>4} {'wall s (each)':<40}")
     for rule, walls in sorted(by_rule.items()):
         print(f"{rule:<14} {len(walls):>4} {', '.join(f'{w:.0f}' for w in walls)}")

@@ -1,5 +1,9 @@
 """Resize every image of a prepared split once, as the model's image processor would, into safetensors shards."""
 
+from vlft.warm_start import hand_off
+
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+
 import argparse
 
 from vlft.cli import run

@@ -8,6 +8,7 @@ import socket
 import sys
 from datetime import datetime
 
+from vlft import warm_start
 from vlft.errors import ConfigError, DeviceError, InputError, StorageError
 
 
@@ -17,7 +18,8 @@ def describe_placement() -> str:
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
     job = os.environ.get("SLURM_JOB_ID")
     where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
-    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}"
+    warm = "; run by a warm process (vlft.warm_start)" if warm_start.serving_a_job() else ""
+    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}{warm}"
 
 
 def add_cpu_fallback_argument(parser) -> None:

@@ -46,6 +46,9 @@ CPU_FALLBACK = int(config["cpu_fallback"])
 # it (the local executor's subprocesses; a SLURM job parses this file again). A
 # TORCHINDUCTOR_CACHE_DIR of one's own wins.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(RESULTS).resolve() / ".cache/torch-compile"))
+# Jobs on this machine hand their scripts to a warm process that imported torch, transformers and
+# peft once, rather than each importing them anew (vlft.warm_start; never under SLURM). 0 turns it off.
+os.environ.setdefault("VLFT_WARM_START", "1")
 # The datasets the demo builds, by name: {kind, sizes, seed}.
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
 
