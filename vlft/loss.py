@@ -10,16 +10,27 @@ accumulation weights every answer token equally.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from vlft.batching import NOT_MODEL_INPUTS
 from vlft.modeling import unwrapped
 
-try:
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-except ImportError:  # optional: the fallback below computes the same sum
-    LigerFusedLinearCrossEntropyLoss = None
+
+@functools.cache
+def fused_loss_class():
+    """liger-kernel's fused linear cross-entropy where it is installed (optional: the fallback
+    below computes the same sum). Imported on first use on a GPU, not with this module: its import
+    asks CUDA which device there is, which a warm process must not do before it forks
+    (vlft.warm_start)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss
+
 
 # Rows of hidden states whose logits the fallback holds at once (rows x vocabulary x 4 bytes).
 CHUNK_ROWS = 1024
@@ -37,8 +48,8 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """sum(cross_entropy(hidden @ weight.T, targets)) over rows, computed in float32 (or wider)."""
-    if LigerFusedLinearCrossEntropyLoss is not None and hidden.is_cuda:
-        return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, targets)
+    if hidden.is_cuda and fused_loss_class() is not None:
+        return fused_loss_class()(reduction="sum")(weight, hidden, targets)
     total = hidden.new_zeros((), dtype=_loss_dtype(hidden.dtype))
     for start in range(0, hidden.shape[0], CHUNK_ROWS):
         rows = slice(start, start + CHUNK_ROWS)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 ENABLE = "VLFT_WARM_START"
 IDLE_S = 20.0
+START_TIMEOUT_S = 300.0  # importing takes 5-25 s
 # Read by a job only when it first uses them (CUDA at its first call, torch's thread pool at its
 # first parallel op), so they may differ between a warm process and its jobs: Snakemake sets the
 # thread counts per job, vlft.gpus narrows CUDA_VISIBLE_DEVICES per job. And what a shell keeps
@@ -107,21 +108,27 @@ def _address(key: str) -> str:
 
 def hand_off() -> None:
     """Run this script in a warm process, if one can: then this process exits here with the
-    script's status. Otherwise (or where not `eligible`) return, and the script runs itself."""
+    script's status. Otherwise (or where not `eligible`) return, and the script runs itself; where
+    it tried, it says why in one line."""
     if not eligible():
         return
     try:
         connection = _connect(fingerprint(os.environ))
         if connection is None:
-            return
+            return _say("the warm process did not start")
         # The warm process's replies, a line each: its child's pid, then the child's exit status.
         replies = connection.makefile("rb")
-        pid = _send_job(connection, replies)
-    except OSError:
-        return  # nothing was started: run here
-    if pid is None:
-        return
-    _wait_for(replies, pid)
+        reply = _send_job(connection, replies)
+    except OSError as error:  # nothing was started
+        return _say(f"no warm process ({error})")
+    if not reply.isdigit():
+        connection.close()  # a warm process that forks only now sees it, and starts nothing
+        return _say(reply.removeprefix("no ") or "the warm process ended")
+    _wait_for(replies, int(reply))
+
+
+def _say(why: str) -> None:
+    print(f"{os.path.basename(sys.argv[0])}: {why}; importing here (vlft.warm_start)", file=sys.stderr, flush=True)
 
 
 def _connect(key: str) -> socket.socket | None:
@@ -154,10 +161,11 @@ def _start_server(key: str) -> None:
     )
 
 
-def _send_job(connection: socket.socket, replies) -> int | None:
+def _send_job(connection: socket.socket, replies) -> str:
     """Send the job; the warm process answers with its child's pid once it has forked it (it
-    accepts only after its imports, so this waits as long as importing would have taken), or
-    closes the connection if it cannot serve (then None)."""
+    accepts only after its imports, so this waits about as long as importing would have taken),
+    or with "no" and why not. Bounded: a warm process stuck in its imports leaves the job to run
+    here."""
     dispositions = {}
     for number in FORWARDED:
         handler = signal.getsignal(number)
@@ -174,8 +182,13 @@ def _send_job(connection: socket.socket, replies) -> int | None:
         stream.flush()
     message = json.dumps(job).encode()
     socket.send_fds(connection, [len(message).to_bytes(8, "big") + message], [0, 1, 2])
-    reply = replies.readline().strip()
-    return int(reply) if reply else None
+    connection.settimeout(START_TIMEOUT_S)
+    try:
+        reply = replies.readline().decode().strip()
+    except TimeoutError:
+        return f"no answer from the warm process in {START_TIMEOUT_S:.0f} s"
+    connection.settimeout(None)
+    return reply
 
 
 def _wait_for(replies, pid: int) -> None:
@@ -218,12 +231,8 @@ def serve(key: str) -> None:
     except OSError:
         return  # another job started one first
     listener.listen(64)  # jobs that connect now wait in the queue until the imports are done
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    if cuda_touched():
-        return  # closing the queue tells each waiting job to run itself
+    # Where it cannot serve, it stays and tells each job why (so jobs do not each start another).
+    refusal = _preload()
     children: dict[int, socket.socket] = {}
     last_busy = time.monotonic()
     listener.settimeout(0.2)
@@ -235,11 +244,34 @@ def serve(key: str) -> None:
             connection, _ = listener.accept()
         except TimeoutError:
             continue
-        pid = _start_child(connection, listener, children)
+        last_busy = time.monotonic()
+        pid = None if refusal else _start_child(connection, listener, children)
         if pid is None:
+            _send_line(connection, f"no {refusal or 'job'}")
             connection.close()
         else:
             children[pid] = connection
+
+
+def _preload() -> str | None:
+    """Import what the jobs would: None where this process can serve them then, else why not."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as error:
+            return f"importing {name} failed: {error}"
+        if cuda_touched():
+            return f"importing {name} initialized CUDA, which a forked job could not use"
+    return None
+
+
+def _send_line(connection: socket.socket, line: str) -> None:
+    try:
+        connection.sendall(f"{line}\n".encode())
+    except OSError:
+        pass  # the job's process is gone
 
 
 def cuda_touched() -> bool:
@@ -265,13 +297,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
         if connection is None:
             continue
         if os.WIFSIGNALED(status):
-            reply = f"signal {os.WTERMSIG(status)}\n"
+            _send_line(connection, f"signal {os.WTERMSIG(status)}")
         else:
-            reply = f"exit {os.waitstatus_to_exitcode(status)}\n"
-        try:
-            connection.sendall(reply.encode())
-        except OSError:
-            pass  # the job's process is gone
+            _send_line(connection, f"exit {os.waitstatus_to_exitcode(status)}")
         connection.close()
 
 
@@ -290,7 +318,7 @@ def _start_child(connection: socket.socket, listener: socket.socket, children: d
         connection.settimeout(None)
     except (OSError, ValueError):
         return None
-    if len(fds) != 3:
+    if len(fds) != 3 or _gone(connection):
         for fd in fds:
             os.close(fd)
         return None
@@ -302,11 +330,18 @@ def _start_child(connection: socket.socket, listener: socket.socket, children: d
         _become_job(job, fds, connection)  # never returns
     for fd in fds:
         os.close(fd)
-    try:
-        connection.sendall(f"{pid}\n".encode())
-    except OSError:
-        os.kill(pid, signal.SIGKILL)  # its job's process is gone: so is the job
+    _send_line(connection, str(pid))  # where its job's process is gone, the child sees that and ends
     return pid
+
+
+def _gone(connection: socket.socket) -> bool:
+    """Whether the job's process closed its end (it stopped waiting, and runs the job itself)."""
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _become_job(job: dict, fds: list[int], connection: socket.socket) -> None:
