@@ -18,7 +18,7 @@ def describe_placement() -> str:
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
     job = os.environ.get("SLURM_JOB_ID")
     where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
-    warm = "; run by a warm process (vlft.warm_start)" if warm_start.serving_a_job() else ""
+    warm = " (run by a warm process, vlft.warm_start)" if warm_start.serving_a_job() else ""
     return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}{warm}"
 
 

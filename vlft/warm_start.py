@@ -34,12 +34,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ENABLE = "VLFT_WARM_START"
 IDLE_S = 20.0
 START_TIMEOUT_S = 300.0  # importing takes 5-25 s
+BIND_TIMEOUT_S = 10.0  # a fresh interpreter, before its imports
 # Read by a job only when it first uses them (CUDA at its first call, torch's thread pool at its
 # first parallel op), so they may differ between a warm process and its jobs: Snakemake sets the
 # thread counts per job, vlft.gpus narrows CUDA_VISIBLE_DEVICES per job. And what a shell keeps
@@ -72,7 +74,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 PROJECT = Path(__file__).resolve().parent
 # The warm process's program. It drops `-c`'s working directory from sys.path, so that it imports
 # vlft from where the jobs' scripts do (their sys.path less their own directory).
-SERVER = "import sys; del sys.path[0]; from vlft.warm_start import serve; serve(sys.argv[1])"
+SERVER = (
+    "import sys\n"
+    "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+    "from vlft.warm_start import serve; serve(sys.argv[1])"
+)
 
 _in_child = False  # set in the forked child, whose script calls hand_off() again
 
@@ -115,12 +121,12 @@ def hand_off() -> None:
     try:
         connection = _connect(fingerprint(os.environ))
         if connection is None:
-            return _say("the warm process did not start")
+            return _say(f"the warm process did not start (its log: {server_log(fingerprint(os.environ))})")
         # The warm process's replies, a line each: its child's pid, then the child's exit status.
         replies = connection.makefile("rb")
         reply = _send_job(connection, replies)
     except OSError as error:  # nothing was started
-        return _say(f"no warm process ({error})")
+        return _say(f"no warm process ({error}; its log: {server_log(fingerprint(os.environ))})")
     if not reply.isdigit():
         connection.close()  # a warm process that forks only now sees it, and starts nothing
         return _say(reply.removeprefix("no ") or "the warm process ended")
@@ -132,33 +138,43 @@ def _say(why: str) -> None:
 
 
 def _connect(key: str) -> socket.socket | None:
-    address = _address(key)
-    for attempt in range(2):
+    """A connection to the warm process for `key`, started here if none runs; None if it does
+    not come up (it binds its address first thing, before its imports)."""
+    server = None
+    deadline = time.monotonic() + BIND_TIMEOUT_S
+    while True:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            connection.connect(address)
+            connection.connect(_address(key))
             return connection
         except (ConnectionRefusedError, FileNotFoundError):
             connection.close()
-            if attempt == 0:
-                _start_server(key)
-                time.sleep(0.05)  # it binds its address before it imports anything
-    return None
+        if server is None:
+            server = _start_server(key)
+        elif server.poll() is not None or time.monotonic() > deadline:
+            return None  # it ended (another job's took the address and ended too), or hangs
+        time.sleep(0.02)
 
 
-def _start_server(key: str) -> None:
+def server_log(key: str) -> Path:
+    """Where a warm process writes what goes wrong in it."""
+    return Path(tempfile.gettempdir()) / f"vlft-warm-start-{os.getuid()}-{key}.log"
+
+
+def _start_server(key: str):
     import subprocess
 
     # Its own session, no terminal, none of the job's streams: Snakemake neither waits for it nor
     # signals it; it ends by itself when idle.
-    subprocess.Popen(
-        [sys.executable, *_interpreter_flags(), "-c", SERVER, key],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        close_fds=True,
-    )
+    with open(server_log(key), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, *_interpreter_flags(), "-c", SERVER, key],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+        )
 
 
 def _send_job(connection: socket.socket, replies) -> str:
@@ -275,10 +291,16 @@ def _send_line(connection: socket.socket, line: str) -> None:
 
 
 def cuda_touched() -> bool:
-    """Whether this process loaded the CUDA driver or counted GPUs: a forked child could not use
-    CUDA then, or would see this process's GPUs rather than its job's."""
-    if "libcuda.so" in Path("/proc/self/maps").read_text():
-        return True
+    """Whether this process started the CUDA driver (it opens the NVIDIA device files then; merely
+    loading libcuda, as importing torch does, opens none) or counted GPUs: a forked child could not
+    use CUDA then, or would see this process's GPUs rather than its job's."""
+    fds = Path("/proc/self/fd")
+    for fd in fds.iterdir():
+        try:
+            if os.readlink(fd).startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue  # closed meanwhile (the directory's own descriptor)
     torch = sys.modules.get("torch")
     return torch is not None and (
         torch.cuda.is_initialized() or getattr(torch.cuda, "_cached_device_count", None) is not None
