@@ -187,6 +187,7 @@ def main():
     warm_jobs = sum(
         "run by a warm process" in log.read_text(errors="replace")[:4000]
         for log in (workdir / "results/logs").rglob("*.log")
+        if not log.name.endswith(".attempts.log")  # a training job's log again, across its attempts
     )
     by_rule: dict[str, list[float]] = {}
     for row in times:
