@@ -454,7 +454,7 @@ def _run_script(argv: list[str]) -> int:
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # __file__ absolute, as Python makes it
         code = 0
     except SystemExit as exit:
         code = _exit_code(exit.code)
@@ -485,7 +485,8 @@ def _print_uncaught(script: str) -> None:
     frame = start
     while frame is not None and os.path.abspath(frame.tb_frame.f_code.co_filename) != path:
         frame = frame.tb_next
-    sys.excepthook(kind, value, frame or start)
+    # The exception's own traceback is what the interpreter prints (it ignores the argument where one is set).
+    sys.excepthook(kind, value.with_traceback(frame or start), frame or start)
 
 
 def _exit_code(value) -> int:

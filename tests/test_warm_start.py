@@ -1,0 +1,258 @@
+"""Warm starts (vlft.warm_start): a job handed to a warm process runs as its own process would have,
+with the same arguments, streams, working directory, environment, exit status, traceback and
+signals, and the same results; where a warm start does not apply, or the warm process cannot serve,
+the job runs in its own process, saying why where it tried.
+
+Real processes throughout: each script below begins as the workflow's scripts do, and a warm
+process started by the first of them serves the others (one per test module: the environment
+below is its key)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import copy_demo_upstream
+from vlft import warm_start
+
+JOB = """
+import sys
+preloaded = "torch" in sys.modules  # before this script imports anything: a warm process's doing
+from vlft.warm_start import hand_off, serving_a_job
+
+hand_off()
+import json, os  # noqa: E401,E402
+
+line = sys.stdin.readline()
+print("to stderr", file=sys.stderr)
+threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "stdin": line, "name": __name__, "file": __file__, "threads": threads}))
+print(json.dumps({"warm": serving_a_job(), "preloaded": preloaded}))
+sys.exit(int(sys.argv[1]))
+"""
+
+FAILING = """
+from vlft.warm_start import hand_off
+
+hand_off()
+
+
+def check(value):
+    raise ValueError(f"bad value {value}")
+
+
+check(3)
+"""
+
+WAITING = """
+from vlft.warm_start import hand_off
+
+hand_off()
+import os, signal, sys, time  # noqa: E401,E402
+
+
+def stop(number, frame):
+    print("stopped by", signal.Signals(number).name, flush=True)
+    sys.exit(75)
+
+
+if "--handle" in sys.argv:
+    signal.signal(signal.SIGTERM, stop)
+print("ready", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("warm-start")
+    for name, text in (("job.py", JOB), ("failing.py", FAILING), ("waiting.py", WAITING)):
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def warm_env(scripts) -> dict:
+    """The environment of this module's jobs, as the Snakefile sets it: warm starts on. Its own
+    TMPDIR (the warm process's log goes there) makes its warm process this module's own."""
+    (scripts / "tmp").mkdir()
+    return {**os.environ, warm_start.ENABLE: "1", "TMPDIR": str(scripts / "tmp")}
+
+
+def run(script: Path, *args: str, env: dict, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script), *args], input=stdin, capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
+
+
+def outcome(result: subprocess.CompletedProcess) -> tuple[dict, dict]:
+    job, how = map(json.loads, result.stdout.splitlines())
+    return job, how
+
+
+def test_a_job_runs_in_the_warm_process_as_in_its_own(scripts, warm_env, tmp_path):
+    """The same arguments, standard streams, working directory, __name__ and __file__, exit status;
+    a job's own CUDA_VISIBLE_DEVICES and thread count (read when first used) though it shares the
+    warm process, which had torch imported before the script's first line."""
+    cold_env = warm_env | {warm_start.ENABLE: "0"}
+    own = run(scripts / "job.py", "3", "an argument", env=cold_env, cwd=tmp_path, stdin="a line\n")
+    assert own.returncode == 3 and own.stderr == "to stderr\n", own.stderr
+    own_job, own_how = outcome(own)
+    assert own_how == {"warm": False, "preloaded": False}
+    assert own_job["argv"] == [str(scripts / "job.py"), "3", "an argument"] and own_job["cwd"] == str(tmp_path)
+    assert own_job["stdin"] == "a line\n" and own_job["name"] == "__main__"
+
+    for gpus, threads in (("5", "1"), ("2,3", "2")):  # the second job is served by the warm process the first started
+        env = warm_env | {"CUDA_VISIBLE_DEVICES": gpus, "OMP_NUM_THREADS": threads}
+        warm = run(scripts / "job.py", "3", "an argument", env=env, cwd=tmp_path, stdin="a line\n")
+        assert warm.returncode == 3 and warm.stderr == "to stderr\n", warm.stderr
+        warm_job, warm_how = outcome(warm)
+        assert warm_how == {"warm": True, "preloaded": True}
+        assert warm_job == own_job | {"gpus": gpus, "threads": int(threads)}
+
+
+def test_an_uncaught_exception_prints_the_traceback_and_status_of_its_own_process(scripts, warm_env, tmp_path):
+    own = run(scripts / "failing.py", env=warm_env | {warm_start.ENABLE: "0"}, cwd=tmp_path)
+    warm = run(scripts / "failing.py", env=warm_env, cwd=tmp_path)
+    assert own.returncode == warm.returncode == 1
+    assert own.stderr.endswith("ValueError: bad value 3\n")
+    # From the script's frames on, as `python failing.py` prints them: none of runpy's or the warm process's.
+    assert warm.stderr == own.stderr
+
+
+def start_waiting(scripts: Path, env: dict, cwd: Path, *args: str) -> tuple[subprocess.Popen, int]:
+    """The waiting script, started as a job; its process, and the pid that runs the script."""
+    job = subprocess.Popen(
+        [sys.executable, str(scripts / "waiting.py"), *args], stdout=subprocess.PIPE, text=True, env=env, cwd=cwd
+    )
+    word, pid = job.stdout.readline().split()
+    assert word == "ready"
+    return job, int(pid)
+
+
+@pytest.mark.parametrize("handled", [True, False])
+def test_a_signal_to_the_job_reaches_its_script_and_the_job_ends_as_the_script_did(
+    scripts, warm_env, tmp_path, handled
+):
+    """SLURM and Snakemake signal the job's process: the script gets the signal, and the job's
+    status is the script's (its handler's exit status, or death by the same signal)."""
+    job, pid = start_waiting(scripts, warm_env, tmp_path, *(["--handle"] if handled else []))
+    assert pid != job.pid  # the warm process's child runs the script
+    job.send_signal(signal.SIGTERM)
+    rest = job.stdout.read()
+    if handled:
+        assert (job.wait(30), rest) == (75, "stopped by SIGTERM\n")
+    else:
+        assert (job.wait(30), rest) == (-signal.SIGTERM, "")
+
+
+def test_a_job_process_killed_outright_takes_its_script_with_it(scripts, warm_env, tmp_path):
+    """SIGKILL cannot be passed on: the child notices its job's process is gone, and ends."""
+    job, pid = start_waiting(scripts, warm_env, tmp_path)
+    job.kill()
+    assert job.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # the warm process reaps it
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{warm_start.ENABLE: "0"}, {"SLURM_JOB_ID": "17"}, {"WORLD_SIZE": "2"}],
+    ids=["turned off", "a SLURM job", "a data-parallel process"],
+)
+def test_where_warm_starts_do_not_apply_the_job_runs_in_its_own_process_silently(scripts, warm_env, tmp_path, setting):
+    assert not warm_start.eligible(warm_env | setting)
+    result = run(scripts / "job.py", "0", env=warm_env | setting, cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == "to stderr\n"
+    assert outcome(result)[1] == {"warm": False, "preloaded": False}
+
+
+def test_outside_snakemake_a_script_runs_in_its_own_process(scripts, tmp_path):
+    """Started by hand, with no VLFT_WARM_START: as always."""
+    env = {k: v for k, v in os.environ.items() if k != warm_start.ENABLE}
+    assert not warm_start.eligible(env)
+    result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
+    assert result.returncode == 0 and outcome(result)[1] == {"warm": False, "preloaded": False}
+
+
+def test_a_warm_process_serves_only_jobs_of_its_environment_and_code(tmp_path, monkeypatch):
+    """The variables a job reads only when it first uses them may differ; anything else, or a
+    change to the project's code, needs a warm process of its own."""
+    env = {"PATH": "/usr/bin", "HOME": "/home/a", "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "0"}
+    key = warm_start.fingerprint(env)
+    assert warm_start.fingerprint(env | {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "1,2", "SHLVL": "3"}) == key
+    assert warm_start.fingerprint(env | {"HOME": "/home/b"}) != key
+    assert warm_start.fingerprint(env | {"PYTHONHASHSEED": "0"}) != key
+
+    code = tmp_path / "vlft"
+    code.mkdir()
+    (code / "module.py").write_text("A = 1\n")
+    monkeypatch.setattr(warm_start, "PROJECT", code)
+    before = warm_start.fingerprint(env)
+    (code / "module.py").write_text("A = 22\n")
+    assert warm_start.fingerprint(env) != before
+
+
+def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scripts, warm_env, tmp_path):
+    """A library that fails to import in the warm process: each job says so in one line and runs
+    in its own process, as without warm starts."""
+    broken = tmp_path / "site" / "peft"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("this peft is broken")\n')
+    path = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
+    env = warm_env | {"PYTHONPATH": path}
+    for _ in range(2):  # the first job starts the warm process; the second learns the same from it
+        result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
+        assert result.returncode == 0
+        assert result.stderr == (
+            "job.py: importing peft failed: this peft is broken; importing here (vlft.warm_start)\nto stderr\n"
+        )
+        assert outcome(result)[1] == {"warm": False, "preloaded": False}
+
+
+def test_a_stage_trained_and_evaluated_warm_equals_the_same_jobs_in_their_own_processes(demo_workdir, tmp_path):
+    """The demo ran its jobs warm (the Snakefile turns warm starts on); a stage and its evaluation
+    run again with them off give the same adapter, predictions and metrics, byte for byte but the
+    timings."""
+    stage, evaluation = "results/train/exp1/main", "results/eval/exp1/main/val"
+    demo_logs = demo_workdir / "results/logs"
+    for log in ("train/exp1/main.log", "evaluate/exp1/main/val.log"):
+        assert "(run by a warm process, vlft.warm_start)" in (demo_logs / log).read_text().splitlines()[0]
+
+    workdir = copy_demo_upstream(demo_workdir, tmp_path / "demo")
+    env = os.environ | {warm_start.ENABLE: "0"}
+    subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", f"{evaluation}/metrics.json"],
+        cwd=workdir,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    for log in ("train/exp1/main.log", "evaluate/exp1/main/val.log"):
+        assert "warm" not in (workdir / "results/logs" / log).read_text().splitlines()[0]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (workdir / stage / adapter).read_bytes() == (demo_workdir / stage / adapter).read_bytes()
+    assert losses(workdir / stage) == losses(demo_workdir / stage)  # step by step
+    predictions = "predictions.jsonl"
+    assert (workdir / evaluation / predictions).read_bytes() == (demo_workdir / evaluation / predictions).read_bytes()
+    timings = ("wall_time_s", "samples_per_s")
+    cold, warm = (json.loads((w / evaluation / "metrics.json").read_text()) for w in (workdir, demo_workdir))
+    assert {k: v for k, v in cold.items() if k not in timings} == {k: v for k, v in warm.items() if k not in timings}
+
+
+def losses(stage: Path) -> list:
+    rows = [json.loads(line) for line in (stage / "log.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows] + [
+        json.loads((stage / "summary.json").read_text())["final_loss"]
+    ]
