@@ -211,13 +211,20 @@ def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scri
     (broken / "__init__.py").write_text('raise ImportError("this peft is broken")\n')
     path = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
     env = warm_env | {"PYTHONPATH": path}
-    for _ in range(2):  # the first job starts the warm process; the second learns the same from it
-        result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
-        assert result.returncode == 0
-        assert result.stderr == (
-            "job.py: importing peft failed: this peft is broken; importing here (vlft.warm_start)\nto stderr\n"
-        )
-        assert outcome(result)[1] == {"warm": False, "preloaded": False}
+    said = "job.py: importing peft failed: this peft is broken; importing here (vlft.warm_start)\nto stderr\n"
+    first = run(scripts / "job.py", "0", env=env, cwd=tmp_path)  # it starts the warm process
+    assert (first.returncode, first.stderr, outcome(first)[1]) == (0, said, {"warm": False, "preloaded": False})
+    # Later jobs, side by side, learn the same from the warm process, which refuses at once.
+    later = [
+        subprocess.Popen([sys.executable, str(scripts / "job.py"), "0"], env=env, cwd=tmp_path, **PIPES)
+        for _ in range(4)
+    ]
+    for job in later:
+        out, err = job.communicate(timeout=300)
+        assert (job.returncode, err, json.loads(out.splitlines()[1])) == (0, said, {"warm": False, "preloaded": False})
+
+
+PIPES = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
 
 
 def test_a_stage_trained_and_evaluated_warm_equals_the_same_jobs_in_their_own_processes(demo_workdir, tmp_path):

@@ -261,7 +261,14 @@ def serve(key: str) -> None:
         except TimeoutError:
             continue
         last_busy = time.monotonic()
-        pid = None if refusal else _start_child(connection, listener, children)
+        # The job is read in full first, refused or not: a job's process still sending when this
+        # end closed would fail with a broken pipe instead of reading why.
+        job = _receive_job(connection)
+        pid = None
+        if job is not None and refusal:
+            _close(job[1])
+        elif job is not None:
+            pid = _start_child(connection, listener, children, *job)
         if pid is None:
             _send_line(connection, f"no {refusal or 'job'}")
             connection.close()
@@ -325,7 +332,10 @@ def _reap(children: dict[int, socket.socket]) -> None:
         connection.close()
 
 
-def _start_child(connection: socket.socket, listener: socket.socket, children: dict) -> int | None:
+def _receive_job(connection: socket.socket) -> tuple[dict, list[int]] | None:
+    """The job a job's process sent (`_send_job`) and its three standard streams; None for anything
+    else, its streams closed."""
+    fds = []
     try:
         connection.settimeout(10)
         header, fds, _, _ = socket.recv_fds(connection, 8, 3)
@@ -338,11 +348,24 @@ def _start_child(connection: socket.socket, listener: socket.socket, children: d
             body += chunk
         job = json.loads(body)
         connection.settimeout(None)
+        if len(fds) == 3:
+            return job, fds
     except (OSError, ValueError):
-        return None
-    if len(fds) != 3 or _gone(connection):
-        for fd in fds:
-            os.close(fd)
+        pass
+    _close(fds)
+    return None
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _start_child(
+    connection: socket.socket, listener: socket.socket, children: dict, job: dict, fds: list[int]
+) -> int | None:
+    if _gone(connection):
+        _close(fds)
         return None
     pid = os.fork()
     if pid == 0:
@@ -350,8 +373,7 @@ def _start_child(connection: socket.socket, listener: socket.socket, children: d
         for other in children.values():
             other.close()
         _become_job(job, fds, connection)  # never returns
-    for fd in fds:
-        os.close(fd)
+    _close(fds)
     _send_line(connection, str(pid))  # where its job's process is gone, the child sees that and ends
     return pid
 
