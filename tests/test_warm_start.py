@@ -70,6 +70,9 @@ print("ready", os.getpid(), flush=True)
 time.sleep(120)
 """
 
+# A job's standard streams, for jobs started side by side.
+PIPES = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory) -> Path:
@@ -222,9 +225,6 @@ def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scri
     for job in later:
         out, err = job.communicate(timeout=300)
         assert (job.returncode, err, json.loads(out.splitlines()[1])) == (0, said, {"warm": False, "preloaded": False})
-
-
-PIPES = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
 
 
 def test_a_stage_trained_and_evaluated_warm_equals_the_same_jobs_in_their_own_processes(demo_workdir, tmp_path):

@@ -95,7 +95,7 @@ def eligible(env=os.environ) -> bool:
 def fingerprint(env) -> str:
     """What a warm process must share with a job to run it: the interpreter and its flags, the
     project's code as it is on disk, the environment less `PER_JOB`."""
-    code = sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in PROJECT.rglob("*.py"))
+    code = sorted((str(p), stat.st_mtime_ns, stat.st_size) for p in PROJECT.rglob("*.py") for stat in [p.stat()])
     shared_env = sorted((k, v) for k, v in env.items() if k not in PER_JOB)
     key = [sys.executable, sys.version, _interpreter_flags(), code, shared_env]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
@@ -118,15 +118,16 @@ def hand_off() -> None:
     it tried, it says why in one line."""
     if not eligible():
         return
+    key = fingerprint(os.environ)
     try:
-        connection = _connect(fingerprint(os.environ))
+        connection = _connect(key)
         if connection is None:
-            return _say(f"the warm process did not start (its log: {server_log(fingerprint(os.environ))})")
+            return _say(f"the warm process did not start (its log: {server_log(key)})")
         # The warm process's replies, a line each: its child's pid, then the child's exit status.
         replies = connection.makefile("rb")
         reply = _send_job(connection, replies)
     except OSError as error:  # nothing was started
-        return _say(f"no warm process ({error}; its log: {server_log(fingerprint(os.environ))})")
+        return _say(f"no warm process ({error}; its log: {server_log(key)})")
     if not reply.isdigit():
         connection.close()  # a warm process that forks only now sees it, and starts nothing
         return _say(reply.removeprefix("no ") or "the warm process ended")
