@@ -221,9 +221,10 @@ def test_a_gpu_step_reads_each_rows_blocks_up_to_its_length_and_no_further():
 
 
 def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
-    """The GPU's step as it runs there, compiled (flex_attention's kernel, reading each row's live
-    blocks only), against the CPU's eager SDPA step on the same cache: rows at lengths that end
-    in the first, second, third and fourth block of 128, over random keys and values."""
+    """The GPU's step as it runs there, its layers compiled (flex_attention's kernel, reading each
+    row's live blocks only), against the CPU's eager SDPA step on the same cache: rows at lengths
+    that end in the first, second, third and fourth block of 128, over random keys and values.
+    One graph serves every layer: a recompile for the second layer is an error here."""
     from vlft.demo.tiny_model import make_tiny_model
 
     make_tiny_model(tmp_path / "model", family="qwen3_vl")
@@ -236,12 +237,12 @@ def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
             keys.normal_()
             values.normal_()
         cache.write_at.copy_(torch.tensor([0, KV_BLOCK + 2, 2 * KV_BLOCK - 1, 3 * KV_BLOCK + 17]))
-        step = DecodeStep(model, cache, attention=attention)
+        step = DecodeStep(model, cache, compile=attention == DECODE_ATTENTION, attention=attention)
         step.tokens.copy_(torch.tensor([5, 17, 33, 2]))
         step.positions.copy_(cache.write_at + 40)
-        compute = torch.compile(step._logits, dynamic=False) if attention == DECODE_ATTENTION else step._logits
-        with torch.no_grad(), step._own_attention():
-            logits[attention] = compute(4, 4 * KV_BLOCK)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            logits[attention] = step.logits()
+        assert all(layer._compiled_call_impl is None for layer in model.model.language_model.layers)
     # float32 over sums of at most 401 terms in 2 layers, as in the full-forward test above; a
     # block read too few or too many changes a row's attention outright.
     assert_close_normwise(logits[DECODE_ATTENTION], logits["sdpa"], rtol=1e-5, msg="compiled flex step")

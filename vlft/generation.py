@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -148,11 +149,30 @@ class CacheWindow:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # Whatever else transformers passes (cache_kwargs, or kwargs= since 5.24) a slot cache does not use.
-        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys[self.rows, :, self.write_at] = key_states[:, :, 0]
-        values[self.rows, :, self.write_at] = value_states[:, :, 0]
+        return self.layer(layer_idx).update(key_states, value_states)
+
+    def layer(self, index: int) -> "LayerWindow":
+        return LayerWindow(self.cache.keys[index], self.cache.values[index], self.rows, self.write_at, self.length)
+
+
+@dataclass
+class LayerWindow:
+    """One layer's part of a CacheWindow. A layer compiled for the decode step is handed this in
+    place of the window: it holds that layer's keys and values as tensors, so one compiled graph
+    serves every layer (indexing the window's lists by the layer's number, an int, would make the
+    compiler trace each layer apart)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
+    write_at: torch.Tensor
+    length: int
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys[self.rows, :, self.write_at] = key_states[:, :, 0]
+        self.values[self.rows, :, self.write_at] = value_states[:, :, 0]
         rows = self.rows.shape[0]
-        return keys[:rows, :, : self.length], values[:rows, :, : self.length]
+        return self.keys[:rows, :, : self.length], self.values[:rows, :, : self.length]
 
 
 # The cache in blocks of this many positions: a GPU's step reads a row's blocks up to its length.
@@ -203,6 +223,12 @@ def decode_attention(module, query, key, value, attention_mask, scaling, dropout
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 
 
+def _call_layer(layer, *args, **kwargs):
+    """A decoder layer's own call: compiled once, it runs every layer of the model (their weights
+    are the graph's inputs, as torch.compile treats a module passed in)."""
+    return layer._call_impl(*args, **kwargs)
+
+
 def language_model(model):
     """The decoder stack of a Qwen-VL model (its embeddings, layers and final norm)."""
     return model.model.language_model
@@ -235,11 +261,15 @@ class DecodeStep:
         self.attention = attention or (DECODE_ATTENTION if device.type == "cuda" else "sdpa")
         # flex_attention's live blocks cover every row to the cache's length: its steps do too.
         self.live = live_blocks(cache.write_at, length) if self.attention == DECODE_ATTENTION else None
-        # torch.compile fuses the elementwise work between the matmuls (norms, rotary, residuals)
-        # and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a few.
-        # One static shape: compiled for dynamic shapes with a graph per (rows, length) bucket,
-        # the benchmark did not finish in 280 s for the 8B or the 2B.
-        self.next_tokens = torch.compile(self._next_tokens, dynamic=False) if compile else self._next_tokens
+        # torch.compile fuses the elementwise work between a layer's matmuls (norms, rotary,
+        # residuals) and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a
+        # few. It compiles one decoder layer, which every layer then runs with its own weights and
+        # its own part of the cache: tracing the whole step instead traced all its layers (9-13 s
+        # in each evaluation job of the 2B, with inductor's cache warm). The rest of the step
+        # (embedding, rotary tables, final norm, head) is a few kernels, and the CUDA graph
+        # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
+        # graph per (rows, length) bucket, the benchmark did not finish in 280 s for the 8B or the 2B.
+        self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
         self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.capture_s = 0.0  # compiling and capturing, once a job
@@ -247,18 +277,31 @@ class DecodeStep:
     @contextmanager
     def _own_attention(self):
         """The language model's attention layers read their implementation from its config: the
-        step's own while it runs (prefills use packed attention)."""
-        config = self.text.config
+        step's own while it runs (prefills use packed attention); its layers, where compiled,
+        run compiled while it runs alone (a training stage's own compiled layers come back after)."""
+        config, layers = self.text.config, self.text.layers
         prefill_attention = config._attn_implementation
+        own_calls = [layer._compiled_call_impl for layer in layers]
         config._attn_implementation = self.attention
+        if self.compiled_layer is not None:
+            for index, layer in enumerate(layers):
+                layer._compiled_call_impl = partial(self._compiled_layer_call, index)
         try:
             yield
         finally:
             config._attn_implementation = prefill_attention
+            for layer, own in zip(layers, own_calls):
+                layer._compiled_call_impl = own
+
+    def _compiled_layer_call(self, index: int, *args, **kwargs):
+        # The layer's own part of the cache window, under the name this transformers passes it by.
+        name = "cache" if "cache" in kwargs else "past_key_values"
+        kwargs[name] = kwargs[name].layer(index)
+        return self.compiled_layer(self.text.layers[index], *args, **kwargs)
 
     def _run(self, rows: int, length: int) -> None:
         with self._own_attention():
-            self.chosen[:rows].copy_(self.next_tokens(rows, length))
+            self.chosen[:rows].copy_(self._next_tokens(rows, length))
 
     def logits(self, rows: int | None = None, length: int | None = None) -> torch.Tensor:
         """The rows' logits for their next tokens, computed eagerly, to check the step against a
