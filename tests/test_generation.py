@@ -29,7 +29,7 @@ from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_ne
 from vlft.packing import use_packed_attention
 from vlft.prompts import PromptBuilder
 from vlft.stage_data import load_stage_data
-from vlft.train import StageInputs, train_stage
+from vlft.train import StageInputs, compile_decoder_layers, train_stage
 from conftest import assert_close_normwise, tiny_family_data, tiny_stage_settings
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
@@ -158,6 +158,54 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
     if adapter == "trained":  # the demo's chain of thought, ended by the model itself
         assert sum(ids[-1] == builder.end_of_turn for ids in answers.values()) >= 2
         assert any("Final answer" in tokenizer.decode(ids) for ids in answers.values())
+
+
+def test_a_stage_evaluating_as_it_trains_runs_its_layers_as_an_evaluate_job(family):
+    """Evaluating during training (vlft.step_evals), the stage's layers are compiled for its steps
+    (vlft.train.compile_decoder_layers). The evaluation runs them as an evaluate job does, eagerly
+    on a CPU: the same answers and losses, bit for bit, and nothing traced by the compiler (through
+    a prefill's KV cache it traced each layer apart, past dynamo's limit of 8 recompiles on the
+    GPU); the layers are compiled for the steps again after."""
+    name, root = family
+    model = model_with(root, "trained")
+    tokenizer, builder, data = stage_data(root, model)
+    samples = [data.samples[r["key"]] for r in data.records]
+    layers = model.model.language_model.layers
+
+    def answers_and_losses():
+        answers, losses = {}, {}
+        requests = (
+            prompt_request(i, s, data, builder, tokenizer.pad_token_id, model, CPU, FLOAT32, 7, scored=True)
+            for i, s in enumerate(samples)
+        )
+        with torch.no_grad():
+            greedy_answers(
+                model,
+                requests,
+                slots=4,
+                end_id=builder.end_of_turn,
+                max_length=max(len(s.input_ids) for s in samples) + 7,
+                on_answer=answers.__setitem__,
+                on_loss=lambda key, loss, tokens: losses.__setitem__(key, (loss, tokens)),
+            )
+        return answers, losses
+
+    expected = answers_and_losses()
+    traced = []
+
+    def tracing_backend(graph_module, example_inputs):
+        traced.append(graph_module)
+        return graph_module
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(specialize_float=False):  # dynamo's default; set by the call below
+        compile_decoder_layers(model, backend=tracing_backend)
+        compiled = [layer._compiled_call_impl for layer in layers]
+        assert all(compiled)
+        assert answers_and_losses() == expected, name
+    torch._dynamo.reset()
+    assert traced == [], f"{name}: {len(traced)} graphs traced while evaluating"
+    assert [layer._compiled_call_impl for layer in layers] == compiled
 
 
 @pytest.mark.parametrize("attention", ["sdpa", DECODE_ATTENTION])

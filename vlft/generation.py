@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -223,6 +223,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling, dropout
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 
 
+@contextmanager
+def layer_calls(layers, calls):
+    """Each of `layers` called through its entry of `calls` (None: its own forward, eagerly) while
+    the block runs; the calls the layers had before (a training stage's compiled ones, from
+    vlft.train.compile_decoder_layers) come back after."""
+    before = [layer._compiled_call_impl for layer in layers]
+    for layer, call in zip(layers, calls):
+        layer._compiled_call_impl = call
+    try:
+        yield
+    finally:
+        for layer, call in zip(layers, before):
+            layer._compiled_call_impl = call
+
+
 def _call_layer(layer, *args, **kwargs):
     """A decoder layer's own call: compiled once, it runs every layer of the model (their weights
     are the graph's inputs, as torch.compile treats a module passed in)."""
@@ -278,20 +293,17 @@ class DecodeStep:
     def _own_attention(self):
         """The language model's attention layers read their implementation from its config: the
         step's own while it runs (prefills use packed attention); its layers, where compiled,
-        run compiled while it runs alone (a training stage's own compiled layers come back after)."""
+        run through the step's compiled layer."""
         config, layers = self.text.config, self.text.layers
         prefill_attention = config._attn_implementation
-        own_calls = [layer._compiled_call_impl for layer in layers]
         config._attn_implementation = self.attention
-        if self.compiled_layer is not None:
-            for index, layer in enumerate(layers):
-                layer._compiled_call_impl = partial(self._compiled_layer_call, index)
+        compiled = self.compiled_layer is not None
+        calls = [partial(self._compiled_layer_call, index) for index in range(len(layers))] if compiled else None
         try:
-            yield
+            with layer_calls(layers, calls) if compiled else nullcontext():
+                yield
         finally:
             config._attn_implementation = prefill_attention
-            for layer, own in zip(layers, own_calls):
-                layer._compiled_call_impl = own
 
     def _compiled_layer_call(self, index: int, *args, **kwargs):
         # The layer's own part of the cache window, under the name this transformers passes it by.
@@ -485,11 +497,16 @@ def greedy_answers(
     prefill_attention = config._attn_implementation
     use_packed_attention(model)
     try:
-        # Compiled on a GPU (13 s for an 8B on a fresh machine, once a job), where it halves a step.
-        step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
-        timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
-        timer.add("max_length", max_length)
-        _answer_all(model, iter(requests), cache, step, end_id, on_answer, on_loss, prefill_tokens, timer)
+        # Evaluating during training, the stage's layers are compiled for its steps: here they run
+        # eagerly, as in an evaluate job, so that the prefills compute what the job's would.
+        # Compiled, each layer's prefill through the KV cache was traced apart (on the GPU, dynamo
+        # gave up at its limit of 8 recompiles in a stage's first evaluation).
+        with layer_calls(text.layers, [None] * len(text.layers)):
+            # Compiled on a GPU (13 s for an 8B on a fresh machine, once a job), where it halves a step.
+            step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
+            timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
+            timer.add("max_length", max_length)
+            _answer_all(model, iter(requests), cache, step, end_id, on_answer, on_loss, prefill_tokens, timer)
         # The first step compiled and captured the step's graph: apart.
         timer.add("compile_s", step.capture_s)
         timer.add("step_s", -step.capture_s)
