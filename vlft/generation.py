@@ -285,22 +285,24 @@ class DecodeStep:
         # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
         # graph per (rows, length) bucket, the benchmark did not finish in 280 s for the 8B or the 2B.
         self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
+        # Where compiled, each layer is called through the compiled layer while the step runs.
+        self.compiled_calls = (
+            [partial(self._compiled_layer_call, i) for i in range(len(self.text.layers))] if compile else None
+        )
         self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.capture_s = 0.0  # compiling and capturing, once a job
 
     @contextmanager
-    def _own_attention(self):
+    def _as_the_step(self):
         """The language model's attention layers read their implementation from its config: the
         step's own while it runs (prefills use packed attention); its layers, where compiled,
         run through the step's compiled layer."""
-        config, layers = self.text.config, self.text.layers
+        config = self.text.config
         prefill_attention = config._attn_implementation
         config._attn_implementation = self.attention
-        compiled = self.compiled_layer is not None
-        calls = [partial(self._compiled_layer_call, index) for index in range(len(layers))] if compiled else None
         try:
-            with layer_calls(layers, calls) if compiled else nullcontext():
+            with layer_calls(self.text.layers, self.compiled_calls) if self.compiled_calls else nullcontext():
                 yield
         finally:
             config._attn_implementation = prefill_attention
@@ -312,13 +314,13 @@ class DecodeStep:
         return self.compiled_layer(self.text.layers[index], *args, **kwargs)
 
     def _run(self, rows: int, length: int) -> None:
-        with self._own_attention():
+        with self._as_the_step():
             self.chosen[:rows].copy_(self._next_tokens(rows, length))
 
     def logits(self, rows: int | None = None, length: int | None = None) -> torch.Tensor:
         """The rows' logits for their next tokens, computed eagerly, to check the step against a
         full forward; like a step, it writes the rows' latest tokens into the cache."""
-        with self._own_attention():
+        with self._as_the_step():
             return self._logits(rows or self.tokens.shape[0], length or self.columns.shape[0])
 
     def _next_tokens(self, rows: int, length: int) -> torch.Tensor:
