@@ -1,9 +1,10 @@
 """What the command-line entry points share: a first line saying where the job runs, and bad input
-ending in one line naming the file and line, not a traceback."""
+ending in one line naming the file and line, not a traceback; Ctrl-C too ends in one line."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from datetime import datetime
@@ -41,15 +42,26 @@ def set_cpu_threads(threads: int) -> None:
 
 
 def run(main) -> None:
-    # Said once a job: the processes of a data-parallel job (started with RANK set) say it through
-    # the process that started them.
     rank = os.environ.get("RANK")
-    if rank is None:
-        # On stdout: stderr stays for errors, one line each.
-        print(f"{os.path.basename(sys.argv[0])}: {describe_placement()}", flush=True)
+    script = os.path.basename(sys.argv[0])
     try:
+        # Said once a job: the processes of a data-parallel job (started with RANK set) say it
+        # through the process that started them. On stdout: stderr stays for errors, one line each.
+        if rank is None:
+            print(f"{script}: {describe_placement()}", flush=True)
         main()
     except (InputError, ConfigError, DeviceError, StorageError) as err:
         if rank in (None, "0"):
             print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # Ctrl-C in a terminal, or the driver's SIGINT to its jobs (vlft.interrupt): one line, not a
+        # traceback from wherever the job was.
+        if rank in (None, "0"):
+            print(f"{script}: stopped by SIGINT (Ctrl-C) before it finished", file=sys.stderr, flush=True)
+        # Ended here by SIGINT, after the exit handlers, as Python ends on an uncaught
+        # KeyboardInterrupt: the job's shell and a warm start's job process read it as an interrupted
+        # job. Python's own ending gives exit status 1 instead where scikit-learn is imported (peft
+        # imports it), and it would wait for the job's other threads, one maybe stuck on what was
+        # interrupted.
+        warm_start.end_by_signal(signal.SIGINT)

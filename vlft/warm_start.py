@@ -470,7 +470,6 @@ def _watch_job_process(connection: socket.socket) -> None:
 
 def _run_script(argv: list[str]) -> int:
     """The script as __main__, and the exit status the interpreter would give it."""
-    import atexit
     import runpy
     import threading
 
@@ -488,16 +487,31 @@ def _run_script(argv: list[str]) -> int:
         _print_uncaught(argv[0])
         code = 1
     threading._shutdown()  # as the interpreter does at exit: non-daemon threads finish first
+    if code < 0:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
+        end_by_signal(-code)
+    run_exit_handlers()
+    return code
+
+
+def run_exit_handlers() -> None:
+    """What the interpreter does last before it exits: the atexit handlers, then the streams flushed."""
+    import atexit
+
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    if code < 0:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
+
+
+def end_by_signal(signum: int) -> None:
+    """The exit handlers run, then this process ends by `signum` (its default action), as the
+    interpreter ends on an uncaught KeyboardInterrupt; 128 + signum where the signal is blocked."""
+    run_exit_handlers()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)
 
 
 def _print_uncaught(script: str) -> None:
