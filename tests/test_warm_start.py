@@ -227,6 +227,33 @@ def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scri
         assert (job.returncode, err, json.loads(out.splitlines()[1])) == (0, said, {"warm": False, "preloaded": False})
 
 
+def test_ctrl_c_while_the_warm_process_imports_is_one_line_and_the_jobs_end_by_sigint(scripts, warm_env, tmp_path):
+    """The first job waits for the warm process's imports: Ctrl-C then reaches the job's own process,
+    before any child runs the script. One line, as a script's own Ctrl-C gives (vlft.cli), no
+    traceback from the wait, and the job's end by SIGINT."""
+    slow = tmp_path / "site" / "peft"
+    slow.mkdir(parents=True)
+    started = tmp_path / "importing"
+    (slow / "__init__.py").write_text(
+        f"import os, pathlib, time\npathlib.Path({str(started)!r}).write_text(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(slow.parent), os.environ.get("PYTHONPATH")]))
+    job = subprocess.Popen([sys.executable, str(scripts / "job.py"), "0"], env=warm_env | {"PYTHONPATH": path}, **PIPES)
+    deadline = time.time() + 120
+    while not started.exists():
+        assert job.poll() is None and time.time() < deadline, "the job ended, or no warm process imported peft"
+        time.sleep(0.05)
+    try:
+        job.send_signal(signal.SIGINT)
+        job.wait(60)
+    finally:
+        # The warm process, still importing. Until it ends (or accepts the job, whose child then
+        # ends at once) it holds the job's streams, sent with the job: only then do they close.
+        os.kill(int(started.read_text()), signal.SIGKILL)
+    out, err = job.communicate(timeout=60)
+    assert (job.returncode, out, err) == (-signal.SIGINT, "", "job.py: stopped by SIGINT (Ctrl-C) before it finished\n")
+
+
 def test_a_stage_trained_and_evaluated_warm_equals_the_same_jobs_in_their_own_processes(demo_workdir, tmp_path):
     """The demo ran its jobs warm (the Snakefile turns warm starts on); a stage and its evaluation
     run again with them off give the same adapter, predictions and metrics, byte for byte but the

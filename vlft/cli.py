@@ -4,7 +4,6 @@ ending in one line naming the file and line, not a traceback; Ctrl-C too ends in
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 from datetime import datetime
@@ -55,13 +54,9 @@ def run(main) -> None:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        # Ctrl-C in a terminal, or the driver's SIGINT to its jobs (vlft.interrupt): one line, not a
-        # traceback from wherever the job was.
-        if rank in (None, "0"):
-            print(f"{script}: stopped by SIGINT (Ctrl-C) before it finished", file=sys.stderr, flush=True)
         # Ended here by SIGINT, after the exit handlers, as Python ends on an uncaught
         # KeyboardInterrupt: the job's shell and a warm start's job process read it as an interrupted
         # job. Python's own ending gives exit status 1 instead where scikit-learn is imported (peft
         # imports it), and it would wait for the job's other threads, one maybe stuck on what was
         # interrupted.
-        warm_start.end_by_signal(signal.SIGINT)
+        warm_start.end_interrupted(say=rank in (None, "0"))

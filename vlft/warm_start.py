@@ -128,6 +128,8 @@ def hand_off() -> None:
         reply = _send_job(connection, replies)
     except OSError as error:  # nothing was started
         return _say(f"no warm process ({error}; its log: {server_log(key)})")
+    except KeyboardInterrupt:  # Ctrl-C while the warm process imports: no child runs the job yet
+        end_interrupted()
     if not reply.isdigit():
         connection.close()  # a warm process that forks only now sees it, and starts nothing
         return _say(reply.removeprefix("no ") or "the warm process ended")
@@ -503,6 +505,14 @@ def run_exit_handlers() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def end_interrupted(say: bool = True) -> None:
+    """A job stopped by SIGINT (a terminal's Ctrl-C, or the driver's to its jobs: vlft.interrupt):
+    one line where `say`, not a traceback from wherever the job was, then its end by SIGINT."""
+    if say:
+        print(f"{os.path.basename(sys.argv[0])}: stopped by SIGINT (Ctrl-C) before it finished", file=sys.stderr)
+    end_by_signal(signal.SIGINT)
 
 
 def end_by_signal(signum: int) -> None:
