@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -115,6 +116,31 @@ def test_a_job_asking_for_more_gpus_than_visible_fails_with_one_line_and_none_cl
             [sys.executable, "-m", "vlft.gpus", "1", "1"], cwd=REPO, env=env, capture_output=True, text=True
         )
         assert none.returncode == 0 and none.stdout == ""
+
+
+def test_ctrl_c_while_a_job_waits_for_a_gpu_is_one_line_and_its_end_by_sigint(tmp_path):
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
+    holder, job = sleeper(), sleeper()
+    try:
+        take_gpus(1, ["0"], holder.pid, tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json")
+        claim = subprocess.Popen(
+            [sys.executable, "-m", "vlft.gpus", "1", str(job.pid)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert claim.stderr.readline().startswith("waiting for 1 free GPU(s) of 0: held by processes")
+        claim.send_signal(signal.SIGINT)
+        out, err = claim.communicate(timeout=60)
+        assert (claim.returncode, out, err) == (
+            -signal.SIGINT,
+            "",
+            "gpus.py: stopped by SIGINT (Ctrl-C) before it finished\n",
+        )
+    finally:
+        holder.kill(), job.kill()
 
 
 PLACEMENT = re.compile(r"CUDA_VISIBLE_DEVICES=([^;\s]+); started (\S+ \S+)")

@@ -103,3 +103,7 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except RuntimeError as err:
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt:  # Ctrl-C while the job waits for a GPU: one line, as a script's own
+        from vlft.warm_start import end_interrupted
+
+        end_interrupted()
