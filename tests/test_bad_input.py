@@ -114,6 +114,27 @@ def test_malformed_line(split):
     assert_one_error(*prepare(split), f"{split}:2", "not valid JSON")
 
 
+def test_a_split_with_a_byte_order_mark_and_crlf_lines_is_read_as_the_plain_file(split):
+    """As Windows tools save JSONL: the same prepared records, byte for byte."""
+    plain_result, plain_output = prepare(split)
+    assert plain_result.returncode == 0, plain_result.stderr
+    plain = plain_output.read_bytes()
+    plain_output.unlink()  # the same output path: this run writes it anew
+    windows = split.parent / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + split.read_bytes().replace(b"\n", b"\r\n"))
+    result, output = prepare(windows)
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes() == plain
+
+
+def test_a_split_that_is_not_utf8_is_one_sentence_naming_the_line(split):
+    lines = split.read_text().splitlines()
+    lines[1] = lines[1].replace("What color?", "Qu\u00e9 color?")
+    split.write_bytes("\n".join(lines).encode("latin-1"))
+    column = lines[1].encode("latin-1").index(b"\xe9") + 1
+    assert_one_error(*prepare(split), f"{split}:2: not UTF-8 text (byte 0xe9 at column {column})")
+
+
 @pytest.mark.parametrize("field", ["question", "answer"])
 def test_record_without_question_or_answer(split, field):
     rows = [record(i) for i in range(3)]

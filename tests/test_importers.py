@@ -242,6 +242,37 @@ def test_chat_formats_become_one_record_a_conversation(tmp_path, name):
     prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
 
 
+def test_chat_files_as_windows_tools_write_them_read_the_same(tmp_path):
+    """A byte-order mark and CRLF line ends (Notepad, Excel, PowerShell), and a U+2028 that JSON
+    text may hold unescaped: the same records as the plain file, none split or refused."""
+    _, swift, _ = chat_fixtures(tmp_path)
+    swift[0]["messages"][1]["content"] = "It is\u2028a."
+    plain = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in swift)
+    (tmp_path / "plain.jsonl").write_text(plain, encoding="utf-8")
+    (tmp_path / "windows.jsonl").write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode())
+    read = {}
+    for name in ("plain", "windows"):
+        import_chat([tmp_path / f"{name}.jsonl"], tmp_path / "images", tmp_path / name)
+        read[name] = [(r["image"], r["question"], r["answer"]) for r in read_jsonl(tmp_path / name / "train.jsonl")]
+    assert (
+        read["windows"]
+        == read["plain"]
+        == [("a.jpg", "What is a?", "It is\u2028a."), ("b.jpg", "What is b?", "It is b.")]
+    )
+
+
+def test_a_chat_file_that_is_not_utf8_is_one_sentence_naming_the_line(tmp_path):
+    _, swift, _ = chat_fixtures(tmp_path)
+    swift[1]["messages"][0]["content"] = "Qué es b?"
+    lines = [json.dumps(r, ensure_ascii=False) for r in swift]
+    (tmp_path / "latin1.jsonl").write_bytes("\n".join(lines).encode("latin-1"))
+    column = lines[1].encode("latin-1").index(b"\xe9") + 1
+    with pytest.raises(InputError) as refused:
+        import_chat([tmp_path / "latin1.jsonl"], tmp_path / "images", tmp_path / "out")
+    assert str(refused.value) == f"{tmp_path / 'latin1.jsonl'}:2: not UTF-8 text (byte 0xe9 at column {column})"
+    assert not (tmp_path / "out").exists()
+
+
 MLLM_DEMO = [  # LLaMA-Factory's data/mllm_demo.json, in its shape: two rounds on one image, no <image> marker
     {
         "messages": [

@@ -1,6 +1,6 @@
 """Atomic outputs: write beside the target, rename into place on success, so a crash leaves no
-half-written file; and the one way the project deletes anything, `remove_inside`, which refuses a
-path outside the directory that owns it."""
+half-written file; the one way the project deletes anything, `remove_inside`, which refuses a
+path outside the directory that owns it; and the one way it reads text a user gives it, `read_text`."""
 
 from __future__ import annotations
 
@@ -105,6 +105,23 @@ def write_jsonl(path: str | Path, rows) -> None:
         with open(tmp, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+
+def read_text(path: str | Path, errors: str = "strict") -> str:
+    """A data file a user gives (a split, an importer's JSON), as JSON text is: UTF-8 whatever the
+    locale, a byte-order mark at its start read as none (Windows tools write one; JSON refuses it),
+    and bytes that are not UTF-8 one InputError naming the line, not a decoding traceback (or
+    `errors="replace"`, for readers that leave the verdict to the strict one)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8-sig", errors)
+    except UnicodeDecodeError as err:
+        start = data.rfind(b"\n", 0, err.start) + 1
+        raise InputError(
+            path,
+            f"not UTF-8 text (byte 0x{data[err.start]:02x} at column {err.start - start + 1})",
+            data.count(b"\n", 0, err.start) + 1,
+        ) from None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

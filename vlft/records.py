@@ -17,7 +17,7 @@ from pathlib import Path
 from PIL import ExifTags, Image
 
 from vlft.errors import InputError
-from vlft.files import write_jsonl
+from vlft.files import read_text, write_jsonl
 
 REQUIRED_TEXT_FIELDS = ("question", "answer")
 
@@ -25,22 +25,21 @@ REQUIRED_TEXT_FIELDS = ("question", "answer")
 def read_raw_records(jsonl: str | Path) -> list[tuple[int, dict]]:
     """Parse every line, checking the fields; returns (line number, record) pairs."""
     records, seen_ids = [], {}
-    with open(jsonl) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(jsonl, f"not valid JSON ({err.msg} at column {err.colno})", line_no) from None
-            if not isinstance(record, dict):
-                raise InputError(jsonl, "each line must be a JSON object", line_no)
-            _check_fields(record, jsonl, line_no)
-            record["id"] = str(record["id"])
-            if record["id"] in seen_ids:
-                raise InputError(jsonl, f"duplicate id (first seen on line {seen_ids[record['id']]})", line_no, "id")
-            seen_ids[record["id"]] = line_no
-            records.append((line_no, record))
+    for line_no, line in enumerate(read_text(jsonl).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(jsonl, f"not valid JSON ({err.msg} at column {err.colno})", line_no) from None
+        if not isinstance(record, dict):
+            raise InputError(jsonl, "each line must be a JSON object", line_no)
+        _check_fields(record, jsonl, line_no)
+        record["id"] = str(record["id"])
+        if record["id"] in seen_ids:
+            raise InputError(jsonl, f"duplicate id (first seen on line {seen_ids[record['id']]})", line_no, "id")
+        seen_ids[record["id"]] = line_no
+        records.append((line_no, record))
     if not records:
         raise InputError(jsonl, "no records")
     return records
@@ -85,14 +84,13 @@ def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:
     """The images a raw split refers to, read leniently: lines that do not parse are skipped here
     and reported, with their line number, when the split is prepared."""
     paths = []
-    with open(jsonl) as f:
-        for line in f:
-            try:
-                image = json.loads(line).get("image")
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            if isinstance(image, str) and image:
-                paths.append(str(Path(image_root) / image))
+    for line in read_text(jsonl, errors="replace").split("\n"):
+        try:
+            image = json.loads(line).get("image")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(image, str) and image:
+            paths.append(str(Path(image_root) / image))
     return paths
 
 
@@ -207,14 +205,13 @@ def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field:
 def _raw_objects(jsonl_paths: list[str | Path]):
     """The JSON objects of raw splits, lines that do not parse left out (prepare_split names them)."""
     for path in jsonl_paths:
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict):
-                    yield record
+        for line in read_text(path, errors="replace").split("\n"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record
 
 
 def order_records(

@@ -8,12 +8,12 @@ import math
 from pathlib import Path
 
 from vlft.errors import InputError
-from vlft.files import atomic_path, write_jsonl
+from vlft.files import atomic_path, read_text, write_jsonl
 
 
 def json_rows(path: str | Path) -> list[tuple[tuple, dict]]:
     """A JSON array (row = 1-based index) or JSONL (row = line number), each row with its place."""
-    text = Path(path).read_text()
+    text = read_text(path)
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -21,7 +21,7 @@ def json_rows(path: str | Path) -> list[tuple[tuple, dict]]:
             raise InputError(path, f"not valid JSON ({err.msg})", err.lineno) from None
         return [((path, i), row) for i, row in enumerate(rows, start=1)]
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON text may hold U+2028
         if line.strip():
             try:
                 rows.append(((path, number), json.loads(line)))
