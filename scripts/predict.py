@@ -14,7 +14,6 @@ from pathlib import Path
 from vlft.cli import run, set_cpu_threads
 from vlft.config import load_schema
 from vlft.errors import InputError
-from vlft.files import read_jsonl
 
 
 def main():
@@ -30,13 +29,17 @@ def main():
     args = parser.parse_args()
     if bool(args.questions) == bool(args.image and args.question):
         raise InputError("arguments", "give --image and --question, or --questions")
+    set_cpu_threads(args.threads)
+    from vlft.predict import (
+        draw_click,
+        predict,
+        read_questions,
+    )  # torch and transformers: after the arguments are checked
+
     if args.questions:
-        root = Path(args.questions).parent
-        questions = [dict(q, image=str(root / q["image"])) for q in read_jsonl(args.questions)]
+        questions = read_questions(args.questions)
     else:
         questions = [{"image": args.image, "question": args.question}]
-    set_cpu_threads(args.threads)
-    from vlft.predict import draw_click, predict  # torch and transformers: after the arguments are checked
 
     for number, answer in enumerate(predict(args.stage, questions, args.max_new_tokens, threads=args.threads)):
         if "point" in answer:

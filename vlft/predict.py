@@ -13,7 +13,8 @@ from vlft.evaluate import evaluate_split
 from vlft.files import read_jsonl, write_jsonl
 from vlft.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
-from vlft.records import prepare_split
+from vlft.importers.common import json_rows, required_text
+from vlft.records import check_image, prepare_split
 from vlft.report import thumbnail_jpeg
 
 # Asked questions have no reference: the evaluation path needs one, and its judgement is dropped.
@@ -44,6 +45,33 @@ def base_model_dir(model: dict, summary_path: Path) -> str:
     )
 
 
+def read_questions(path: str | Path) -> list[dict]:
+    """A questions file, JSONL or a JSON array of {"image": path relative to it, "question": text}:
+    a row that does not parse or lacks a field is one InputError naming the file, row and field;
+    each question keeps its place, so that an image it names that cannot be used is named there too."""
+    questions = []
+    for where, row in json_rows(path):
+        if not isinstance(row, dict):
+            raise InputError(where[0], "each row must be a JSON object", where[1])
+        image = Path(path).parent / required_text(row, "image", where)
+        questions.append({"image": str(image), "question": required_text(row, "question", where), "where": where})
+    if not questions:
+        raise InputError(path, "no questions")
+    return questions
+
+
+def check_images(questions: list[dict]) -> None:
+    """Each question's image readable, or one InputError naming it (where the question came from:
+    its file and row, or the image given alone)."""
+    for question in questions:
+        problem = check_image(Path(question["image"]))
+        if isinstance(problem, str):
+            path, line = question.get("where", (question["image"], None))
+            raise InputError(
+                path, f"{problem}: {question['image']}" if line else problem, line, "image" if line else None
+            )
+
+
 def predict(
     stage_dir: str | Path, questions: list[dict], max_new_tokens: int, batch_size: int = 16, threads: int = 4
 ) -> list[dict]:
@@ -54,6 +82,7 @@ def predict(
     answering, model = summary["answering"], summary["model"]
     model_dir = base_model_dir(model, stage_dir / "summary.json")
     clicks = answering["answer_format"] == "click"
+    check_images(questions)
     with tempfile.TemporaryDirectory(prefix="vlft-predict-") as work:
         work = Path(work)
         records = [
