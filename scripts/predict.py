@@ -30,11 +30,8 @@ def main():
     if bool(args.questions) == bool(args.image and args.question):
         raise InputError("arguments", "give --image and --question, or --questions")
     set_cpu_threads(args.threads)
-    from vlft.predict import (
-        draw_click,
-        predict,
-        read_questions,
-    )  # torch and transformers: after the arguments are checked
+    # torch and transformers: after the arguments are checked
+    from vlft.predict import draw_click, predict, read_questions
 
     if args.questions:
         questions = read_questions(args.questions)
