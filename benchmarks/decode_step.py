@@ -1,4 +1,4 @@
-"""The decode step of vlft.generation alone: its time against rows and cache length, beside the
+"""The decode step of vlft.generation.engine alone: its time against rows and cache length, beside the
 bandwidth bound, and where a step's GPU time goes.
 
     python benchmarks/decode_step.py --arch qwen3-vl-8b
@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from eval_speed import copy_bandwidth, step_weight_bytes  # noqa: E402
 from train_speed import build_model, print_kernel_time  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.generation import DecodeStep, SlotCache  # noqa: E402
+from vlft.generation.engine import DecodeStep, SlotCache  # noqa: E402
 
 
 def main():

@@ -9,7 +9,7 @@ strategy is judged on the lengths of a chain-of-thought study. Random-weight Qwe
 
 (a) reference: `model.generate`, the image processor applied per batch to the JPEG files,
     left-padded batches of 32, greedy, as a researcher's evaluation script does;
-(b) ours: vlft.evaluate.evaluate_split, the code the `evaluate` rule runs, from the pixel cache.
+(b) ours: vlft.generation.evaluate.evaluate_split, the code the `evaluate` rule runs, from the pixel cache.
 
 Reports generated tokens/s, samples/s, seconds per decode step beside the bandwidth bound (the
 language model's weights and the batch's KV cache read once a step, over a copy bandwidth measured
@@ -40,10 +40,10 @@ if "--code" in sys.argv:
 from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.files import read_jsonl  # noqa: E402
-from vlft.generation import SlotCache, language_model  # noqa: E402
-from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.prompts import PromptBuilder  # noqa: E402
-from vlft.records import prepare_split  # noqa: E402
+from vlft.generation.engine import SlotCache, language_model  # noqa: E402
+from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
+from vlft.data.prompts import PromptBuilder  # noqa: E402
+from vlft.data.records import prepare_split  # noqa: E402
 
 REFERENCE_BATCH = 32
 
@@ -149,7 +149,7 @@ def run_reference(model, records, image_processor, builder, pad_id, lengths) -> 
 def run_ours(
     work: Path, model_dir: Path, lengths: dict, batch_size: int, max_new_tokens: int | None, share_images: bool = True
 ) -> dict:
-    from vlft.evaluate import evaluate_split
+    from vlft.generation.evaluate import evaluate_split
 
     settings = {
         "dataset": "bench",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with two or more GPUs: the demo's training and evaluation jobs through Snakemake with
 # `--resources gpu=2`, sampling once a second which process runs on which GPU (nvidia-smi), to show
-# that concurrent GPU jobs get GPUs of their own (vlft.gpus). Writes to $1 (default: benchmarks/results):
+# that concurrent GPU jobs get GPUs of their own (vlft.jobs.gpus). Writes to $1 (default: benchmarks/results):
 #   gpu_placement.log    Snakemake's output (tail)
 #   gpu_placement.txt    each GPU job's first log line, and the sampled (time, pid, GPU, script) rows
 set -euo pipefail

@@ -42,13 +42,13 @@ from train_speed import (  # noqa: E402
     our_settings,
 )
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.records import prepare_split  # noqa: E402
+from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
+from vlft.data.records import prepare_split  # noqa: E402
 
 
 def prepare(work: Path, arch: str, images: int) -> Path:
     """The workload, the model saved as a checkpoint directory, its pixel and vision caches."""
-    from vlft.vision_cache import build_vision_cache
+    from vlft.caches.vision_cache import build_vision_cache
 
     tokenizer = make_tokenizer()
     raw = make_workload(work, images, tokenizer)

@@ -346,7 +346,7 @@ def main() -> None:
 
     import torch
 
-    from vlft.records import prepare_split
+    from vlft.data.records import prepare_split
 
     torch.backends.cuda.matmul.allow_tf32 = True
     work = args.work / args.arch

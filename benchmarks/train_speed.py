@@ -10,7 +10,7 @@ r=16 on every linear layer of the language model, bf16.
 (a) reference: transformers Trainer, the image processor applied per batch to the JPEG files in the
     collator, micro-batch 4 x gradient accumulation 4, no gradient checkpointing, SDPA, TF32, fused
     AdamW, 4 data-loader workers, pinned memory, prefetch 2.
-(b) ours: vlft.train.train_stage, the project's own training path, from its caches (pixel cache, and
+(b) ours: vlft.training.train.train_stage, the project's own training path, from its caches (pixel cache, and
     the frozen-vision cache built by the cache_vision job's code), micro-batches cut to a token budget,
     fused linear cross-entropy on answer tokens, compiled decoder layers; 16 samples a step as (a),
     packed into rows with per-sample positions and attention (--grouped also runs padded
@@ -41,12 +41,12 @@ if str(REPO) not in sys.path:  # eval_speed.py --code puts other code first
     sys.path.insert(0, str(REPO))
 
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.image_cache import PixelSettings, build_image_cache  # noqa: E402
+from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.modeling import lora_config  # noqa: E402
 from vlft.config import stage_defaults  # noqa: E402
 from vlft.errors import ConfigError  # noqa: E402
-from vlft.prompts import PromptBuilder  # noqa: E402
-from vlft.records import prepare_split  # noqa: E402
+from vlft.data.prompts import PromptBuilder  # noqa: E402
+from vlft.data.records import prepare_split  # noqa: E402
 
 SIZES = [(720, 576), (1024, 768), (1280, 720), (1280, 1024), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 1036 * 1288  # the largest image ends near 1,300 image tokens
@@ -275,7 +275,7 @@ def run_ours(
     work: Path,
     profile: bool = False,
 ) -> dict:
-    from vlft.train import StageInputs, train_stage
+    from vlft.training.train import StageInputs, train_stage
 
     torch.cuda.reset_peak_memory_stats()
     out = work / "ours"
@@ -359,7 +359,7 @@ def print_kernel_time(prof, work: Path) -> None:
 def build_caches(work: Path, image_processor, model, device: str = "cuda") -> tuple[float, float]:
     """The pixel cache of work/prepared.jsonl (work/pixels) and its vision cache (work/vision), as
     the cache_images and cache_vision jobs make them; the seconds each took."""
-    from vlft.vision_cache import build_vision_cache
+    from vlft.caches.vision_cache import build_vision_cache
 
     started = time.time()
     build_image_cache(

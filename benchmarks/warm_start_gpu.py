@@ -1,4 +1,4 @@
-"""Warm starts on a GPU machine (vlft.warm_start): a job handed to a warm process uses CUDA as its
+"""Warm starts on a GPU machine (vlft.jobs.warm_start): a job handed to a warm process uses CUDA as its
 own process would, with the GPUs its CUDA_VISIBLE_DEVICES names, and gives the same result; and how
 long a job waits before its first line, its own imports against a warm process's.
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = """
 import time
 started = float(__import__("sys").argv[1])  # an argument: a variable of its own would need a warm process of its own
-from vlft.warm_start import hand_off, serving_a_job
+from vlft.jobs.warm_start import hand_off, serving_a_job
 
 hand_off()
 import json, os, torch, transformers, peft  # noqa: E401,E402
@@ -51,7 +51,7 @@ def run_job(script: Path, env: dict) -> dict:
     )
     if result.returncode != 0:
         raise SystemExit(f"job failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    notes = [line for line in result.stderr.splitlines() if "vlft.warm_start" in line]
+    notes = [line for line in result.stderr.splitlines() if "vlft.jobs.warm_start" in line]
     return json.loads(result.stdout.strip().splitlines()[-1]) | {"notes": notes}
 
 

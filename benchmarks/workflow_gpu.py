@@ -152,7 +152,7 @@ def main():
         "--eval-every", type=int, default=0, help="exp4 stage 2 evaluates every this many steps (64 records)"
     )
     parser.add_argument(
-        "--warm-start", choices=["on", "off"], default="on", help="jobs run by a warm process (vlft.warm_start)"
+        "--warm-start", choices=["on", "off"], default="on", help="jobs run by a warm process (vlft.jobs.warm_start)"
     )
     args = parser.parse_args()
 

@@ -1,13 +1,13 @@
 """Resize every image of a prepared split once, as the model's image processor would, into safetensors shards."""
 
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
 
 import argparse
 
-from vlft.cli import run
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.jobs.cli import run
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 
 

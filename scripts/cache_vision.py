@@ -1,14 +1,14 @@
 """Run the frozen vision tower once over a split's pixel cache and store its outputs (the vision cache)."""
 
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
 
 import argparse
 
-from vlft.cli import add_cpu_fallback_argument, run
+from vlft.jobs.cli import add_cpu_fallback_argument, run
 from vlft.modeling import load_base_model, pick_device, require_gpus
-from vlft.vision_cache import build_vision_cache
+from vlft.caches.vision_cache import build_vision_cache
 
 
 def main():

@@ -1,16 +1,16 @@
 """Evaluate the base model, or a trained adapter, on one prepared split: predictions JSONL and metrics JSON.
 With --processes N (the evaluation's GPUs) the split is shared out among N processes, one GPU each."""
 
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
 
 import argparse
 import json
 
-from vlft import distributed
-from vlft.cli import add_cpu_fallback_argument, run, set_cpu_threads
-from vlft.evaluate import evaluate_split
+from vlft.jobs import distributed
+from vlft.jobs.cli import add_cpu_fallback_argument, run, set_cpu_threads
+from vlft.generation.evaluate import evaluate_split
 from vlft.modeling import require_gpus
 
 

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vlft.cli import run
+from vlft.jobs.cli import run
 
 
 def main():

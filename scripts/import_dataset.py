@@ -10,8 +10,8 @@ ready to name under `datasets:` in a config.
 import argparse
 import json
 
-from vlft import importers
-from vlft.cli import run
+from vlft.data import importers
+from vlft.jobs.cli import run
 
 
 def main():

@@ -3,7 +3,7 @@ answers) or screens (click prediction: one button or icon among text labels)."""
 
 import argparse
 
-from vlft.cli import run
+from vlft.jobs.cli import run
 from vlft.demo import screens, shapes
 
 KINDS = {"shapes": shapes, "screens": screens}

@@ -1,12 +1,12 @@
 """Make the demo's tiny Qwen3-VL: random weights, a locally trained tokenizer, an image processor."""
 
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
 
 import argparse
 
-from vlft.cli import run
+from vlft.jobs.cli import run
 from vlft.demo.tiny_model import make_tiny_model
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vlft.cli import run, set_cpu_threads
+from vlft.jobs.cli import run, set_cpu_threads
 from vlft.config import load_schema
 from vlft.errors import InputError
 
@@ -31,7 +31,7 @@ def main():
         raise InputError("arguments", "give --image and --question, or --questions")
     set_cpu_threads(args.threads)
     # torch and transformers: after the arguments are checked
-    from vlft.predict import draw_click, predict, read_questions
+    from vlft.generation.predict import draw_click, predict, read_questions
 
     if args.questions:
         questions = read_questions(args.questions)

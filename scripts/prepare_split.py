@@ -2,8 +2,8 @@
 
 import argparse
 
-from vlft.cli import run
-from vlft.records import prepare_split
+from vlft.jobs.cli import run
+from vlft.data.records import prepare_split
 
 
 def main():

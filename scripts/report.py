@@ -2,7 +2,7 @@
 
 import argparse
 
-from vlft.cli import run
+from vlft.jobs.cli import run
 from vlft.errors import InputError
 from vlft.report import Evaluation, TrainedStage, write_report
 

@@ -1,20 +1,20 @@
 """Train one experiment stage's LoRA adapter from the pixel caches; resumes from its newest checkpoint.
 With --processes N (a stage's GPUs) it trains data-parallel in N processes, one GPU each."""
 
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.warm_start)
+hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
 
 import argparse
 import json
 import sys
 import time
 
-from vlft import distributed
-from vlft.cli import add_cpu_fallback_argument, run, set_cpu_threads
+from vlft.jobs import distributed
+from vlft.jobs.cli import add_cpu_fallback_argument, run, set_cpu_threads
 from vlft.modeling import require_gpus
-from vlft.stopping import StopRequest, slurm_end_time
-from vlft.train import Preempted, StageInputs, train_stage
+from vlft.jobs.stopping import StopRequest, slurm_end_time
+from vlft.training.train import Preempted, StageInputs, train_stage
 
 # Distinct from a crash: the job stopped on request, with its progress saved.
 EXIT_PREEMPTED = 75

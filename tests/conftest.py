@@ -96,9 +96,9 @@ def tiny_family_data(root: Path, family: str, raw: Path) -> Path:
     """A tiny model of `family` in root/model, and the records of `raw` (images in root/images)
     prepared and pixel-cached as a stage reads them: root/prepared.jsonl, root/pixels."""
     from vlft.demo.tiny_model import make_tiny_model
-    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
     from vlft.modeling import load_image_processor
-    from vlft.records import prepare_split
+    from vlft.data.records import prepare_split
 
     make_tiny_model(root / "model", family=family)
     prepare_split(raw, root / "images", root / "prepared.jsonl")
@@ -148,7 +148,7 @@ def train_float64(inputs, settings: dict, out: Path) -> None:
     that compare two ways of taking the same steps train it."""
     import torch
 
-    from vlft.train import train_stage
+    from vlft.training.train import train_stage
 
     train_stage(
         inputs,

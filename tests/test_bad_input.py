@@ -15,7 +15,7 @@ from conftest import REPO, copy_workflow, snakemake
 from vlft.config import NAME_RULE, resolve_config
 from vlft.errors import ConfigError, InputError
 from vlft.plan import build_plan
-from vlft.records import aspect_ratio_problem
+from vlft.data.records import aspect_ratio_problem
 
 
 def record(i, **fields):
@@ -273,9 +273,9 @@ def test_names_with_dots_inside_are_valid():
 def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
     """A job's own config check (the vision cache's size budget) prints one line, not a tuple."""
     from vlft.demo.shapes import make_dataset
-    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
     from vlft.modeling import load_image_processor
-    from vlft.records import prepare_split
+    from vlft.data.records import prepare_split
 
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 2}, seed=0)
     prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
@@ -438,7 +438,7 @@ def test_predict_on_what_is_no_trained_stage_is_one_sentence(tmp_path):
 def test_predicts_questions_file_is_checked_with_its_row_named(tmp_path, lines, message):
     """scripts/predict.py --questions: a bad row, or an image it names that cannot be used, is one
     InputError naming the user's file and row, not a traceback or the temporary split predict makes."""
-    from vlft.predict import check_images, read_questions
+    from vlft.generation.predict import check_images, read_questions
 
     Image.new("RGB", (40, 30)).save(tmp_path / "a.png")
     asked = tmp_path / "asked.jsonl"
@@ -449,7 +449,7 @@ def test_predicts_questions_file_is_checked_with_its_row_named(tmp_path, lines, 
 
 
 def test_predicts_one_image_that_cannot_be_used_is_named(tmp_path):
-    from vlft.predict import check_images
+    from vlft.generation.predict import check_images
 
     with pytest.raises(InputError) as refused:
         check_images([{"image": str(tmp_path / "x.png"), "question": "?"}])

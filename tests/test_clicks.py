@@ -12,18 +12,18 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from vlft import clicks
-from vlft.clicks import Convention, Frame, parse_point, score
+from vlft.data import clicks
+from vlft.data.clicks import Convention, Frame, parse_point, score
 from vlft.demo.tiny_model import FAMILIES, PATCH_SIZE
 from vlft.errors import InputError
-from vlft.evaluate import evaluate_split
+from vlft.generation.evaluate import evaluate_split
 from vlft.files import read_jsonl, write_jsonl
-from vlft.image_cache import PixelSettings
+from vlft.caches.image_cache import PixelSettings
 from vlft.modeling import load_base_model, load_tokenizer
-from vlft.prompts import PromptBuilder
-from vlft.records import prepare_split
-from vlft.stage_data import load_stage_data
-from vlft.train import StageInputs, train_stage
+from vlft.data.prompts import PromptBuilder
+from vlft.data.records import prepare_split
+from vlft.data.stage_data import load_stage_data
+from vlft.training.train import StageInputs, train_stage
 from conftest import tiny_family_data, tiny_stage_settings
 
 # (width, height) of screenshots and photos, landscape, portrait, odd sizes.

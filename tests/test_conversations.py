@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from vlft.answers import final_answer, is_correct
+from vlft.data.answers import final_answer, is_correct
 from vlft.errors import InputError
 from vlft.files import read_jsonl, write_jsonl
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor, load_tokenizer
-from vlft.prompts import IMAGE_PAD, PromptBuilder, conversation
-from vlft.records import prepare_split
-from vlft.stage_data import load_stage_data
+from vlft.data.prompts import IMAGE_PAD, PromptBuilder, conversation
+from vlft.data.records import prepare_split
+from vlft.data.stage_data import load_stage_data
 
 # The shape of Qwen3-VL-*-Thinking's template (its assistant turn and generation prompt), on the
 # tiny model's tokens: the generation prompt opens a think block; the last assistant turn renders

@@ -186,7 +186,7 @@ def test_an_exported_stage_loads_alone_and_answers_as_its_evaluation(demo_workdi
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     from conftest import snakemake
-    from vlft.evaluate import evaluate_split
+    from vlft.generation.evaluate import evaluate_split
     from vlft.plan import build_plan
 
     snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2")

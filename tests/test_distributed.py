@@ -28,14 +28,14 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from vlft import distributed
+from vlft.jobs import distributed
 from vlft.demo.shapes import make_dataset
 from vlft.files import read_jsonl
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
-from vlft.records import prepare_split
-from vlft.train import StageInputs
+from vlft.data.records import prepare_split
+from vlft.training.train import StageInputs
 
 
 def test_shares_are_balanced_by_tokens_and_keep_every_sample_in_its_order():

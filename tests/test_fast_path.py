@@ -13,17 +13,17 @@ import pytest
 import torch
 import yaml
 
-from vlft.batching import collate, to_device, token_budget_batches
+from vlft.training.batching import collate, to_device, token_budget_batches
 from vlft.demo.shapes import make_dataset
 from vlft.errors import ConfigError
 from vlft.files import read_jsonl
-from vlft.image_cache import ImageCache
-from vlft.loss import answer_loss_sum, linear_cross_entropy_sum
+from vlft.caches.image_cache import ImageCache
+from vlft.training.loss import answer_loss_sum, linear_cross_entropy_sum
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, unwrapped, with_new_adapter
-from vlft.packing import pack, packed_attention, packed_batches, use_packed_attention
-from vlft.prompts import PromptBuilder
-from vlft.train import compile_decoder_layers
-from vlft.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
+from vlft.training.packing import pack, packed_attention, packed_batches, use_packed_attention
+from vlft.data.prompts import PromptBuilder
+from vlft.training.train import compile_decoder_layers
+from vlft.caches.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
 from vlft.demo.tiny_model import FAMILIES
 from conftest import FLOAT64_RTOL, assert_close_normwise, tiny_family_data, train_float64
 
@@ -191,7 +191,7 @@ def test_vision_cache_larger_than_its_budget_is_refused_before_anything_runs(fam
 
 
 def demo_stage_inputs(demo_workdir, cache: str):
-    from vlft.train import StageInputs
+    from vlft.training.train import StageInputs
 
     return StageInputs(
         str(demo_workdir / "results/demo/tiny-qwen3-vl"),
@@ -289,7 +289,7 @@ def test_lora_in_bf16_uses_float32_weights_in_bf16_and_keeps_float32_gradients(f
 
 
 def test_packed_batches_fill_rows_under_the_budget_and_keep_every_sample():
-    from vlft.prompts import Sample
+    from vlft.data.prompts import Sample
 
     lengths = [900, 120, 700, 300, 2500, 650, 80, 400]
     samples = [Sample(str(i), [0] * n, [-100] * n, n) for i, n in enumerate(lengths)]
@@ -307,7 +307,7 @@ def test_packed_batches_fill_rows_under_the_budget_and_keep_every_sample():
 def test_packed_attention_attends_within_each_sample_only(device, shared_prefix):
     """Against SDPA with an explicit mask over the row, forward and backward; 8 query heads share
     2 key/value heads, as in Qwen-VL. On a GPU in bf16 this is the variable-length flash kernel.
-    With a shared prefix (an image group, vlft.image_groups): a 6-token prefix laid out with the
+    With a shared prefix (an image group, vlft.training.image_groups): a 6-token prefix laid out with the
     first of three samples, the other two after it attending to the prefix and causally to
     themselves, then a sample alone."""
     torch.manual_seed(0)
@@ -422,8 +422,9 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     """A grouped step: every image's prefix (template header and image) once, its questions after
     it, in packed rows with the fused loss, the largest group cut across rows by the token budget;
     against every sample computed separately on the plain path, in float64 with lora_dropout 0."""
-    from vlft.image_groups import ImageGroup, by_image, group_rows
-    from vlft.packing import pack_groups
+    from vlft.training.image_groups import ImageGroup, group_rows
+    from vlft.training.steps import groups_in_order, image_of
+    from vlft.training.packing import pack_groups
 
     root = grouped_family_setup
     pixels = ImageCache(root / "pixels")
@@ -457,7 +458,7 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
 
     by_id = {s.record_id: s for s in samples}
     records = [{"key": s.record_id} for s in samples]
-    groups = [ImageGroup.of([by_id[r["key"]] for r in g]) for g in by_image(records, images)]
+    groups = [ImageGroup.of([by_id[r["key"]] for r in g]) for g in groups_in_order(records, image_of(images))]
     assert [len(g.samples) for g in groups] == [5, 3, 2, 1, 1]
     # The shared prefix holds the whole image: header, vision start, image tokens, vision end.
     image_tokens = [pixels.num_image_tokens(pixels.image_of(g.samples[0].record_id)) for g in groups[:3]]

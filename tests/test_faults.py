@@ -20,7 +20,7 @@ import yaml
 
 from conftest import REPO, copy_demo_upstream, copy_workflow, planned_outputs, snakemake
 from vlft.config import resolve_config
-from vlft.curves import SCALARS
+from vlft.training.curves import SCALARS
 from vlft.errors import ConfigError, DeviceError, InputError
 from vlft.files import atomic_path, read_jsonl, remove_inside, write_jsonl
 from vlft.modeling import cuda_problem, require_gpus
@@ -108,10 +108,10 @@ def test_the_demo_alone_lets_gpu_jobs_fall_back_to_the_cpu():
 def small_stage(tmp_path_factory, tiny_model_dir):
     """16 records of the demo's shapes, prepared and cached, and the demo's exp1 settings."""
     from vlft.demo.shapes import make_dataset
-    from vlft.image_cache import PixelSettings, build_image_cache
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
     from vlft.modeling import load_image_processor
-    from vlft.records import prepare_split
-    from vlft.train import StageInputs
+    from vlft.data.records import prepare_split
+    from vlft.training.train import StageInputs
 
     root = tmp_path_factory.mktemp("small-stage")
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 16}, seed=0)
@@ -126,7 +126,7 @@ def small_stage(tmp_path_factory, tiny_model_dir):
 def test_the_logged_learning_rate_is_the_one_the_step_used(small_stage, tmp_path):
     """Cosine with 2 warmup steps of 4: the steps use 0, 1/2, 1 and 1/2 of the rate (HF's schedule);
     the log said 1/2, 1, 1/2, 0, the rate of the step after."""
-    from vlft.train import train_stage
+    from vlft.training.train import train_stage
 
     inputs, settings = small_stage
     settings = settings | {"max_steps": 4, "warmup_ratio": 0.5, "micro_batch": 4, "learning_rate": 1e-3}
@@ -156,7 +156,7 @@ def test_a_schedule_that_never_leaves_warmup_is_refused_when_the_config_is_read(
 
 def test_a_stage_whose_records_make_too_few_steps_for_its_warmup_is_refused_before_it_trains(small_stage, tmp_path):
     """Epochs over few records: the step count is known only in the job, which refuses at once."""
-    from vlft.train import train_stage
+    from vlft.training.train import train_stage
 
     inputs, settings = small_stage
     settings = settings | {"epochs": 1, "max_steps": None, "micro_batch": 16, "warmup_ratio": 0.05}
@@ -177,7 +177,7 @@ def damage_in_place(path: Path, offset_from_end: int = 1000) -> None:
 
 @pytest.mark.parametrize("damage", ["overwritten in place", "truncated"])
 def test_a_damaged_cache_shard_is_one_sentence_and_the_cache_is_removed_for_its_rebuild(small_stage, tmp_path, damage):
-    from vlft.image_cache import ImageCache
+    from vlft.caches.image_cache import ImageCache
 
     inputs, _ = small_stage
     cache = tmp_path / "cache"
@@ -205,8 +205,8 @@ def test_a_damaged_cache_shard_is_one_sentence_and_the_cache_is_removed_for_its_
 
 
 def test_an_intact_cache_reads_back_what_was_written(small_stage):
-    from vlft.image_cache import ImageCache
-    from vlft.integrity import tensor_checksum
+    from vlft.caches.image_cache import ImageCache
+    from vlft.caches.integrity import tensor_checksum
 
     reader = ImageCache(small_stage[0].caches[0])
     for image, entry in reader.entries.items():
@@ -216,7 +216,7 @@ def test_an_intact_cache_reads_back_what_was_written(small_stage):
 
 def test_a_damaged_adapter_is_one_sentence_and_removed_so_that_its_stage_trains_again(small_stage, tmp_path):
     from vlft.modeling import load_base_model, with_adapter
-    from vlft.train import train_stage
+    from vlft.training.train import train_stage
 
     inputs, settings = small_stage
     stage = tmp_path / "train/exp/stage"
@@ -465,8 +465,8 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
 def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp_path):
     """Where the raw splits did not exist when the workflow started (the demo's), the job checks."""
     from vlft.modeling import load_tokenizer
-    from vlft.prompts import PromptBuilder
-    from vlft.stage_data import load_stage_data
+    from vlft.data.prompts import PromptBuilder
+    from vlft.data.stage_data import load_stage_data
     from transformers import AutoConfig
 
     inputs, _ = small_stage
@@ -516,7 +516,7 @@ def test_a_stage_writes_its_curves_to_tensorboard_and_a_resumed_one_continues_th
 ):
     """Killed after step 5 with its last checkpoint at 4: the rerun trains steps 5 and 6 again, and
     TensorBoard shows steps 1 to 6 once each, with the values of the stage's final log."""
-    from vlft.train import train_stage
+    from vlft.training.train import train_stage
 
     inputs, settings = small_stage
     settings = settings | {"max_steps": 6, "micro_batch": 4}
@@ -579,8 +579,8 @@ def test_ctrl_c_to_a_job_is_one_line_and_its_end_by_sigint_with_nothing_written(
     """A caching job stopped by SIGINT (a terminal's Ctrl-C, or the driver passing one on) while it
     waits for its records, as on a stalled file system (a FIFO that nobody writes): one line on
     stderr, not a traceback, the job's end by SIGINT as Python's own, and no cache. In its own
-    process and run by a warm process (vlft.warm_start), where the job's process passes the signal on."""
-    from vlft import warm_start
+    process and run by a warm process (vlft.jobs.warm_start), where the job's process passes the signal on."""
+    from vlft.jobs import warm_start
 
     records = tmp_path / "records.jsonl"
     os.mkfifo(records)

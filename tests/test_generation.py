@@ -1,4 +1,4 @@
-"""Greedy answers of vlft.generation (continuous batching over a slot cache, packed prefills) are
+"""Greedy answers of vlft.generation.engine (continuous batching over a slot cache, packed prefills) are
 the token ids transformers' `generate` gives, for every Qwen-VL family, in float32 on the CPU:
 with no adapter, an untrained one and a trained one, at several answer lengths, with rows
 refilled while others still answer, several questions on one image prefilled with its prefix once."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlft.batching import NOT_MODEL_INPUTS, collate, to_device
+from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
-from vlft.evaluate import prompt_request
-from vlft.image_groups import ImageGroup
-from vlft.generation import (
+from vlft.generation.evaluate import prompt_request
+from vlft.training.image_groups import ImageGroup
+from vlft.generation.engine import (
     DECODE_ATTENTION,
     KV_BLOCK,
     DecodeStep,
@@ -26,10 +26,10 @@ from vlft.generation import (
     refresh_live_blocks,
 )
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
-from vlft.packing import use_packed_attention
-from vlft.prompts import PromptBuilder
-from vlft.stage_data import load_stage_data
-from vlft.train import StageInputs, compile_decoder_layers, train_stage
+from vlft.training.packing import use_packed_attention
+from vlft.data.prompts import PromptBuilder
+from vlft.data.stage_data import load_stage_data
+from vlft.training.train import StageInputs, compile_decoder_layers, train_stage
 from conftest import assert_close_normwise, tiny_family_data, tiny_stage_settings
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
@@ -161,8 +161,8 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
 
 
 def test_a_stage_evaluating_as_it_trains_runs_its_layers_as_an_evaluate_job(family):
-    """Evaluating during training (vlft.step_evals), the stage's layers are compiled for its steps
-    (vlft.train.compile_decoder_layers). The evaluation runs them as an evaluate job does, eagerly
+    """Evaluating during training (vlft.training.step_evals), the stage's layers are compiled for its steps
+    (vlft.training.train.compile_decoder_layers). The evaluation runs them as an evaluate job does, eagerly
     on a CPU: the same answers and losses, bit for bit, and nothing traced by the compiler (through
     a prefill's KV cache it traced each layer apart, past dynamo's limit of 8 recompiles on the
     GPU); the layers are compiled for the steps again after."""
@@ -300,7 +300,7 @@ def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path):
     """The validation loss the evaluate rule reports (batches of 4, the head applied to answer
     tokens alone through the fused loss) is the model's own forward over one padded batch of all
     14 records, full logits, cross-entropy summed over the answer tokens and divided by their count."""
-    from vlft.evaluate import evaluate_split
+    from vlft.generation.evaluate import evaluate_split
 
     name, root = family
     settings = tiny_stage_settings(answer_format="cot", dataset="shapes", max_seq_len=512)

@@ -1,4 +1,4 @@
-"""GPU ids for concurrent jobs (vlft.gpus): claims by real processes under a real file lock, and the demo's
+"""GPU ids for concurrent jobs (vlft.jobs.gpus): claims by real processes under a real file lock, and the demo's
 GPU jobs run side by side through Snakemake, each on a GPU of its own."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from itertools import combinations
 import pytest
 
 from conftest import REPO, copy_workflow, snakemake
-from vlft.gpus import process_identity, take_gpus
+from vlft.jobs.gpus import process_identity, take_gpus
 
 
 def sleeper():
@@ -82,7 +82,7 @@ def test_a_claim_left_by_an_earlier_run_whose_pid_another_process_now_has_holds_
 
 
 # A job's shell as the GPU rules run it: claim, then say what it sees, then hold the claim a while.
-JOB_SHELL = 'gpus=$(python -m vlft.gpus 1 $$); eval "$gpus"; echo "$CUDA_VISIBLE_DEVICES"; sleep 30'
+JOB_SHELL = 'gpus=$(python -m vlft.jobs.gpus 1 $$); eval "$gpus"; echo "$CUDA_VISIBLE_DEVICES"; sleep 30'
 
 
 def test_jobs_claiming_at_once_each_get_their_own_gpu(tmp_path):
@@ -103,7 +103,7 @@ def test_jobs_claiming_at_once_each_get_their_own_gpu(tmp_path):
 
 def test_a_job_asking_for_more_gpus_than_visible_fails_with_one_line_and_none_claims_nothing(tmp_path):
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "0,1", "TMPDIR": str(tmp_path)}
-    shell = JOB_SHELL.replace("vlft.gpus 1", "vlft.gpus 3")
+    shell = JOB_SHELL.replace("vlft.jobs.gpus 1", "vlft.jobs.gpus 3")
     failed = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", shell], cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -113,7 +113,7 @@ def test_a_job_asking_for_more_gpus_than_visible_fails_with_one_line_and_none_cl
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TMPDIR": str(tmp_path)}
     if not os.path.isdir("/proc/driver/nvidia/gpus"):
         none = subprocess.run(
-            [sys.executable, "-m", "vlft.gpus", "1", "1"], cwd=REPO, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "vlft.jobs.gpus", "1", "1"], cwd=REPO, env=env, capture_output=True, text=True
         )
         assert none.returncode == 0 and none.stdout == ""
 
@@ -124,7 +124,7 @@ def test_ctrl_c_while_a_job_waits_for_a_gpu_is_one_line_and_its_end_by_sigint(tm
     try:
         take_gpus(1, ["0"], holder.pid, tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json")
         claim = subprocess.Popen(
-            [sys.executable, "-m", "vlft.gpus", "1", str(job.pid)],
+            [sys.executable, "-m", "vlft.jobs.gpus", "1", str(job.pid)],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,

@@ -13,10 +13,11 @@ import pytest
 from vlft.demo.shapes import make_dataset
 from vlft.errors import InputError
 from vlft.files import read_jsonl
-from vlft.image_cache import ImageCache
-from vlft.image_groups import ImageGroup, by_image, group_rows, grouped_steps, shared_prefix_length
-from vlft.distributed import share_by_tokens
-from vlft.prompts import Sample
+from vlft.caches.image_cache import ImageCache
+from vlft.training.image_groups import ImageGroup, group_rows, shared_prefix_length
+from vlft.training.steps import groups_in_order, image_of, plan_steps
+from vlft.jobs.distributed import share_by_tokens
+from vlft.data.prompts import Sample
 from conftest import FLOAT64_RTOL, questions_on_shared_images, tiny_family_data, tiny_stage_settings, train_float64
 
 
@@ -88,7 +89,7 @@ def test_steps_take_whole_groups_in_the_stages_order(order):
     sizes = [9, 1, 4, 18, 2, 7, 3, 9, 5]
     records, images = records_of(sizes, field=order == "by_field")
     settings = dict(STEP, order=order, order_field="difficulty" if order == "by_field" else None, epochs=2, max_steps=0)
-    steps = grouped_steps(records, images, settings)
+    steps = plan_steps(records, settings, image_of(images))
     groups_of = {r["key"]: images[r["key"]][1] for r in records}
     epoch_steps = []
     for step in steps:
@@ -113,8 +114,8 @@ def test_steps_take_whole_groups_in_the_stages_order(order):
         second_epoch = [groups_of[g[0]] for step in steps for g in step][len(sizes) :]
         assert sorted(first_epoch) == sorted(second_epoch) and first_epoch != second_epoch
     # max_steps: cut short, or further epochs.
-    assert grouped_steps(records, images, dict(settings, max_steps=3)) == steps[:3]
-    assert len(grouped_steps(records, images, dict(settings, max_steps=len(steps) + 5))) == len(steps) + 5
+    assert plan_steps(records, dict(settings, max_steps=3), image_of(images)) == steps[:3]
+    assert len(plan_steps(records, dict(settings, max_steps=len(steps) + 5), image_of(images))) == len(steps) + 5
 
 
 def test_rows_keep_groups_whole_where_they_fit_and_shares_never_cut_a_group():
@@ -141,7 +142,7 @@ def test_rows_keep_groups_whole_where_they_fit_and_shares_never_cut_a_group():
 def test_by_image_groups_records_of_one_image_across_splits_in_order_of_first_appearance():
     records = [{"key": k} for k in ("a", "b", "c", "d")]
     images = {"a": ("cache-1", "/x.png"), "b": ("cache-1", "/y.png"), "c": ("cache-2", "/x.png"), "d": (None, "/z.png")}
-    assert [[r["key"] for r in g] for g in by_image(records, images)] == [["a", "c"], ["b"], ["d"]]
+    assert [[r["key"] for r in g] for g in groups_in_order(records, image_of(images))] == [["a", "c"], ["b"], ["d"]]
 
 
 def test_a_stage_with_image_groups_follows_the_plain_loss_curve_where_the_steps_are_the_same(tmp_path):
@@ -149,7 +150,7 @@ def test_a_stage_with_image_groups_follows_the_plain_loss_curve_where_the_steps_
     of 4 samples: the grouped stage takes the plain stage's very steps, one image each, and logs
     the same losses in float64. A group lays out as 14 shared tokens and 4 of 13 to 14 of its
     own (68 tokens): a 50-token budget cuts each into pairs of questions, each pair with the prefix."""
-    from vlft.train import StageInputs
+    from vlft.training.train import StageInputs
 
     root = tiny_family_data(tmp_path, "qwen3_vl", questions_on_shared_images(tmp_path, images=4, per_image=4))
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)

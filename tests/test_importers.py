@@ -16,14 +16,14 @@ from PIL import Image
 
 from vlft.errors import InputError
 from vlft.files import read_jsonl, write_jsonl
-from vlft.importers import (
+from vlft.data.importers import (
     import_chat,
     import_kvasir_vqa,
     import_kvasir_vqa_x1,
     import_screenspot,
     question_type,
 )
-from vlft.records import prepare_split, select_records
+from vlft.data.records import prepare_split, select_records
 
 
 def jpeg_bytes(seed: int, size=(96, 64)) -> bytes:

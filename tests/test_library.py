@@ -17,13 +17,13 @@ from transformers.image_utils import load_image
 from conftest import FLOAT64_RTOL, REPO, assert_close_normwise
 from vlft.config import resolve_config
 from vlft.files import read_jsonl
-from vlft.answers import final_answer, is_correct, normalize
-from vlft.image_cache import ImageCache, PixelSettings, build_image_cache, to_patches
+from vlft.data.answers import final_answer, is_correct, normalize
+from vlft.caches.image_cache import ImageCache, PixelSettings, build_image_cache, to_patches
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
-from vlft.records import order_records, prepare_split
-from vlft.stopping import RESERVE_S, StopRequest, slurm_end_time
-from vlft.train import Preempted, StageInputs, train_stage
+from vlft.data.records import order_records, prepare_split
+from vlft.jobs.stopping import RESERVE_S, StopRequest, slurm_end_time
+from vlft.training.train import Preempted, StageInputs, train_stage
 
 
 def test_stages_inherit_defaults_and_override_them():

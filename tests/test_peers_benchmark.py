@@ -129,9 +129,9 @@ def test_the_benchmarks_caches_hold_every_record_of_the_workload(tmp_path):
 
     from vlft.demo.tiny_model import make_tiny_model
     from vlft.files import read_jsonl
-    from vlft.image_cache import ImageCache
-    from vlft.records import prepare_split
-    from vlft.vision_cache import VisionCache
+    from vlft.caches.image_cache import ImageCache
+    from vlft.data.records import prepare_split
+    from vlft.caches.vision_cache import VisionCache
 
     make_tiny_model(tmp_path / "model")
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import tiny_stage_settings
-from vlft.evaluate import evaluate_split
+from vlft.generation.evaluate import evaluate_split
 from vlft.files import read_jsonl
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_base_model, load_image_processor
-from vlft.records import prepare_split
-from vlft.train import StageInputs, train_stage
+from vlft.data.records import prepare_split
+from vlft.training.train import StageInputs, train_stage
 
 EVALUATION = {"answer_format": "final", "max_seq_len": 4096, "max_new_tokens": 8, "batch_size": 8}
 

@@ -1,4 +1,4 @@
-"""Evaluation during training (`eval_every`) and `keep: best` (vlft.step_evals), on the tiny model."""
+"""Evaluation during training (`eval_every`) and `keep: best` (vlft.training.step_evals), on the tiny model."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import REPO, tiny_stage_settings
 from vlft.errors import ConfigError
-from vlft.evaluate import evaluate_split
+from vlft.generation.evaluate import evaluate_split
 from vlft.files import read_jsonl
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
-from vlft.records import prepare_split
-from vlft.train import Preempted, StageInputs, train_stage
+from vlft.data.records import prepare_split
+from vlft.training.train import Preempted, StageInputs, train_stage
 
 EVALUATION = {"answer_format": "final", "max_seq_len": 4096, "max_new_tokens": 12, "batch_size": 5}
 

@@ -1,4 +1,4 @@
-"""`max_batch_tokens: auto` (vlft.token_budget): the choice from a measurement, and the CPU's answer.
+"""`max_batch_tokens: auto` (vlft.training.token_budget): the choice from a measurement, and the CPU's answer.
 The measurement itself needs a GPU: benchmarks/train_speed.py --max-batch-tokens auto measures it
 under a memory cap (benchmarks/README.md, "Smaller GPUs")."""
 
@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_stage_settings
-from vlft.image_cache import PixelSettings, build_image_cache
+from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
-from vlft.records import prepare_split
-from vlft.token_budget import SAFETY, STEP, choose
-from vlft.train import StageInputs, train_stage
+from vlft.data.records import prepare_split
+from vlft.training.token_budget import SAFETY, STEP, choose
+from vlft.training.train import StageInputs, train_stage
 
 GIB, MIB = 2**30, 2**20
 

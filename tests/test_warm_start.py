@@ -1,4 +1,4 @@
-"""Warm starts (vlft.warm_start): a job handed to a warm process runs as its own process would have,
+"""Warm starts (vlft.jobs.warm_start): a job handed to a warm process runs as its own process would have,
 with the same arguments, streams, working directory, environment, exit status, traceback and
 signals, and the same results; where a warm start does not apply, or the warm process cannot serve,
 the job runs in its own process, saying why where it tried.
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_demo_upstream
-from vlft import warm_start
+from vlft.jobs import warm_start
 
 JOB = """
 import sys
 preloaded = "torch" in sys.modules  # before this script imports anything: a warm process's doing
-from vlft.warm_start import hand_off, serving_a_job
+from vlft.jobs.warm_start import hand_off, serving_a_job
 
 hand_off()
 import json, os  # noqa: E401,E402
@@ -40,7 +40,7 @@ sys.exit(int(sys.argv[1]))
 """
 
 FAILING = """
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
 hand_off()
 
@@ -53,7 +53,7 @@ check(3)
 """
 
 WAITING = """
-from vlft.warm_start import hand_off
+from vlft.jobs.warm_start import hand_off
 
 hand_off()
 import os, signal, sys, time  # noqa: E401,E402
@@ -214,7 +214,7 @@ def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scri
     (broken / "__init__.py").write_text('raise ImportError("this peft is broken")\n')
     path = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
     env = warm_env | {"PYTHONPATH": path}
-    said = "job.py: importing peft failed: this peft is broken; importing here (vlft.warm_start)\nto stderr\n"
+    said = "job.py: importing peft failed: this peft is broken; importing here (vlft.jobs.warm_start)\nto stderr\n"
     first = run(scripts / "job.py", "0", env=env, cwd=tmp_path)  # it starts the warm process
     assert (first.returncode, first.stderr, outcome(first)[1]) == (0, said, {"warm": False, "preloaded": False})
     # Later jobs, side by side, learn the same from the warm process, which refuses at once.
@@ -229,7 +229,7 @@ def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scri
 
 def test_ctrl_c_while_the_warm_process_imports_is_one_line_and_the_jobs_end_by_sigint(scripts, warm_env, tmp_path):
     """The first job waits for the warm process's imports: Ctrl-C then reaches the job's own process,
-    before any child runs the script. One line, as a script's own Ctrl-C gives (vlft.cli), no
+    before any child runs the script. One line, as a script's own Ctrl-C gives (vlft.jobs.cli), no
     traceback from the wait, and the job's end by SIGINT."""
     slow = tmp_path / "site" / "peft"
     slow.mkdir(parents=True)
@@ -261,7 +261,7 @@ def test_a_stage_trained_and_evaluated_warm_equals_the_same_jobs_in_their_own_pr
     stage, evaluation = "results/train/exp1/main", "results/eval/exp1/main/val"
     demo_logs = demo_workdir / "results/logs"
     for log in ("train/exp1/main.log", "evaluate/exp1/main/val.log"):
-        assert "(run by a warm process, vlft.warm_start)" in (demo_logs / log).read_text().splitlines()[0]
+        assert "(run by a warm process, vlft.jobs.warm_start)" in (demo_logs / log).read_text().splitlines()[0]
 
     workdir = copy_demo_upstream(demo_workdir, tmp_path / "demo")
     env = os.environ | {warm_start.ENABLE: "0"}

@@ -15,7 +15,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from vlft.errors import DeviceError, InputError
-from vlft.integrity import verify_adapter
+from vlft.caches.integrity import verify_adapter
 from vlft.model_files import require_model_dir
 
 

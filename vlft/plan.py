@@ -16,7 +16,7 @@ from pathlib import Path
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, model_dir_problem
-from vlft.records import selection_problem
+from vlft.data.records import selection_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")

@@ -41,6 +41,6 @@ rule cache_vision:
         trust_remote_code=TRUST_REMOTE_CODE,
         max_gb=config["vision_cache_max_gb"],
     shell:
-        # GPUs of its own among those visible (vlft.gpus), then the script.
-        'gpus=$(python -m vlft.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
+        # GPUs of its own among those visible (vlft.jobs.gpus), then the script.
+        'gpus=$(python -m vlft.jobs.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
         "--max-gb {params.max_gb} --gpus {resources.gpu} --cpu-fallback {resources.cpu_fallback} --output {output:q} 2>&1 | tee {log:q}"

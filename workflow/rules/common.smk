@@ -9,10 +9,10 @@ from snakemake.exceptions import WorkflowError
 
 from vlft.config import resolve_config
 from vlft.errors import ConfigError
-from vlft.interrupt import stop_jobs_on_interrupt
+from vlft.jobs.interrupt import stop_jobs_on_interrupt
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
-from vlft.records import image_paths
+from vlft.data.records import image_paths
 
 try:
     # In place: the rules read `config` too. Keys the file leaves out take the schema's defaults.
@@ -31,7 +31,7 @@ except ConfigError as err:
 # Snakemake ignores it, so that the job lives on while the trainer saves a checkpoint.
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 if workflow.is_main_process:
-    # Ctrl-C to the driver stops its jobs at a checkpoint, and the driver records their ends (vlft.interrupt).
+    # Ctrl-C to the driver stops its jobs at a checkpoint, and the driver records their ends (vlft.jobs.interrupt).
     stop_jobs_on_interrupt(workflow)
 
 RESULTS = config["results"]
@@ -47,7 +47,7 @@ CPU_FALLBACK = int(config["cpu_fallback"])
 # TORCHINDUCTOR_CACHE_DIR of one's own wins.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(RESULTS).resolve() / ".cache/torch-compile"))
 # Jobs on this machine hand their scripts to a warm process that imported torch, transformers and
-# peft once, rather than each importing them anew (vlft.warm_start; never under SLURM). 0 turns it off.
+# peft once, rather than each importing them anew (vlft.jobs.warm_start; never under SLURM). 0 turns it off.
 os.environ.setdefault("VLFT_WARM_START", "1")
 # The datasets the demo builds, by name: {kind, sizes, seed}.
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})

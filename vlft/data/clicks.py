@@ -1,0 +1,146 @@
+"""Click prediction: an image and an instruction in, a point out, judged by whether it lands in the
+target element's box.
+
+Records give the target in pixels of the original image: a `point`, or a `box` [x1, y1, x2, y2]
+whose centre is the target when no point is given. The model is taught and read in its family's
+own coordinates: Qwen3-VL and Qwen2-VL locate on a 0-1000 grid relative to the image, Qwen2.5-VL in
+absolute pixels of the image as resized for it (the very resize the pixel cache made, read off the
+cache's patch grid). An answer is parsed from any of the forms these models emit, clamped to the
+image, mapped back to original pixels and scored there.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from vlft.data.answers import final_answer
+from vlft.errors import ConfigError, InputError
+
+RELATIVE_GRID = 1000
+# The coordinates each family was pretrained to give (by the `model_type` of its config).
+COORDINATES_OF_FAMILY = {
+    "qwen3_vl": "relative",
+    "qwen3_vl_moe": "relative",
+    "qwen2_vl": "relative",
+    "qwen2_5_vl": "absolute",
+}
+# A number on its own: not part of a word such as "point_2d" or "bbox_2d".
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w])")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One image as the model sees it: original size, resized size, the family's coordinates."""
+
+    width: int
+    height: int
+    resized_width: int
+    resized_height: int
+    coordinates: str  # "relative" (0-1000 of the image) or "absolute" (pixels of the resized image)
+
+    def _scale(self) -> tuple[float, float]:
+        """Model units per original pixel, along x and y."""
+        if self.coordinates == "relative":
+            return RELATIVE_GRID / self.width, RELATIVE_GRID / self.height
+        return self.resized_width / self.width, self.resized_height / self.height
+
+    def _limits(self) -> tuple[int, int]:
+        if self.coordinates == "relative":
+            return RELATIVE_GRID, RELATIVE_GRID
+        return self.resized_width, self.resized_height
+
+    def to_model(self, x: float, y: float) -> tuple[int, int]:
+        """Original pixels -> the integer point the model is taught to say."""
+        sx, sy = self._scale()
+        lx, ly = self._limits()
+        return min(max(round(x * sx), 0), lx), min(max(round(y * sy), 0), ly)
+
+    def to_original(self, x: float, y: float) -> tuple[float, float]:
+        """A point the model said -> original pixels, clamped to the image."""
+        sx, sy = self._scale()
+        lx, ly = self._limits()
+        return min(max(x, 0), lx) / sx, min(max(y, 0), ly) / sy
+
+
+@dataclass(frozen=True)
+class Convention:
+    """How one model family locates: its coordinates and the pixel size of a patch of its grid."""
+
+    coordinates: str
+    patch_size: int
+
+    @classmethod
+    def of(cls, model_config) -> "Convention":
+        family = model_config.model_type
+        if family not in COORDINATES_OF_FAMILY:
+            known = ", ".join(sorted(COORDINATES_OF_FAMILY))
+            raise ConfigError(
+                f"answer_format: click needs a model family whose coordinates are known ({known}), not '{family}'"
+            )
+        return cls(COORDINATES_OF_FAMILY[family], model_config.vision_config.patch_size)
+
+    def frame(self, record: dict, grid_thw: list[int]) -> Frame:
+        """The frame of a prepared record whose image the cache holds with this patch grid."""
+        _, grid_h, grid_w = grid_thw
+        return Frame(
+            record["width"], record["height"], grid_w * self.patch_size, grid_h * self.patch_size, self.coordinates
+        )
+
+
+def target_point(record: dict, where: str) -> tuple[float, float]:
+    """The point to click, in original pixels: the record's point, or its box's centre."""
+    if record.get("point") is not None:
+        return tuple(record["point"])
+    if record.get("box") is not None:
+        x1, y1, x2, y2 = record["box"]
+        return (x1 + x2) / 2, (y1 + y2) / 2
+    raise InputError(where, f"record {record['id']} has neither a point nor a box to click")
+
+
+def point_text(x: int, y: int) -> str:
+    return f"({x}, {y})"
+
+
+def target_text(record: dict, frame: Frame, where: str) -> str:
+    """What a click stage trains the model to say for this record."""
+    return point_text(*frame.to_model(*target_point(record, where)))
+
+
+def parse_point(text: str) -> tuple[float, float] | None:
+    """The point an answer gives, in the model's units: '(x, y)', '[x, y]', '{"point_2d": [x, y]}',
+    'x=.., y=..', '<point>x y</point>', or a box (four numbers, '(x1,y1),(x2,y2)', "bbox_2d") whose
+    centre is taken; None when it gives none."""
+    numbers = [float(n) for n in NUMBER.findall(final_answer(text))]
+    if len(numbers) >= 4:
+        x1, y1, x2, y2 = numbers[:4]
+        return (x1 + x2) / 2, (y1 + y2) / 2
+    if len(numbers) >= 2:
+        return numbers[0], numbers[1]
+    return None
+
+
+def in_box(x: float, y: float, box: list[float]) -> bool:
+    """Inside or on the edge of [x1, y1, x2, y2]."""
+    x1, y1, x2, y2 = box
+    return x1 <= x <= x2 and y1 <= y <= y2
+
+
+def score(record: dict, answer: str, frame: Frame, where: str) -> dict:
+    """A click answer judged in original pixels: the point, whether it is in the target box, and
+    its distance to the target over the image's diagonal. An answer without a point is wrong, and
+    counted as unparseable. A record with a point and no box has no box to land in: its `correct`
+    is None, and only the distance judges it."""
+    target = target_point(record, where)
+    box = record.get("box")
+    said = parse_point(answer)
+    if said is None:
+        return {"point": None, "correct": False if box else None, "parsed": False, "distance": None}
+    x, y = frame.to_original(*said)
+    return {
+        "point": [round(x, 2), round(y, 2)],
+        "correct": in_box(x, y, box) if box else None,
+        "parsed": True,
+        "distance": math.dist((x, y), target) / math.hypot(frame.width, frame.height),
+    }

@@ -1,0 +1,248 @@
+"""Chat-format JSON or JSONL as LLaMA-Factory, ms-swift and LLaVA publish it, brought to records.
+
+Read: sharegpt `conversations` (from / value) with `images` or LLaVA's `image`; `messages`
+(role / content) with `images`; content as text with `<image>` markers or as typed parts
+(`{"type": "image_url" | "image" | "text", "value" | "text" | "image_url": ...}`, LLaMA-Factory's
+v1 format and OpenAI's); a system turn (a first `system` message, or sharegpt's `system` field);
+ms-swift's sharegpt (`conversation`: [{human, assistant}]) and query / response / history rows;
+ms-swift's grounding rows (`objects: {ref, bbox}` with `<ref-object>` and `<bbox>` in the text).
+
+A conversation of n rounds on one image becomes n records, each with the rounds before it as its
+`history` (the loss is on its own answer). One image per conversation, shown in its first user
+turn; the same file shown again in a later turn is that image (counted in the summary). Rows
+without an image are skipped and counted; everything else that does not fit (two images, a URL, a
+tool turn, a preference pair) is refused with the file, the row and the reason, never cut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlft.errors import InputError
+from vlft.data.importers.common import UniqueIds, json_rows, write_splits
+
+ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+IMAGE_MARKER = "<image>"
+PREFERENCE_FIELDS = ("rejected_response", "rejected_messages", "rejected", "chosen_messages", "chosen")
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train") -> dict:
+    """Records from chat files; image paths stay relative to `image_root` (images are not copied)."""
+    records, ids = [], UniqueIds()
+    counts = {"conversations": 0, "skipped_without_image": 0, "image_shown_again": 0, "grounding_rows": 0}
+    for path in files:
+        for where, row in json_rows(path):
+            conversation = Conversation.read(row, where, Path(image_root))
+            if conversation is None:
+                counts["skipped_without_image"] += 1
+                continue
+            counts["conversations"] += 1
+            counts["image_shown_again"] += conversation.shown_again
+            counts["grounding_rows"] += bool(conversation.extra)
+            base_id = str(row.get("id", f"{Path(path).stem}-{where[1]}"))
+            for record in conversation.records(base_id):
+                ids.add(record["id"], where)
+                records.append(record)
+    write_splits(out_dir, {split: records})
+    return {"records": len(records), **counts, "splits": {split: len(records)}}
+
+
+class Conversation:
+    """One image, an optional system prompt and rounds of (question, answer)."""
+
+    def __init__(self, image: str, system: str | None, rounds: list[tuple[str, str]], shown_again: int, extra: dict):
+        self.image, self.system, self.rounds, self.shown_again, self.extra = image, system, rounds, shown_again, extra
+
+    def records(self, base_id: str) -> list[dict]:
+        out = []
+        for n, (question, answer) in enumerate(self.rounds):
+            record = {"id": base_id if len(self.rounds) == 1 else f"{base_id}-{n + 1}", "image": self.image}
+            if self.system:
+                record["system"] = self.system
+            if n:
+                record["history"] = [{"question": q, "answer": a} for q, a in self.rounds[:n]]
+            out.append(dict(record, question=question, answer=answer, **self.extra))
+        return out
+
+    @classmethod
+    def read(cls, row, where, image_root: Path) -> "Conversation | None":
+        path, number = where
+        if not isinstance(row, dict):
+            raise InputError(path, "each record must be a JSON object", number)
+        if preference := [f for f in PREFERENCE_FIELDS if f in row]:
+            raise InputError(
+                path,
+                f"a preference pair ({', '.join(preference)}): this project trains on answers (SFT), not on "
+                "chosen/rejected pairs; keep the chosen answer as the assistant turn to import it",
+                number,
+            )
+        turns = _turns(row, where)
+        system = row.get("system")
+        if turns and turns[0][0] == "system":
+            system = turns.pop(0)[1]
+        system = _content(system, where, "system")[0] if system is not None else None
+        roles = [role for role, _ in turns]
+        if not roles or roles != ["user", "assistant"] * (len(roles) // 2) or len(roles) % 2:
+            raise InputError(
+                path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number
+            )
+        texts, images_by_turn = [], []
+        for n, (_, content) in enumerate(turns):
+            text, images = _content(content, where, f"turn {n + 1}")
+            texts.append(text)
+            images_by_turn.append(images)
+        listed = row.get("images", row.get("image", []))
+        listed = [listed] if isinstance(listed, str) else listed
+        if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
+            raise InputError(path, f"must be a list of paths, not {listed!r}", number, "images")
+        images = listed + [image for turn in images_by_turn for image in turn]
+        if not images:
+            if any(IMAGE_MARKER in t for t in texts):
+                raise InputError(path, f"has {IMAGE_MARKER} in its text but names no image", number, "images")
+            return None
+        distinct = list(dict.fromkeys(images))
+        if len(distinct) > 1:
+            raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
+        first_shown = next((n for n, t in enumerate(texts) if IMAGE_MARKER in t), None)
+        parts_first = next((n for n, imgs in enumerate(images_by_turn) if imgs), None)
+        shown = [n for n in (first_shown, parts_first) if n is not None]
+        if shown and min(shown) != 0:
+            raise InputError(
+                path,
+                f"its image is first shown in turn {min(shown) + 1}; a record shows its image in its first question",
+                number,
+            )
+        markers = sum(t.count(IMAGE_MARKER) for t in texts) + sum(map(len, images_by_turn))
+        texts = [t.replace(IMAGE_MARKER, "").strip() for t in texts]
+        rounds = list(zip(texts[0::2], texts[1::2]))
+        for n, (question, answer) in enumerate(rounds, start=1):
+            if not question or not answer:
+                raise InputError(path, f"an empty question or answer in round {n}", number)
+        image, extra = _relative(distinct[0], image_root, where), {}
+        if "objects" in row:
+            rounds, extra = _grounding(row, rounds, where, image_root / image)
+        elif any("<ref-object>" in t or "<bbox>" in t for pair in rounds for t in pair):
+            raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
+        return cls(image, system, rounds, max(0, markers - 1), extra)
+
+
+def _turns(row: dict, where) -> list[tuple[str, object]]:
+    """(role, content) of each turn, from any of the published layouts: `messages` (role /
+    content), `conversations` (from / value, as sharegpt and LLaVA write it), ms-swift's sharegpt
+    `conversation` ([{human, assistant}]) and its query / response / history ([[query, response]])."""
+    path, number = where
+    if "conversation" in row and "conversations" not in row:
+        pairs = row["conversation"]
+        if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
+            raise InputError(path, "must be a list of {human, assistant}", number, "conversation")
+        return [t for p in pairs for t in (("user", p.get("human")), ("assistant", p.get("assistant")))]
+    if "query" in row and "messages" not in row:
+        history = row.get("history") or []
+        if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+            raise InputError(path, "must be a list of [query, response] pairs", number, "history")
+        pairs = history + [[row["query"], row.get("response")]]
+        return [t for q, r in pairs for t in (("user", q), ("assistant", r))]
+    if "messages" in row:
+        raw = row["messages"]
+    elif "conversations" in row:
+        raw = row["conversations"]
+    else:
+        raise InputError(path, "none of 'messages', 'conversations', 'conversation' or 'query'", number)
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise InputError(path, "must be a list of turns", number, "messages" if "messages" in row else "conversations")
+    turns = []
+    for message in raw:
+        role = message.get("role", message.get("from"))
+        if role not in ROLES:
+            raise InputError(path, f"a turn of role {role!r}: only system, user and assistant turns are taken", number)
+        turns.append((ROLES[role], message.get("content", message.get("value"))))
+    return turns
+
+
+def _content(content, where, what: str) -> tuple[str, list[str]]:
+    """A turn's text (its `<image>` markers left in) and the images its typed parts name."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise InputError(where[0], f"{what}: content must be text or a list of parts, not {content!r}", where[1])
+    texts, images = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("value", part.get("text", ""))))
+        elif kind in IMAGE_PART_TYPES:
+            value = part.get("value", part.get(kind))
+            value = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(value, str):
+                raise InputError(where[0], f"{what}: an image part without a path: {part!r}", where[1])
+            images.append(value)
+        else:
+            raise InputError(
+                where[0], f"{what}: a part of type {kind!r}: only text and image parts are taken", where[1]
+            )
+    return "\n".join(texts), images
+
+
+def _relative(image: str, image_root: Path, where) -> str:
+    """The image's path relative to `image_root`; a URL is refused (nothing is downloaded at run time)."""
+    if "://" in image:
+        raise InputError(
+            where[0],
+            f"image {image} is a URL: download it and name the file (nothing is downloaded at run time)",
+            where[1],
+            "images",
+        )
+    path = Path(image)
+    if path.is_absolute():
+        try:
+            path = path.relative_to(image_root.resolve())
+        except ValueError:
+            raise InputError(where[0], f"image {image} is not under {image_root}", where[1], "images") from None
+    return str(path)
+
+
+def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path) -> tuple[list, dict]:
+    """ms-swift's grounding row as a click record. ms-swift fills `<ref-object>` placeholders with
+    `objects.ref` and `<bbox>` ones with `objects.bbox`, each in order through the conversation; a
+    row whose answer places one box asks for one target: its question (the referring expressions
+    filled in) and that box (pixels, corners) make the record, the box's centre its answer. Refused
+    where it places several boxes or none, or asks about a box instead of for one."""
+    from vlft.data.records import check_image
+
+    path, number = where
+    objects = row["objects"] if isinstance(row["objects"], dict) else {}
+    refs, boxes = list(objects.get("ref") or []), list(objects.get("bbox") or [])
+    if len(rounds) != 1:
+        raise InputError(path, f"a grounding row of {len(rounds)} rounds: a click record has one", number, "objects")
+    question, answer = rounds[0]
+    if "<bbox>" in question:
+        raise InputError(path, "asks about a box (<bbox> in the question): a click record asks for a target", number)
+    placed = answer.count("<bbox>")
+    if placed != 1 or len(boxes) != 1:
+        raise InputError(
+            path,
+            f"asks for {max(placed, len(boxes))} targets ({placed} <bbox> in the answer, {len(boxes)} in objects.bbox): "
+            "a click record has one",
+            number,
+            "objects",
+        )
+    asked = question.count("<ref-object>")
+    if asked > len(refs):
+        raise InputError(path, f"{asked} <ref-object> in the question, {len(refs)} in objects.ref", number, "objects")
+    for ref in refs[:asked]:
+        question = question.replace("<ref-object>", str(ref), 1)
+    box = boxes[0]
+    if not (isinstance(box, list) and len(box) in (2, 4) and all(isinstance(v, (int, float)) for v in box)):
+        raise InputError(path, f"must be 2 numbers (a point) or 4 (a box), not {box!r}", number, "objects.bbox")
+    kind = objects.get("bbox_type", "real")
+    if kind == "norm1":  # fractions of the image's width and height
+        size = check_image(image_file)
+        if isinstance(size, str):
+            raise InputError(path, f"{size}: {image_file} (its size turns the norm1 box into pixels)", number)
+        box = [round(v * size[i % 2], 2) for i, v in enumerate(box)]
+    elif kind != "real":
+        raise InputError(path, f"bbox_type {kind!r}: only 'real' (pixels) and 'norm1' are read", number, "objects")
+    if len(box) == 2:  # a point to click, as ms-swift's "click(start_box='<bbox>')" example has
+        return [(question, f"({box[0]:g}, {box[1]:g})")], {"point": box}
+    x1, y1, x2, y2 = box
+    return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": box}

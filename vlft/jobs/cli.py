@@ -1,0 +1,62 @@
+"""What the command-line entry points share: a first line saying where the job runs, and bad input
+ending in one line naming the file and line, not a traceback; Ctrl-C too ends in one line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import datetime
+
+from vlft.jobs import warm_start
+from vlft.errors import ConfigError, DeviceError, InputError, StorageError
+
+
+def describe_placement() -> str:
+    """Host and the GPUs this job may use, as SLURM or vlft.jobs.gpus handed them out: a GPU job
+    shows its own CUDA_VISIBLE_DEVICES, a CPU job on SLURM shows none."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "none")
+    job = os.environ.get("SLURM_JOB_ID")
+    where = f"host {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
+    warm = " (run by a warm process, vlft.jobs.warm_start)" if warm_start.serving_a_job() else ""
+    return f"{where}, CUDA_VISIBLE_DEVICES={gpus}; started {datetime.now():%Y-%m-%d %H:%M:%S.%f}{warm}"
+
+
+def add_cpu_fallback_argument(parser) -> None:
+    """Whether a job that asked for GPUs may run on the CPU where none is usable (vlft.modeling.require_gpus)."""
+    parser.add_argument(
+        "--cpu-fallback",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="1: run on the CPU where no GPU is usable (the config's cpu_fallback)",
+    )
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Keep torch's CPU work inside the CPUs the job was given."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
+def run(main) -> None:
+    rank = os.environ.get("RANK")
+    script = os.path.basename(sys.argv[0])
+    try:
+        # Said once a job: the processes of a data-parallel job (started with RANK set) say it
+        # through the process that started them. On stdout: stderr stays for errors, one line each.
+        if rank is None:
+            print(f"{script}: {describe_placement()}", flush=True)
+        main()
+    except (InputError, ConfigError, DeviceError, StorageError) as err:
+        if rank in (None, "0"):
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        # Ended here by SIGINT, after the exit handlers, as Python ends on an uncaught
+        # KeyboardInterrupt: the job's shell and a warm start's job process read it as an interrupted
+        # job. Python's own ending gives exit status 1 instead where scikit-learn is imported (peft
+        # imports it), and it would wait for the job's other threads, one maybe stuck on what was
+        # interrupted.
+        warm_start.end_interrupted(say=rank in (None, "0"))

@@ -1,0 +1,53 @@
+"""Live training curves in TensorBoard: one run a stage, under results/tensorboard/<experiment>/<stage>,
+so that `tensorboard --logdir results/tensorboard` shows every stage of a study side by side while
+they train.
+
+The per-step log (log.jsonl) stays the record the report reads; these are the same numbers, written
+as they come. A stage resumed from a checkpoint continues its curves: TensorBoard's purge step drops
+what the stopped attempt wrote past the checkpoint, the steps now trained again. A stage that starts
+from step 0 (new settings, or a forced rerun) starts its curves afresh.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+from vlft.files import remove_inside
+
+# The per-step log's fields drawn, each as train/<name>.
+SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "memory_gb")
+FLUSH_S = 30  # how stale a curve may be while a stage trains
+
+
+class Curves:
+    def __init__(self, log_dir: str | Path, first_step: int, steps_before: int = 0):
+        """`first_step`: the steps already done, restored from a checkpoint (0 for none);
+        `steps_before`: those of the stages this one starts from, after which its curves go on."""
+        log_dir = Path(log_dir)
+        if first_step == 0:
+            remove_inside(log_dir, log_dir.parent)
+        self.offset = steps_before
+        # Steps are counted from 1 in the log: the purge drops what the stopped attempt wrote after first_step.
+        purge = steps_before + first_step + 1 if first_step else None
+        self.writer = SummaryWriter(log_dir, purge_step=purge, flush_secs=FLUSH_S)
+
+    def add(self, record: dict) -> None:
+        """One line of the per-step log."""
+        for name in SCALARS:
+            self.writer.add_scalar(f"train/{name}", record[name], self.offset + record["step"])
+
+    def add_evaluation(self, record: dict) -> None:
+        """An evaluation during training (vlft.training.step_evals): accuracy, by category, validation loss."""
+        step = self.offset + record["step"]
+        self.writer.add_scalar("eval/accuracy", record["accuracy"], step)
+        self.writer.add_scalar("eval/loss", record["loss"], step)
+        for category, accuracy in record["accuracy_by_category"].items():
+            self.writer.add_scalar(f"eval/accuracy/{category}", accuracy, step)
+
+    def __enter__(self) -> "Curves":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.writer.close()

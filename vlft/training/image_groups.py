@@ -1,0 +1,135 @@
+"""Image groups: the questions asked about one image, computed with the image once.
+
+Every prompt starts with the template's header and then the image; the question follows. For the
+questions on one image that prefix is the same token for token, and under causal attention its
+hidden states do not depend on anything after it. So a group is laid out as the prefix once and
+each question's own tokens after it (vlft.training.packing.pack_groups): each question attends to the whole
+prefix and causally to itself, never to another question, at the M-RoPE positions it has alone. Its
+logits, loss and gradients are then the ones it gets alone: the backward pass sums the questions'
+gradients into the one prefix, as separate copies would sum them into the weights (summation order
+aside). The vision tower, or the vision cache, is read once per group too.
+
+Not the same with LoRA dropout > 0: the prefix draws one dropout mask for all its questions instead
+of one each (the same expectation, correlated draws). Across optimizer steps nothing is shared: the
+adapter changes the language model's view of the image every step.
+
+Which samples share a step changes with grouping (all of an image's questions go into one step,
+vlft.training.steps), so it is a stage option (`image_groups`), off by default; with it off every
+group is one sample and the layout is the plain packed row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlft.data.prompts import Sample
+
+
+@dataclass
+class ImageGroup:
+    """Samples laid out with their first `shared` tokens once: the header and the image they share."""
+
+    samples: list[Sample]
+    shared: int
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> "ImageGroup":
+        return cls(samples, shared_prefix_length(samples))
+
+    @property
+    def tokens(self) -> int:
+        """The group's length laid out: the shared prefix once, then each sample's own tokens."""
+        return self.shared + sum(len(s.input_ids) - self.shared for s in self.samples)
+
+
+def shared_prefix_length(samples: list[Sample]) -> int:
+    """The leading tokens every sample has in common, short of each one's last prompt token (it
+    predicts the sample's first answer token, so each keeps its own); 0 for a sample alone."""
+    if len(samples) < 2:
+        return 0
+    return common_prefix([s.input_ids for s in samples], min(s.prompt_length for s in samples) - 1)
+
+
+def common_prefix(sequences: list[list[int]], limit: int) -> int:
+    """How many leading tokens all `sequences` have in common, at most `limit`."""
+    first, length = sequences[0], 0
+    while length < limit and all(seq[length] == first[length] for seq in sequences):
+        length += 1
+    return length
+
+
+@dataclass
+class RowLayout:
+    """Where the samples of image groups lie in one row, and which row positions each attends to.
+
+    A group's first sample lies whole (the prefix with it), each other sample's own tokens after
+    it; each sample's keys are the group's prefix, then its own tokens."""
+
+    segments: list[tuple[int, int]]  # each sample's own stretch of the row, its queries
+    key_spans: list[list[tuple[int, int]]]  # each sample's keys: the row's stretches, in order
+
+    @classmethod
+    def of(cls, groups: list[tuple[int, list[int]]]) -> "RowLayout":
+        """From each group's shared prefix length and its samples' whole lengths."""
+        segments, key_spans, start = [], [], 0
+        for shared, lengths in groups:
+            prefix = (start, start + shared)
+            for n, length in enumerate(lengths):
+                own = length - (shared if n else 0)
+                segments.append((start, start + own))
+                key_spans.append([(start, start + own)] if n == 0 else [prefix, (start, start + own)])
+                start += own
+        return cls(segments, key_spans)
+
+    def attention_inputs(self) -> dict:
+        """What vlft.training.packing.packed_attention takes for this row (on the host): the segments'
+        bounds, and where a segment's keys are not just its own tokens, the keys' row positions."""
+        query_lengths = [end - start for start, end in self.segments]
+        key_lengths = [sum(end - start for start, end in spans) for spans in self.key_spans]
+        inputs = {
+            "packed_cu_seqlens": torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32),
+            "packed_max_seqlen": max(query_lengths),
+        }
+        if key_lengths != query_lengths:
+            spans = [span for sample in self.key_spans for span in sample]
+            inputs["packed_key_index"] = torch.cat([torch.arange(start, end) for start, end in spans])
+            inputs["packed_cu_seqlens_k"] = torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32)
+            inputs["packed_max_seqlen_k"] = max(key_lengths)
+        return inputs
+
+
+def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | None) -> list[ImageGroup]:
+    """A group cut into groups of at most `max_tokens` tokens and `max_samples` samples, each
+    with the prefix of its own (a sample that exceeds the budget alone gets a group of its own)."""
+    parts, current = [], []
+    for sample in group.samples:
+        candidate = ImageGroup(current + [sample], group.shared)
+        too_long = max_tokens is not None and candidate.tokens > max_tokens
+        too_many = max_samples is not None and len(candidate.samples) > max_samples
+        if current and (too_long or too_many):
+            parts.append(current)
+            current = []
+        current.append(sample)
+    parts.append(current)
+    return [ImageGroup.of(part) for part in parts]
+
+
+def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: int | None) -> list[list[ImageGroup]]:
+    """A step's groups in rows of at most `max_tokens` tokens (and `max_samples` samples): groups
+    cut to fit, then first fit by decreasing length (a part longer than the budget gets a row of its
+    own). Samples alone (vlft.training.packing.packed_batches) are groups of one."""
+    parts = [part for group in groups for part in within_budget(group, max_tokens, max_samples)]
+    rows: list[list[ImageGroup]] = []
+    room: list[tuple[float, float]] = []
+    for part in sorted(parts, key=lambda g: g.tokens, reverse=True):
+        size = (part.tokens, len(part.samples))
+        row = next((i for i, left in enumerate(room) if left[0] >= size[0] and left[1] >= size[1]), None)
+        if row is None:
+            rows.append([])
+            room.append((max_tokens or float("inf"), max_samples or float("inf")))
+            row = len(rows) - 1
+        rows[row].append(part)
+        room[row] = (room[row][0] - size[0], room[row][1] - size[1])
+    return rows

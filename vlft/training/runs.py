@@ -1,0 +1,156 @@
+"""A stage's run directory: where its checkpoints, running logs and finished outputs live until the
+workflow's paths hold them (results/checkpoints/<experiment>/<stage>/<fingerprint>/).
+
+Named by a fingerprint of the stage's settings and the content of its inputs, so a rerun after a kill
+resumes and a rerun after a change starts over. A run that finished its steps is kept (`finished/`)
+and restored rather than trained again where publishing it never completed (a full disk, a kill
+while it copied), and, on a retry, where the attempt before may have published it and been stopped
+just after. The trained stage it publishes is vlft.training.stage_dir.TrainedStage's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlft.caches.integrity import adapter_checksums, verify_adapter
+from vlft.caches.shards import INDEX
+from vlft.errors import InputError
+from vlft.files import atomic_path, remove_inside, write_json
+from vlft.plan import LEFT_OUT_WITH
+from vlft.training import checkpoints, step_evals
+
+# In a run directory: the outputs of a run that finished its steps, and in them, until they have
+# reached the workflow's paths whole, a mark that they have not. (A mark of what is missing, so that
+# a finished run of an earlier version, which has none, counts as published.)
+FINISHED = "finished"
+UNPUBLISHED = "unpublished"
+RUNNING_LOG = "log.jsonl"
+
+
+@dataclass
+class StageInputs:
+    model_dir: str
+    prepared: list[str]  # normalized JSONL of each training split
+    caches: list[str]  # pixel cache of each training split, same order
+    init_adapter: str | None  # adapter of the stage this one starts from
+    trust_remote_code: bool = False
+    # Where it evaluates as it trains (`eval_every`): the prepared split and its cache (of the kind it trains from).
+    eval_prepared: str | None = None
+    eval_cache: str | None = None
+
+    def files(self) -> list[Path]:
+        """The files whose content a stage computes from: its records, its caches' indexes (each
+        image's checksum), the adapter it starts from."""
+        files = [Path(p) for p in self.prepared] + [Path(c) / INDEX for c in self.caches]
+        if self.init_adapter:
+            files.append(Path(self.init_adapter) / "adapter_model.safetensors")
+        return files
+
+    def eval_files(self) -> list[Path]:
+        """The files its evaluations during training read, where it has them."""
+        return [Path(self.eval_prepared), Path(self.eval_cache) / INDEX] if self.eval_prepared else []
+
+
+@dataclass
+class StageOutputs:
+    adapter: Path
+    log: Path
+    summary: Path
+
+
+class RunDirectory:
+    def __init__(self, checkpoint_root: str | Path, inputs: StageInputs, settings: dict, clean: bool):
+        """This exact stage's directory; those of the stage's earlier settings go (`clean`: the
+        main process's): no run of this stage will resume them."""
+        root = Path(checkpoint_root)
+        self.path = root / checkpoints.fingerprint(settings, inputs.files() + inputs.eval_files())
+        for earlier in root.glob("*") if clean else ():
+            if earlier != self.path:
+                remove_inside(earlier, root)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.finished = self.path / FINISHED
+        self.running_log = self.path / RUNNING_LOG
+
+    def restorable(self, retry: bool) -> bool:
+        """Whether a finished run's outputs are to be published instead of training: they never
+        reached the workflow's paths whole, or this job is a retry that may have been stopped after
+        they did."""
+        return (self.finished / "summary.json").exists() and (retry or (self.finished / UNPUBLISHED).exists())
+
+    def restore(self, outputs: StageOutputs) -> dict | None:
+        """Publish the outputs of an earlier run that finished its steps; None where its adapter was
+        damaged since (it is removed, and the stage trains)."""
+        try:
+            verify_adapter(self.finished / "adapter")
+        except InputError as err:
+            print(f"cannot restore the finished run ({err}): training the stage", flush=True)
+            remove_inside(self.finished, self.path)
+            return None
+        print(
+            f"this stage finished its steps in an earlier run: restoring its outputs from {self.finished}", flush=True
+        )
+        return self.publish(outputs)
+
+    def resume(self, model, optimizer, scheduler, is_main: bool) -> int:
+        """Restore the newest complete checkpoint, if any; the step it was saved after (0 for none).
+        The main process cuts its logs back to that step: what came after is trained again."""
+        first_step = 0
+        if (checkpoint := checkpoints.latest(self.path)) is not None:
+            first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
+            if is_main:  # the others' go unsaid
+                print(f"resuming from step {first_step} ({checkpoint})", flush=True)
+        if is_main:
+            checkpoints.truncate_log(self.running_log, first_step)
+        return first_step
+
+    def save_checkpoint(self, step: int, model, optimizer, scheduler) -> None:
+        checkpoints.save(self.path, step, model, optimizer, scheduler)
+
+    def finish(self, summary: dict, model, kept_step: int | None) -> None:
+        """Keep the finished outputs in the run directory (the adapter after the last step, or the
+        kept best's), marked unpublished, and drop what only a resume needed."""
+        with atomic_path(self.finished) as tmp:
+            tmp.mkdir()
+            if kept_step is not None:
+                shutil.copytree(self.path / f"{step_evals.BEST_PREFIX}{kept_step:08d}", tmp / "adapter")
+            else:
+                model.save_pretrained(tmp / "adapter")
+            summary["adapter_crc32"] = adapter_checksums(tmp / "adapter")  # checked wherever it is loaded
+            shutil.copyfile(self.running_log, tmp / "log.jsonl")
+            write_json(tmp / "summary.json", summary)
+            (tmp / UNPUBLISHED).touch()
+        for checkpoint in [*self.path.glob("step-*"), *step_evals.best_dirs(self.path).values()]:
+            remove_inside(checkpoint, self.path)
+        self.running_log.unlink()
+        (self.path / step_evals.EVALS_LOG).unlink(missing_ok=True)
+
+    def publish(self, outputs: StageOutputs) -> dict:
+        """Copy the finished outputs to the workflow's paths, each complete or not at all, then remove
+        the mark that they are not: until then, any rerun restores them."""
+        with atomic_path(outputs.adapter) as tmp:
+            shutil.copytree(self.finished / "adapter", tmp)
+        for name, target in (("log.jsonl", outputs.log), ("summary.json", outputs.summary)):
+            with atomic_path(target) as tmp:
+                shutil.copyfile(self.finished / name, tmp)
+        (self.finished / UNPUBLISHED).unlink(missing_ok=True)
+        return json.loads((self.finished / "summary.json").read_text())
+
+    def finished_summary(self) -> dict:
+        return json.loads((self.finished / "summary.json").read_text())
+
+
+def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:
+    """What a stage trained on, however its config said it: its inputs' content, its settings with
+    the filter replaced by the records it selected (and without the splits it is evaluated on), and
+    every step's records in order. Two stages with one fingerprint compute the same adapter (the
+    report says so: a repeat is no second finding)."""
+    left_out, files = ["filter", "eval_splits"], inputs.files()
+    if settings.get("keep", "last") == "last":  # evaluating as it trains changes nothing it trains
+        left_out += ["eval_every", *LEFT_OUT_WITH, "evaluation"]
+    else:
+        files += inputs.eval_files()
+    computed = {k: v for k, v in settings.items() if k not in left_out} | {"steps": steps}
+    return checkpoints.fingerprint(computed, files)

@@ -1,0 +1,385 @@
+"""Train one stage: LoRA on the language model, from the pixel or vision cache, resumable, stoppable at any step.
+
+A plain loop rather than transformers.Trainer: the stage's sample order is part of the experiment
+(curricula), batches come from our caches (pixels, or the frozen vision tower's outputs) packed
+into rows under a token budget, the loss is computed on answer tokens only and summed across
+gradient accumulation, and a signal from SLURM or the job's time limit coming close must end in a
+checkpoint at a step boundary (vlft.jobs.stopping). Each of those is a fight with Trainer's sampler,
+collator and resume logic; here they are a few lines each. A job given several GPUs runs this in
+one process each, every step's samples shared out among them and the gradients summed
+(vlft.jobs.distributed): the step one process would take.
+
+`train_stage` reads as a recipe: one setup per concern (the run directory, the base model, the
+stage's data and step plan, the evaluation during training, the model with its adapter, the
+optimizer and schedule, the token budget), then the loop, then the finished outputs published.
+What a step trains on and how its loss is computed is the training method's
+(vlft.training.methods); the loop knows nothing of which method runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from vlft.data import clicks
+from vlft.data.prompts import PromptBuilder
+from vlft.data.stage_data import StageData, load_stage_data, uses_vision_cache
+from vlft.caches.vision_cache import use_vision_cache
+from vlft.errors import ConfigError
+from vlft.jobs import distributed
+from vlft.jobs.stopping import StopRequest
+from vlft.modeling import (
+    adapter_autocast,
+    load_base_model,
+    load_tokenizer,
+    pick_device,
+    rope_index,
+    unwrapped,
+    use_activation_checkpointing,
+    with_adapter,
+    with_new_adapter,
+)
+from vlft.plan import schedule_problem, warmup_steps
+from vlft.training import step_evals, token_budget
+from vlft.training.batching import prefetched, to_device
+from vlft.training.host_batches import HostBatcher
+from vlft.training.methods import SupervisedFineTuning, TrainingMethod
+from vlft.training.packing import use_packed_attention
+from vlft.training.runs import RunDirectory, StageInputs, StageOutputs, training_fingerprint
+from vlft.training.step_log import StepLog, throughput
+from vlft.training.steps import image_of, plan_steps
+
+# The settings that say how a stage's model reads images and answers (vlft.plan.Plan.eval_settings').
+ANSWERING_KEYS = ("answer_format", "min_pixels", "max_pixels", "max_seq_len")
+
+__all__ = ["Preempted", "StageInputs", "train_stage", "compile_decoder_layers"]
+
+
+class Preempted(Exception):
+    """Raised after a stop request (a signal, the time limit near) and a saved checkpoint."""
+
+
+def train_stage(
+    inputs: StageInputs,
+    settings: dict,
+    adapter_out: str | Path,
+    log_out: str | Path,
+    summary_out: str | Path,
+    checkpoint_root: str | Path,
+    checkpoint_every: int,
+    stop: StopRequest | None = None,
+    dtype: torch.dtype | None = None,
+    reuse_finished: bool = False,
+    curves_dir: str | Path | None = None,
+    activation_checkpointing: bool = False,
+) -> dict:
+    """Train the stage, or restore it where an earlier run finished its steps but publishing them
+    never completed (vlft.training.runs; with `reuse_finished`, this job is a retry that may have
+    been stopped just after). `dtype`: the model's, by default the device's (bf16 on a GPU, float32
+    on the CPU); tests train in float64 to compare two layouts of one computation beyond float32
+    rounding. In a data-parallel job every process calls this; the main one alone writes files.
+    `curves_dir`: where the stage's TensorBoard run goes (vlft.training.curves).
+    `activation_checkpointing`: recompute activations in the backward pass (less memory, the same
+    result: a setting of how the job runs, not of what it computes). With `eval_every` in the
+    settings, the stage evaluates as it trains, as `settings["evaluation"]` says."""
+    started, group = time.time(), distributed.join()
+    outputs = StageOutputs(Path(adapter_out), Path(log_out), Path(summary_out))
+    run = RunDirectory(checkpoint_root, inputs, settings, clean=group.is_main)
+    if (restored := _restore_if_finished(run, outputs, reuse_finished, group)) is not None:
+        return restored
+    device, device_dtype = pick_device()
+    dtype = dtype or device_dtype
+    torch.manual_seed(settings["seed"])
+
+    # Setup, one concern at a time.
+    tokenizer = load_tokenizer(inputs.model_dir, inputs.trust_remote_code)
+    # quantization_bit is absent while off (vlft.plan.LEFT_OUT_WHEN_OFF).
+    base = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code, settings.get("quantization_bit"))
+    builder = PromptBuilder(tokenizer, base.config.image_token_id)
+    data = _setup_data(inputs.prepared, inputs.caches, settings, builder, base.config)
+    # image_groups is absent while off (vlft.plan.LEFT_OUT_WHEN_OFF): each record is then a group of its own.
+    steps = plan_steps(data.records, settings, image_of(data.images) if settings.get("image_groups") else None)
+    evaluation = _setup_evaluation(inputs, settings, builder, tokenizer, base, run, device, dtype)
+    model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
+    method: TrainingMethod = SupervisedFineTuning(data)
+    optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
+    first_step = run.resume(model, optimizer, scheduler, group.is_main)
+    evaluation.resume(first_step)
+    trainer = Trainer(model, method, optimizer, scheduler, settings["max_grad_norm"], device, dtype, group)
+    batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer)
+    steps_before = _steps_before(inputs.init_adapter)
+
+    # The loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
+    # background thread, while the GPU trains on the step before.
+    todo = range(first_step, len(steps))
+    step_groups = (method.step_groups(steps[step]) for step in todo)
+    log = StepLog(
+        run.running_log,
+        len(steps),
+        first_step,
+        outputs.adapter.parent.name,
+        curves_dir,
+        steps_before,
+        device,
+        group.is_main,
+    )
+    with log:
+        evaluation.after(model, first_step, len(steps), log)  # before the first step, where it is due
+        for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
+            fields, lr, grad_norm = trainer.step(groups, micro_batches)
+            done = step + 1
+            log.step(done, fields, lr, grad_norm, [s for g in groups for s in g.samples])
+            if reason := _stop_reason(stop, done, len(steps), group, device):
+                _save_and_stop(run, trainer, reason, done, len(steps))
+            if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
+                run.save_checkpoint(done, model, optimizer, scheduler)
+            evaluation.after(model, done, len(steps), log)
+    if not group.is_main:
+        distributed.barrier()  # until the main process has written the outputs
+        return run.finished_summary()
+
+    # The finished outputs, kept in the run directory until this stage runs with other settings
+    # (the checkpoints have served), then published where the workflow wants them.
+    summary = _summary(
+        run, inputs, settings, trainer, data, steps, first_step, steps_before, chosen, evaluation, started
+    )
+    run.finish(summary, model, evaluation.kept_step())
+    result = run.publish(outputs)
+    distributed.barrier()
+    return result
+
+
+@dataclass
+class Trainer:
+    """One optimizer step of whichever method: its micro-batches' losses summed on the device, the
+    gradients (and the sums) added up across processes, clipped, and the step taken."""
+
+    model: torch.nn.Module
+    method: TrainingMethod
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    max_grad_norm: float
+    device: torch.device
+    dtype: torch.dtype
+    group: distributed.Group
+
+    def __post_init__(self):
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.forward_context = adapter_autocast(self.model, self.device, self.dtype)
+
+    def step(self, groups: list, micro_batches: list[dict]) -> tuple[dict, float, float]:
+        """The step's log fields (the method's metrics a mean over its weight), its learning rate
+        (the scheduled one it used) and the gradient norm before clipping."""
+        weight = self.method.step_weight(groups)  # of the whole step, whichever process computes it
+        # The sums stay on the device until the step ends: no sync between micro-batches, so the
+        # host queues the next one while the GPU still works on this one.
+        dtype = torch.promote_types(self.dtype, torch.float32)
+        totals = torch.zeros(len(self.method.METRICS), device=self.device, dtype=dtype)
+        for host_batch in micro_batches:
+            with self.forward_context:
+                sums = self.method.loss_sums(self.model, to_device(host_batch, self.device, self.dtype))
+            (sums[0] / weight).backward()
+            totals += torch.stack([s.detach() for s in sums])
+        if self.group.size > 1:
+            distributed.sum_across(self.trainable, totals)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
+        totals = totals.tolist()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler then sets the next
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {name: total / weight for name, total in zip(self.method.METRICS, totals)}, lr, float(grad_norm)
+
+
+def _restore_if_finished(run: RunDirectory, outputs: StageOutputs, retry: bool, group) -> dict | None:
+    """The published summary of an earlier run that finished its steps, where it is to be restored
+    (vlft.training.runs) and its adapter is whole; None: train. Every process gets the main one's answer."""
+    restore = run.restorable(retry)
+    if group.size > 1:
+        restore = distributed.gathered(restore)[0]  # as the main process saw it, before it changes anything
+    if not restore:
+        return None
+    restored = run.restore(outputs) if group.is_main else None
+    if group.size > 1:
+        restored = distributed.gathered(restored)[0]
+    return restored
+
+
+def _setup_data(prepared: list[str], caches: list[str], settings: dict, builder, model_config) -> StageData:
+    """The stage's records and samples, click answers in the model family's coordinates."""
+    click = settings["answer_format"] == "click"
+    return load_stage_data(
+        prepared,
+        caches,
+        builder,
+        filters=settings["filter"],
+        answer_format=settings["answer_format"],
+        max_seq_len=settings["max_seq_len"],
+        convention=clicks.Convention.of(model_config) if click else None,
+    )
+
+
+def _setup_evaluation(inputs: StageInputs, settings: dict, builder, tokenizer, base, run, device, dtype):
+    """The evaluation during training (`eval_every`; absent while off, vlft.plan.LEFT_OUT_WHEN_OFF)."""
+    if not settings.get("eval_every"):
+        return step_evals.NoEvaluation()
+    evaluator = step_evals.StepEvaluator(
+        inputs.eval_prepared, inputs.eval_cache, settings["evaluation"], settings, builder, tokenizer, base, run.path
+    )
+    return step_evals.EvaluationDuringTraining(evaluator, device, dtype)
+
+
+def _setup_model(
+    model,
+    init_adapter: str | None,
+    settings: dict,
+    vision_cache: bool,
+    device: torch.device,
+    activation_checkpointing: bool = False,
+):
+    """A fresh adapter, or the adapter of the stage this one starts from; the frozen tower replaced
+    by the vision cache's outputs, packed attention, compiled layers, as the settings ask."""
+    model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
+    if vision_cache:
+        use_vision_cache(model)
+    if settings["packing"]:
+        use_packed_attention(model)
+    if activation_checkpointing:
+        use_activation_checkpointing(model)
+    if settings["compile"] and device.type == "cuda":
+        compile_decoder_layers(model)
+    model.train()
+    return model
+
+
+def _setup_optimizer(model, settings: dict, n_steps: int, n_records: int, device: torch.device, group):
+    """AdamW over the adapter (every process starting from the main one's weights) and its schedule."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if group.size > 1:
+        distributed.broadcast_from_main(trainable)
+    if problem := schedule_problem(settings, n_steps):  # epochs of few records: only now is the count known
+        raise ConfigError(f"this stage's {n_records} records make {n_steps} step(s): {problem}")
+    optimizer = torch.optim.AdamW(
+        trainable, lr=settings["learning_rate"], weight_decay=settings["weight_decay"], fused=device.type == "cuda"
+    )
+    scheduler = get_scheduler(
+        settings["lr_schedule"],
+        optimizer,
+        num_warmup_steps=warmup_steps(settings, n_steps),
+        num_training_steps=n_steps,
+    )
+    return optimizer, scheduler
+
+
+def _setup_batcher(settings: dict, tokenizer, builder, data: StageData, trainer: Trainer):
+    """The host batcher with the stage's token budget, and for `max_batch_tokens: auto` what was
+    chosen and why (vlft.training.token_budget): the tightest GPU's, in a data-parallel job."""
+    batcher = HostBatcher(
+        data.images,
+        builder,
+        rope_index(trainer.model),
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn,
+        settings["packing"],
+        settings["micro_batch"],
+        None,
+        trainer.group,
+        pin=trainer.device.type == "cuda",
+    )
+    budget = settings["max_batch_tokens"]
+    if budget != "auto":
+        return replace(batcher, budget=budget), None
+    samples = [data.samples[record["key"]] for record in data.records]
+    chosen = token_budget.auto_budget(
+        trainer.model,
+        samples,
+        batcher,
+        trainer.method,
+        trainer.optimizer,
+        trainer.forward_context,
+        trainer.device,
+        trainer.dtype,
+    )
+    budget, group = chosen["max_batch_tokens"], trainer.group
+    if group.size > 1:
+        budget = min((b for b in distributed.gathered(budget) if b), default=None)
+    if group.is_main:
+        print(token_budget.describe(chosen), flush=True)
+    return replace(batcher, budget=budget), chosen
+
+
+def _summary(
+    run, inputs, settings, trainer, data, steps, first_step, steps_before, chosen, evaluation, started
+) -> dict:
+    """What the stage did, from its step log: speed and memory, what it trained on, how its adapter
+    is used (for predict.py: the base model, and how images and answers were made)."""
+    rows = [json.loads(line) for line in run.running_log.read_text().splitlines()]
+    summary = {
+        "steps": len(steps),
+        "resumed_from_step": first_step,
+        "samples": len(data.records),
+        "wall_time_s": time.time() - started,
+        **throughput(rows),
+        "device": str(trainer.device),
+        "dtype": str(trainer.dtype).removeprefix("torch."),
+        "data_and_settings": training_fingerprint(inputs, settings, steps),
+        "model": {
+            "path": inputs.model_dir,  # as the config gave it: relative to the workflow's directory, maybe
+            "resolved": str(Path(inputs.model_dir).resolve()),
+            "trust_remote_code": inputs.trust_remote_code,
+        },
+        "answering": {k: settings[k] for k in ANSWERING_KEYS},
+        "steps_before": steps_before,
+    }
+    if chosen:
+        summary["max_batch_tokens_auto"] = chosen
+    return summary | evaluation.summary(rows)
+
+
+def _stop_reason(stop: StopRequest | None, done: int, total: int, group, device) -> str | None:
+    """Why the stage stops after step `done` (a signal, the time limit near), or None; the same on
+    every process: the first reason by rank, as a signal sent to every process may not yet have
+    reached the one that saves."""
+    reason = stop.reason() if stop is not None and done < total else None
+    if group.size > 1 and distributed.any_of(reason is not None, device):
+        reason = next(r for r in distributed.gathered(reason) if r)
+    return reason
+
+
+def _save_and_stop(run: RunDirectory, trainer: Trainer, reason: str, done: int, total: int) -> None:
+    if trainer.group.is_main:
+        # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
+        print(f"{reason} after step {done} of {total}: saving a checkpoint", flush=True)
+        run.save_checkpoint(done, trainer.model, trainer.optimizer, trainer.scheduler)
+    distributed.barrier()  # no process leaves before the checkpoint is complete
+    raise Preempted(
+        f"{reason}: stopped after step {done} of {total} with a checkpoint saved; the retry (or a rerun) resumes from step {done}"
+    )
+
+
+def _steps_before(init_adapter: str | None) -> int:
+    """The optimizer steps of the stages this one starts from, from its starting stage's summary
+    (beside its adapter); 0 for none, or where that summary is of a version that did not count them."""
+    if not init_adapter:
+        return 0
+    summary = json.loads((Path(init_adapter).parent / "summary.json").read_text())
+    return summary.get("steps_before", 0) + summary["steps"]
+
+
+def compile_decoder_layers(model, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer of the language model: fused elementwise work around the
+    matmuls, one graph reused by every layer; dynamic shapes, as batch widths vary.
+
+    Floats specialized: with dynamic shapes dynamo otherwise passes each Python float the layer
+    reads (LoRA's scaling, the norms' epsilon) into the graph as a float64 tensor on the CPU, and
+    inductor compiles a C++ kernel to convert it. Loading that kernel in a later job probes the
+    CPU's vector instructions with a C++ compiler and a Python subprocess per instruction set: on
+    the GPU machine some 40 s of each training job's 48 s warm compile (benchmarks/README.md). The
+    floats are constants of the model, so specializing them costs no recompiles."""
+    torch._dynamo.config.specialize_float = True
+    for layer in unwrapped(model).model.language_model.layers:
+        layer.compile(dynamic=True, backend=backend)
