@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from eval_speed import copy_bandwidth, step_weight_bytes  # noqa: E402
 from train_speed import build_model, print_kernel_time  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.generation.engine import DecodeStep, SlotCache  # noqa: E402
+from vlft.generation.kv_cache import SlotCache  # noqa: E402
+from vlft.generation.runner import DecodeStep  # noqa: E402
 
 
 def main():

@@ -15,16 +15,9 @@ from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
 from vlft.generation.evaluate import prompt_request
 from vlft.training.image_groups import ImageGroup
-from vlft.generation.engine import (
-    DECODE_ATTENTION,
-    KV_BLOCK,
-    DecodeStep,
-    SlotCache,
-    greedy_answers,
-    live_blocks,
-    prefill,
-    refresh_live_blocks,
-)
+from vlft.generation.engine import greedy_answers
+from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
+from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
 from vlft.training.packing import use_packed_attention
 from vlft.data.prompts import PromptBuilder

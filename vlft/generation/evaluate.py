@@ -18,7 +18,8 @@ from vlft.jobs import distributed
 from vlft.data.answers import final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
-from vlft.generation.engine import Request, greedy_answers
+from vlft.generation.engine import greedy_answers
+from vlft.generation.requests import Request
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import StageData, load_stage_data

@@ -1,0 +1,28 @@
+"""What the generation engine is asked to answer: a request, one prompt as model inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Request:
+    key: int  # the caller's name for the answer
+    # One sample as model inputs (input_ids 1 x L, pixel_values, ...): its prompt, and where it is
+    # scored, the reference answer after it.
+    inputs: dict
+    positions: torch.Tensor  # its M-RoPE positions (3 x 1 x L)
+    max_new_tokens: int
+    image: str | None = None  # the image's id in its cache: prompts on one image share its prefix
+    image_tokens: int = 0  # the image's tokens in the prompt: what a prompt after one on its image costs less
+    prompt_length: int | None = None  # where the prompt ends in `inputs`; None: all of it
+    # Scored (the validation loss, in the same forward as the prompt's prefill): the positions of
+    # `inputs` whose next token is a reference answer token, and those tokens.
+    loss_positions: torch.Tensor | None = None
+    loss_targets: torch.Tensor | None = None
+
+    @property
+    def prompt(self) -> int:
+        return self.inputs["input_ids"].shape[1] if self.prompt_length is None else self.prompt_length

@@ -1,0 +1,293 @@
+"""The generation engine's model runner: a packed prefill of prompts (each image's prefix once) and
+the decode step (one token of every row, compiled per decoder layer and replayed as a CUDA graph on
+a GPU). Which token follows is the sampler's (vlft.generation.sampling); the model's own layers do
+all the arithmetic."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import AttentionInterface
+
+from vlft.generation.kv_cache import SlotCache, language_model, live_blocks, refresh_live_blocks
+from vlft.generation.requests import Request
+from vlft.generation.sampling import Sampler, greedy
+from vlft.modeling import unwrapped
+from vlft.training.image_groups import RowLayout, common_prefix
+from vlft.training.loss import linear_cross_entropy_sums
+
+DECODE_ATTENTION = "vlft_slot_decode"
+
+
+@dataclass
+class Prefilled:
+    """What one packed prefill gives: each prompt's first answer token, the cache it filled, each
+    prompt's stretches of that cache in order (a shared prefix, then its own), each scored
+    request's (loss sum, answer tokens) or None, and the tokens the forward computed."""
+
+    firsts: list[int]
+    cache: object
+    spans: list[list[tuple[int, int]]]
+    losses: list[tuple[float, int] | None]
+    tokens: int
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, live=None, **kwargs):
+    """One new token of each row against its row of the cache, for a GPU's decode step.
+
+    transformers' SDPA path, given a mask, reads every row's cache to its full length, and first
+    repeats every key and value head for each query head that shares it (4x the cache's bytes for
+    Qwen3-VL-8B). flex_attention's decoding kernel, given the rows' live blocks (`live`), reads
+    each shared head once and each row only up to its own length: an idle row, or the unwritten
+    end of a row, costs nothing.
+    """
+    output = flex_attention(query, key, value, block_mask=live, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
+@contextmanager
+def layer_calls(layers, calls):
+    """Each of `layers` called through its entry of `calls` (None: its own forward, eagerly) while
+    the block runs; the calls the layers had before (a training stage's compiled ones, from
+    vlft.training.train.compile_decoder_layers) come back after."""
+    before = [layer._compiled_call_impl for layer in layers]
+    for layer, call in zip(layers, calls):
+        layer._compiled_call_impl = call
+    try:
+        yield
+    finally:
+        for layer, call in zip(layers, before):
+            layer._compiled_call_impl = call
+
+
+def _call_layer(layer, *args, **kwargs):
+    """A decoder layer's own call: compiled once, it runs every layer of the model (their weights
+    are the graph's inputs, as torch.compile treats a module passed in)."""
+    return layer._call_impl(*args, **kwargs)
+
+
+class DecodeStep:
+    """The next token (the sampler's choice; greedy by default) of each of the cache's first `rows` rows, attending to their first
+    `length` positions.
+
+    On a CPU: eagerly, through transformers' SDPA, as `generate` runs it, on the rows and length in
+    use. On a GPU: always every row and the cache's whole length, so that one shape is compiled
+    once and replayed as one CUDA graph (one launch a step instead of some ten a layer); its
+    attention (flex_attention over the rows' live blocks) still reads each row only to its own
+    length."""
+
+    def __init__(
+        self,
+        model,
+        cache: SlotCache,
+        compile: bool = False,
+        attention: str | None = None,
+        sampler: Sampler = greedy,
+    ):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.text = language_model(model)
+        device = cache.rows.device
+        slots, length = cache.keys[0].shape[0], cache.keys[0].shape[2]
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each row's latest token
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # its next text position
+        self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
+        self.columns = torch.arange(length, device=device)
+        # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
+        self.attention = attention or (DECODE_ATTENTION if device.type == "cuda" else "sdpa")
+        # flex_attention's live blocks cover every row to the cache's length: its steps do too.
+        self.live = live_blocks(cache.write_at, length) if self.attention == DECODE_ATTENTION else None
+        # torch.compile fuses the elementwise work between a layer's matmuls (norms, rotary,
+        # residuals) and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a
+        # few. It compiles one decoder layer, which every layer then runs with its own weights and
+        # its own part of the cache: tracing the whole step instead traced all its layers (9-13 s
+        # in each evaluation job of the 2B, with inductor's cache warm). The rest of the step
+        # (embedding, rotary tables, final norm, head) is a few kernels, and the CUDA graph
+        # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
+        # graph per (rows, length) bucket, the benchmark did not finish in 280 s for the 8B or the 2B.
+        self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
+        # Where compiled, each layer is called through the compiled layer while the step runs.
+        self.compiled_calls = (
+            [partial(self._compiled_layer_call, i) for i in range(len(self.text.layers))] if compile else None
+        )
+        self.graphs = {} if device.type == "cuda" else None
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.capture_s = 0.0  # compiling and capturing, once a job
+
+    @contextmanager
+    def _as_the_step(self):
+        """The language model's attention layers read their implementation from its config: the
+        step's own while it runs (prefills use packed attention); its layers, where compiled,
+        run through the step's compiled layer."""
+        config = self.text.config
+        prefill_attention = config._attn_implementation
+        config._attn_implementation = self.attention
+        try:
+            with layer_calls(self.text.layers, self.compiled_calls) if self.compiled_calls else nullcontext():
+                yield
+        finally:
+            config._attn_implementation = prefill_attention
+
+    def _compiled_layer_call(self, index: int, *args, **kwargs):
+        # The layer's own part of the cache window, under the name this transformers passes it by.
+        name = "cache" if "cache" in kwargs else "past_key_values"
+        kwargs[name] = kwargs[name].layer(index)
+        return self.compiled_layer(self.text.layers[index], *args, **kwargs)
+
+    def _run(self, rows: int, length: int) -> None:
+        with self._as_the_step():
+            self.chosen[:rows].copy_(self._next_tokens(rows, length))
+
+    def logits(self, rows: int | None = None, length: int | None = None) -> torch.Tensor:
+        """The rows' logits for their next tokens, computed eagerly, to check the step against a
+        full forward; like a step, it writes the rows' latest tokens into the cache."""
+        with self._as_the_step():
+            return self._logits(rows or self.tokens.shape[0], length or self.columns.shape[0])
+
+    def _next_tokens(self, rows: int, length: int) -> torch.Tensor:
+        return self.sampler(self._logits(rows, length))
+
+    def _logits(self, rows: int, length: int) -> torch.Tensor:
+        window = self.cache.window(rows, length)
+        mask = self.columns[None, :length] <= window.write_at[:, None]
+        live = {}
+        if self.live is not None:
+            refresh_live_blocks(self.live, self.cache.write_at)
+            live["live"] = self.live
+        # Text tokens after the image: all three M-RoPE components at the same position.
+        positions = self.positions[:rows].view(1, rows, 1).expand(3, rows, 1)
+        hidden = self.text(
+            input_ids=self.tokens[:rows, None],
+            attention_mask=mask[:, None, None, :],
+            position_ids=positions,
+            past_key_values=window,
+            use_cache=True,
+            **live,
+        ).last_hidden_state
+        return self.model.lm_head(hidden[:, -1])
+
+    def _capture(self, rows: int, length: int):
+        # Warm-up (compiles on first use, picks kernels): it writes each row's latest token where
+        # the step itself will, the same values, so the rows that answer are not disturbed.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(rows, length)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run(rows, length)
+        return graph
+
+    def __call__(self, rows: int, length: int) -> torch.Tensor:
+        """The next token of rows 0 to `rows` - 1 (its first `rows` entries)."""
+        if self.graphs is None:
+            self._run(rows, length)
+        else:
+            if (rows, length) not in self.graphs:
+                began = time.perf_counter()
+                self.graphs[rows, length] = self._capture(rows, length)
+                torch.cuda.synchronize()
+                self.capture_s += time.perf_counter() - began
+            self.graphs[rows, length].replay()
+        return self.chosen
+
+
+# The most tokens a prefill computes (prompts, and their reference answers where scored): on the 8B
+# with 128 rows of 2,048 positions the job peaked at 58 GiB.
+PACKED_ROW_TOKENS = 16384
+
+
+def prefill(model, group: list[Request], sampler: Sampler = greedy) -> Prefilled:
+    """The requests of `group` in one forward, packed end to end with no padding: consecutive ones
+    on one image share its prefix, laid out once (vlft.training.image_groups), each attending to the prefix
+    and to itself alone. A scored request's reference answer follows its prompt, so that its loss
+    comes from the very forward that prefills the prompt (the prompt computed once, not again by a
+    separate loss pass); only the prompt's keys and values go on to the cache."""
+    runs = _image_runs(group)
+    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in run]) for shared, run in runs])
+    pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
+    images = {"pixel_values": [], "image_grid_thw": []}
+    lasts, scored, targets, owners = [], [], [], []  # row positions: each prompt's last, the scored ones
+    segments, spans = iter(layout.segments), iter(layout.key_spans)
+    for shared, run in runs:
+        for n, request in enumerate(run):
+            drop = shared if n else 0
+            for key in pieces:
+                values = request.positions if key == "positions" else request.inputs[key]
+                pieces[key].append(values[..., drop:])
+            if n == 0:  # the image once for the run
+                for key in images:
+                    images[key].append(request.inputs[key])
+            # The row position of the request's own token i (i >= drop) is start + i - drop.
+            start = next(segments)[0]
+            lasts.append(start + request.prompt - 1 - drop)
+            if request.loss_targets is not None:
+                scored.append(request.loss_positions + start - drop)
+                targets.append(request.loss_targets)
+                owners.append(torch.full_like(request.loss_targets, len(lasts) - 1))
+    device = pieces["input_ids"][0].device
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.attention_inputs().items()}
+    outer = unwrapped(model)
+    output = outer.model(
+        input_ids=torch.cat(pieces["input_ids"], dim=1),
+        mm_token_type_ids=torch.cat(pieces["mm_token_type_ids"], dim=1),
+        pixel_values=torch.cat(images["pixel_values"]),
+        image_grid_thw=torch.cat(images["image_grid_thw"]),
+        position_ids=torch.cat(pieces["positions"], dim=-1),
+        use_cache=True,
+        **attention,
+    )
+    hidden = output.last_hidden_state[0]
+    # Each prompt's last token predicts its first answer token.
+    firsts = sampler(outer.lm_head(hidden[torch.tensor(lasts, device=device)])).tolist()
+    losses: list[tuple[float, int] | None] = [None] * len(group)
+    if scored:
+        owners = torch.cat(owners)
+        sums = linear_cross_entropy_sums(
+            hidden.index_select(0, torch.cat(scored)), outer.lm_head.weight, torch.cat(targets), owners, len(group)
+        ).tolist()
+        counts = torch.bincount(owners, minlength=len(group)).tolist()
+        losses = [(sums[i], counts[i]) if r.loss_targets is not None else None for i, r in enumerate(group)]
+    # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
+    prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
+    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1])
+
+
+def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The stretches of a row that hold the first `length` positions of a sample laid out in `spans`."""
+    kept = []
+    for start, end in spans:
+        end = min(end, start + length - sum(e - s for s, e in kept))
+        if end > start:
+            kept.append((start, end))
+    return kept
+
+
+def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
+    """Consecutive requests on one image, each run with the prompt prefix its requests share (0 for
+    a request alone). The image's id decides, not its tokens: two images of one size have the very
+    same placeholder tokens."""
+    runs: list[list[Request]] = []
+    for request in group:
+        if runs and request.image is not None and runs[-1][0].image == request.image:
+            runs[-1].append(request)
+        else:
+            runs.append([request])
+    shared = [
+        (
+            common_prefix([r.inputs["input_ids"][0].tolist() for r in run], min(r.prompt for r in run) - 1)
+            if len(run) > 1
+            else 0
+        )
+        for run in runs
+    ]
+    return list(zip(shared, runs))
