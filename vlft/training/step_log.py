@@ -53,7 +53,7 @@ class StepLog:
 
     def step(self, step: int, fields: dict, lr: float, grad_norm: float, samples: list) -> None:
         """One optimizer step done: its line in the log and the curves, the bar moved on."""
-        elapsed = time.time() - self.clock
+        elapsed, self.clock = time.time() - self.clock, time.time()
         record = {
             "step": step,
             **fields,
