@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,3 +269,23 @@ def site_profile(directory: Path, **extra) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(settings))
     return directory
+
+
+@pytest.fixture(scope="module")
+def small_stage(tmp_path_factory, tiny_model_dir):
+    """16 records of the demo's shapes, prepared and cached, and the demo's exp1 settings."""
+    from vlft.demo.shapes import make_dataset
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
+    from vlft.modeling import load_image_processor
+    from vlft.data.records import prepare_split
+    from vlft.plan import build_plan
+    from vlft.training.train import StageInputs
+
+    root = tmp_path_factory.mktemp("small-stage")
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 16}, seed=0)
+    prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    settings = build_plan(yaml.safe_load((REPO / "config/config.yaml").read_text())).stage("exp1", "main")
+    return inputs, settings.train_params() | {"compile": False}

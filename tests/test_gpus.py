@@ -166,12 +166,12 @@ def test_the_demo_runs_gpu_jobs_side_by_side_each_on_its_own_gpu(tmp_path):
     for a, b in overlapping:
         assert runs[a][0] != runs[b][0], f"{a} and {b} ran at the same time on GPU {runs[a][0]}"
 
-    # A script started by hand, outside Snakemake (the job's command without the claim), claims
+    # A script started by hand, outside Snakemake (the job's command without the launcher), claims
     # nothing, sees every GPU and computes what the workflow's job computed.
     target = targets[0]
     plan = snakemake(workdir, "--dry-run", "--printshellcmds", "--force", target).stdout
-    command = next(line.strip() for line in plan.splitlines() if "python scripts/evaluate.py" in line)
-    command = command[command.index("python scripts/evaluate.py") :].split(" 2>&1 | tee")[0]
+    command = next(line.strip() for line in plan.splitlines() if "scripts/evaluate.py" in line)
+    command = "python " + command[command.index("scripts/evaluate.py") :].split(" 2>&1 | tee")[0]
     command = command.replace(target, str(tmp_path / "metrics.json")).replace(
         target.replace("metrics.json", "predictions.jsonl"), str(tmp_path / "predictions.jsonl")
     )

@@ -290,3 +290,75 @@ def losses(stage: Path) -> list:
     return [(row["step"], row["loss"]) for row in rows] + [
         json.loads((stage / "summary.json").read_text())["final_loss"]
     ]
+
+
+def test_a_warm_process_running_threads_of_its_own_forks_no_job(scripts, warm_env, tmp_path):
+    """Something that starts a thread in every interpreter (here a sitecustomize, as a site's
+    configuration may have): the warm process would fork jobs with that thread's work half-done, so
+    it serves none; each job says why and runs itself."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), name='busy', daemon=True).start()\n"
+    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = warm_env | {"PYTHONPATH": path}
+    said = (
+        "job.py: the warm process runs threads besides its own (busy), which a forked job would inherit "
+        "half-done; importing here (vlft.jobs.warm_start)\nto stderr\n"
+    )
+    for _ in range(2):  # the first job starts the warm process, the second finds it running
+        result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
+        assert (result.returncode, result.stderr, outcome(result)[1]) == (0, said, {"warm": False, "preloaded": False})
+
+
+def test_an_installed_package_changes_which_warm_process_serves(tmp_path, monkeypatch):
+    """A package installed, upgraded or removed in site-packages since a warm process started: the
+    jobs need one that imported what is installed now."""
+    import site
+
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(packages)])
+    env = {"PATH": "/usr/bin"}
+    before = warm_start.fingerprint(env)
+    assert warm_start.fingerprint(env) == before
+    (packages / "somepackage-2.0.dist-info").mkdir()
+    os.utime(packages, ns=(packages.stat().st_atime_ns, packages.stat().st_mtime_ns + 1_000_000))
+    assert warm_start.fingerprint(env) != before
+
+
+CHANGING = """
+import json, os, sys
+from vlft.jobs.warm_start import hand_off, serving_a_job
+
+hand_off()
+import torch  # noqa: E402
+import vlft.training.token_budget as token_budget  # noqa: E402
+
+seen = {
+    "safety": token_budget.SAFETY,
+    "variable": os.environ.get("VLFT_TEST_CHANGED"),
+    "cwd": os.getcwd(),
+    "dtype": str(torch.get_default_dtype()),
+    "warm": serving_a_job(),
+}
+print(json.dumps(seen))
+if sys.argv[1] == "change":
+    token_budget.SAFETY = 0.1
+    os.environ["VLFT_TEST_CHANGED"] = "yes"
+    os.chdir("/")
+    torch.set_default_dtype(torch.float64)
+"""
+
+
+def test_what_one_job_changes_in_its_process_the_next_job_never_sees(scripts, warm_env, tmp_path):
+    """Each job runs in a fresh fork of the warm process: a module attribute, an environment
+    variable, the working directory and torch's global settings that one job changes are the warm
+    process's own again for the next."""
+    script = scripts / "changing.py"
+    script.write_text(CHANGING)
+    first = json.loads(run(script, "change", env=warm_env, cwd=tmp_path).stdout)
+    second = json.loads(run(script, "look", env=warm_env, cwd=tmp_path).stdout)
+    expected = {"safety": 0.9, "variable": None, "cwd": str(tmp_path), "dtype": "torch.float32"}
+    assert second == first == expected | {"warm": True}

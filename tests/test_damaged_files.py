@@ -1,0 +1,110 @@
+"""Damaged caches and adapters: one sentence naming the file, removed so that the next run rebuilds them."""
+
+import os
+import shutil
+from pathlib import Path
+import pytest
+import torch
+from conftest import copy_demo_upstream, planned_outputs, snakemake
+from vlft.errors import InputError
+
+
+def damage_in_place(path: Path, offset_from_end: int = 1000) -> None:
+    """Change bytes inside a file's data, keeping its size (as an overwrite in place would)."""
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size - offset_from_end)
+        data = handle.read(16)
+        handle.seek(path.stat().st_size - offset_from_end)
+        handle.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("damage", ["overwritten in place", "truncated"])
+def test_a_damaged_cache_shard_is_one_sentence_and_the_cache_is_removed_for_its_rebuild(small_stage, tmp_path, damage):
+    from vlft.caches.image_cache import ImageCache
+
+    inputs, _ = small_stage
+    cache = tmp_path / "cache"
+    shutil.copytree(inputs.caches[0], cache)
+    shard = cache / "shard-00000.safetensors"
+    size = shard.stat().st_size
+    if damage == "truncated":
+        os.truncate(shard, size - 1000)
+    else:
+        damage_in_place(shard)
+    reader = ImageCache(cache)
+    with pytest.raises(InputError) as found:
+        for image in reader.entries:  # the last image's bytes are the damaged ones
+            reader.tensor(image)
+    what = (
+        f"{size - 1000} bytes where the cache wrote {size}"
+        if damage == "truncated"
+        else f"image {image}'s bytes differ from the checksum written with them"
+    )
+    assert str(found.value) == (
+        f"{shard}: damaged: {what}; removed {cache}, so that the next run rebuilds this pixels cache "
+        "(a dry run lists the job)"
+    )
+    assert not cache.exists() and (tmp_path).is_dir()
+
+
+def test_an_intact_cache_reads_back_what_was_written(small_stage):
+    from vlft.caches.image_cache import ImageCache
+    from vlft.caches.integrity import tensor_checksum
+
+    reader = ImageCache(small_stage[0].caches[0])
+    for image, entry in reader.entries.items():
+        assert tensor_checksum(reader.tensor(image)) == entry["crc32"]
+    assert len(reader._verified) == len(reader.entries)
+
+
+def test_a_damaged_adapter_is_one_sentence_and_removed_so_that_its_stage_trains_again(small_stage, tmp_path):
+    from vlft.modeling import load_base_model, with_adapter
+    from vlft.training.train import train_stage
+
+    inputs, settings = small_stage
+    stage = tmp_path / "train/exp/stage"
+    summary = train_stage(
+        inputs,
+        settings | {"max_steps": 2, "micro_batch": 4},
+        stage / "adapter",
+        stage / "log.jsonl",
+        stage / "summary.json",
+        tmp_path / "ckpt",
+        100,
+    )
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(summary["adapter_crc32"])
+    model = load_base_model(inputs.model_dir, torch.device("cpu"), torch.float32)
+    with_adapter(model, stage / "adapter", trainable=False)  # intact: loads
+    weights = stage / "adapter/adapter_model.safetensors"
+    damage_in_place(weights, offset_from_end=8)
+    model = load_base_model(inputs.model_dir, torch.device("cpu"), torch.float32)
+    with pytest.raises(InputError) as found:
+        with_adapter(model, stage / "adapter", trainable=False)
+    assert str(found.value) == (
+        f"{weights}: damaged: its content differs from the checksum in {stage / 'summary.json'}; "
+        f"removed {stage / 'adapter'}, so that the next run trains the stage again (a dry run lists the job)"
+    )
+    assert not (stage / "adapter").exists() and (stage / "summary.json").exists()
+
+
+def test_after_an_evaluation_finds_its_cache_damaged_a_dry_run_lists_the_rebuild(demo_workdir, tmp_path):
+    """The damaged shard of a finished demo: the job that reads it fails in one sentence, and where
+    `snakemake -n` said "Nothing to be done", it now plans the cache and the evaluation again."""
+    workdir = copy_demo_upstream(demo_workdir, tmp_path / "demo")
+    [cache] = (workdir / "results/cache/images/shapes/test").iterdir()
+    damage_in_place(cache / "shard-00000.safetensors")
+    evaluation = "results/eval/base/base/test/metrics.json"
+    result = snakemake(workdir, evaluation, "--cores", "2", check=False)
+    assert result.returncode != 0 and not (workdir / evaluation).exists()
+    log = (workdir / "results/logs/evaluate/base/base/test.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {cache.relative_to(workdir)}/shard-00000.safetensors: damaged: image "
+        + errors[0].split("damaged: image ")[1].split("'s bytes")[0]
+        + f"'s bytes differ from the checksum written with them; removed {cache.relative_to(workdir)}, so that the "
+        "next run rebuilds this pixels cache (a dry run lists the job)"
+    ], log
+    assert planned_outputs(workdir, evaluation) == {
+        str(cache.relative_to(workdir)),
+        evaluation.replace("metrics.json", "predictions.jsonl"),
+    }

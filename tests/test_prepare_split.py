@@ -1,0 +1,134 @@
+"""prepare_split on bad input: one clear error naming the file and line, and nothing half-written."""
+
+import json
+import subprocess
+import sys
+import pytest
+from PIL import Image
+from conftest import REPO
+from vlft.data.records import aspect_ratio_problem
+
+
+def record(i, **fields):
+    return {"id": i, "image": f"{i}.png", "question": "What color?", "answer": "Final answer: red", **fields}
+
+
+@pytest.fixture
+def split(tmp_path):
+    """A valid raw split of three records; tests break one thing in it."""
+    for i in range(3):
+        Image.new("RGB", (40, 30), (200, 0, 0)).save(tmp_path / f"{i}.png")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(record(i)) + "\n" for i in range(3)))
+    return path
+
+
+def prepare(split_path):
+    output = split_path.parent / "prepared" / "train.jsonl"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/prepare_split.py"),
+            "--records",
+            str(split_path),
+            "--image-root",
+            str(split_path.parent),
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return result, output
+
+
+def assert_one_error(result, output, *expected):
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert not output.exists() and not list(output.parent.glob(".*tmp*"))
+
+
+def test_valid_split_is_prepared(split):
+    result, output = prepare(split)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["width"] for r in rows] == [40, 40, 40] and rows[0]["id"] == "0"
+
+
+def test_missing_image(split):
+    (split.parent / "1.png").unlink()
+    assert_one_error(*prepare(split), f"{split}:2", "field 'image'", "file not found", "1.png")
+
+
+def test_unreadable_image(split):
+    (split.parent / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    assert_one_error(*prepare(split), f"{split}:3", "field 'image'", "cannot be read as an image")
+
+
+def test_truncated_image(split):
+    data = (split.parent / "0.png").read_bytes()
+    (split.parent / "0.png").write_bytes(data[: len(data) // 2])
+    assert_one_error(*prepare(split), f"{split}:1", "cannot be read as an image")
+
+
+def test_image_beyond_the_processors_aspect_ratio_limit(split):
+    Image.new("RGB", (3000, 10)).save(split.parent / "1.png")
+    assert_one_error(
+        *prepare(split),
+        f"{split}:2",
+        "field 'image'",
+        "3000x10 pixels",
+        "aspect ratio must be smaller than 200, got 300",
+    )
+
+
+@pytest.mark.parametrize("size", [(2000, 10), (2001, 10), (10, 2001), (200, 1), (201, 1), (1920, 1080)])
+def test_the_aspect_ratio_check_refuses_what_the_image_processor_refuses(size):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    width, height = size
+    try:
+        smart_resize(height, width)
+        refused = False
+    except ValueError:
+        refused = True
+    assert (aspect_ratio_problem(width, height) is not None) == refused
+
+
+def test_malformed_line(split):
+    lines = split.read_text().splitlines()
+    lines[1] = lines[1][:-5]
+    split.write_text("\n".join(lines) + "\n")
+    assert_one_error(*prepare(split), f"{split}:2", "not valid JSON")
+
+
+def test_a_split_with_a_byte_order_mark_and_crlf_lines_is_read_as_the_plain_file(split):
+    """As Windows tools save JSONL: the same prepared records, byte for byte."""
+    plain_result, plain_output = prepare(split)
+    assert plain_result.returncode == 0, plain_result.stderr
+    plain = plain_output.read_bytes()
+    plain_output.unlink()  # the same output path: this run writes it anew
+    windows = split.parent / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + split.read_bytes().replace(b"\n", b"\r\n"))
+    result, output = prepare(windows)
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes() == plain
+
+
+def test_a_split_that_is_not_utf8_is_one_sentence_naming_the_line(split):
+    lines = split.read_text().splitlines()
+    lines[1] = lines[1].replace("What color?", "Qu\u00e9 color?")
+    split.write_bytes("\n".join(lines).encode("latin-1"))
+    column = lines[1].encode("latin-1").index(b"\xe9") + 1
+    assert_one_error(*prepare(split), f"{split}:2: not UTF-8 text (byte 0xe9 at column {column})")
+
+
+@pytest.mark.parametrize("field", ["question", "answer"])
+def test_record_without_question_or_answer(split, field):
+    rows = [record(i) for i in range(3)]
+    del rows[2][field]
+    split.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert_one_error(*prepare(split), f"{split}:3", f"field '{field}'", "missing")
