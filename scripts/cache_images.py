@@ -1,9 +1,5 @@
 """Resize every image of a prepared split once, as the model's image processor would, into safetensors shards."""
 
-from vlft.jobs.warm_start import hand_off
-
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
-
 import argparse
 
 from vlft.jobs.cli import run

@@ -1,9 +1,5 @@
 """Run the frozen vision tower once over a split's pixel cache and store its outputs (the vision cache)."""
 
-from vlft.jobs.warm_start import hand_off
-
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
-
 import argparse
 
 from vlft.jobs.cli import add_cpu_fallback_argument, run

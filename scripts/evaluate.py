@@ -1,10 +1,6 @@
 """Evaluate the base model, or a trained adapter, on one prepared split: predictions JSONL and metrics JSON.
 With --processes N (the evaluation's GPUs) the split is shared out among N processes, one GPU each."""
 
-from vlft.jobs.warm_start import hand_off
-
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
-
 import argparse
 import json
 

@@ -1,9 +1,5 @@
 """Make the demo's tiny Qwen3-VL: random weights, a locally trained tokenizer, an image processor."""
 
-from vlft.jobs.warm_start import hand_off
-
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
-
 import argparse
 
 from vlft.jobs.cli import run

@@ -1,10 +1,6 @@
 """Train one experiment stage's LoRA adapter from the pixel caches; resumes from its newest checkpoint.
 With --processes N (a stage's GPUs) it trains data-parallel in N processes, one GPU each."""
 
-from vlft.jobs.warm_start import hand_off
-
-hand_off()  # first thing: a warm process may run this job, its imports done (vlft.jobs.warm_start)
-
 import argparse
 import json
 import sys

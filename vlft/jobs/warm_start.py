@@ -94,11 +94,23 @@ def eligible(env=os.environ) -> bool:
 
 def fingerprint(env) -> str:
     """What a warm process must share with a job to run it: the interpreter and its flags, the
-    project's code as it is on disk, the environment less `PER_JOB`."""
+    project's code as it is on disk, the installed packages, the environment less `PER_JOB`."""
     code = sorted((str(p), stat.st_mtime_ns, stat.st_size) for p in PROJECT.rglob("*.py") for stat in [p.stat()])
     shared_env = sorted((k, v) for k, v in env.items() if k not in PER_JOB)
-    key = [sys.executable, sys.version, _interpreter_flags(), code, shared_env]
+    key = [sys.executable, sys.version, _interpreter_flags(), code, installed_packages(), shared_env]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+
+def installed_packages() -> list:
+    """The site-packages directories and when each last changed: installing, upgrading or removing
+    a package adds or renames entries there (its dist-info at least), which changes the directory's
+    time. A stat each, not a walk of every package's files."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    directories = {paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages()}
+    return sorted((d, os.stat(d).st_mtime_ns) for d in directories if os.path.isdir(d))
 
 
 def _interpreter_flags() -> list[str]:
@@ -268,6 +280,7 @@ def serve(key: str) -> None:
         # end closed would fail with a broken pipe instead of reading why.
         job = _receive_job(connection)
         pid = None
+        refusal = refusal or _threads_problem()
         if job is not None and refusal:
             _close(job[1])
         elif job is not None:
@@ -290,6 +303,19 @@ def _preload() -> str | None:
             return f"importing {name} failed: {error}"
         if cuda_touched():
             return f"importing {name} initialized CUDA, which a forked job could not use"
+    return None
+
+
+def _threads_problem() -> str | None:
+    """Why this process must not fork a job, where it runs Python threads besides its own: a fork
+    copies only the forking thread, and the others' half-done work (a lock held, a file half
+    written) would be the job's. (Native libraries' idle worker pools, BLAS's and OpenMP's, prepare
+    themselves for a fork.)"""
+    import threading
+
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return f"the warm process runs threads besides its own ({', '.join(others)}), which a forked job would inherit half-done"
     return None
 
 

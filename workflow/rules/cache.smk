@@ -16,7 +16,7 @@ rule cache_images:
         min_pixels=lambda wildcards: wildcards.pixels.split("-")[0],
         max_pixels=lambda wildcards: wildcards.pixels.split("-")[1],
     shell:
-        "python scripts/cache_images.py --records {input.records:q} --model {input.model:q} {params.trust_remote_code} "
+        "python -m vlft.jobs.launch scripts/cache_images.py --records {input.records:q} --model {input.model:q} {params.trust_remote_code} "
         "--min-pixels {params.min_pixels} --max-pixels {params.max_pixels} --threads {threads} "
         "--output {output:q} 2>&1 | tee {log:q}"
 
@@ -41,6 +41,6 @@ rule cache_vision:
         trust_remote_code=TRUST_REMOTE_CODE,
         max_gb=config["vision_cache_max_gb"],
     shell:
-        # GPUs of its own among those visible (vlft.jobs.gpus), then the script.
-        'gpus=$(python -m vlft.jobs.gpus {resources.gpu} $$); eval "$gpus"; python scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} '
+        # Launched with GPUs of its own among those visible (vlft.jobs.launch).
+        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/cache_vision.py --pixels {input.pixels:q} --model {input.model:q} {params.trust_remote_code} "
         "--max-gb {params.max_gb} --gpus {resources.gpu} --cpu-fallback {resources.cpu_fallback} --output {output:q} 2>&1 | tee {log:q}"

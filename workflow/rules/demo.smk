@@ -24,7 +24,7 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             seed=demo_spec.get("seed", 0),
             questions=demo_spec.get("questions_per_image", 1),
         shell:
-            "python scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
+            "python -m vlft.jobs.launch scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
             "--records {params.records} --sizes {params.sizes} --seed {params.seed} "
             "--questions-per-image {params.questions} 2>&1 | tee {log:q}"
 
@@ -42,5 +42,5 @@ rule make_tiny_model:
         hidden_size=config["demo"]["model"]["hidden_size"],
         layers=config["demo"]["model"]["layers"],
     shell:
-        "python scripts/make_tiny_model.py --output {output:q} --seed {params.seed} "
+        "python -m vlft.jobs.launch scripts/make_tiny_model.py --output {output:q} --seed {params.seed} "
         "--hidden-size {params.hidden_size} --layers {params.layers} 2>&1 | tee {log:q}"

@@ -19,8 +19,8 @@ rule evaluate:
         adapter=get_adapter_arg,
         trained_from=get_lineage_settings(include_stage=True),
     shell:
-        # GPUs of its own among those visible (vlft.jobs.gpus), then the script: one process a GPU, the
+        # Launched with GPUs of its own among those visible (vlft.jobs.launch): one process a GPU, the
         # split's batches shared out among them.
-        'gpus=$(python -m vlft.jobs.gpus {resources.gpu} $$); eval "$gpus"; python scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} '
+        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} "
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
         "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} 2>&1 | tee {log:q}"

@@ -13,5 +13,5 @@ rule prepare_split:
     params:
         image_root=lambda wildcards: config["datasets"][wildcards.dataset]["image_root"],
     shell:
-        "python scripts/prepare_split.py --records {input.records:q} --image-root {params.image_root:q} "
+        "python -m vlft.jobs.launch scripts/prepare_split.py --records {input.records:q} --image-root {params.image_root:q} "
         "--output {output:q} --threads {threads} 2>&1 | tee {log:q}"

@@ -23,7 +23,7 @@ rule report:
         labels=get_report_labels,
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
+        "python -m vlft.jobs.launch scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
         "--prepared {input.prepared:q} --evaluations {params.labels[evaluations]} "
         "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
         "--init-from {params.labels[init_from]} "

@@ -34,13 +34,14 @@ rule train:
         # Every attempt's log, appended: Snakemake starts the declared log afresh for each attempt.
         attempts_log=f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.attempts.log",
     shell:
-        # GPUs of its own among those visible (vlft.jobs.gpus), then the script: one process a GPU, each
-        # step shared out among them (vlft.jobs.distributed). At a time limit or a
+        # Launched as every job is (vlft.jobs.launch: GPUs of its own among those visible, a warm
+        # process where one serves), then the script: one process a GPU, each step shared out among
+        # them (vlft.jobs.distributed). At a time limit or a
         # scancel SLURM signals every process of the job, and Ctrl-C the terminal's. The shell and tee
         # ignore SIGTERM, SIGUSR1 and SIGINT (and so keep the log flowing); the trainer handles them: it saves a checkpoint,
         # exits 75, and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.jobs.stopping).
-        "gpus=$(python -m vlft.jobs.gpus {resources.gpu} $$); eval \"$gpus\"; trap '' TERM USR1 INT; python scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
+        "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} scripts/train.py --model {input.model:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"

@@ -1,0 +1,45 @@
+"""How every job of the workflow starts: each rule's shell line runs
+
+    python -m vlft.jobs.launch [--gpus N] scripts/<job>.py [its arguments]
+
+and this, before anything imports torch:
+
+1. with `--gpus N`, claims N of the GPUs this process may see for itself and narrows
+   CUDA_VISIBLE_DEVICES to them (vlft.jobs.gpus: concurrent jobs on one machine or in one
+   allocation get distinct GPUs; CUDA reads the variable once, so it is set before any import);
+2. hands the job to a warm process where one may run it (vlft.jobs.warm_start: its imports paid once
+   a study); then this process waits for it, passes signals on, and exits as it did;
+3. otherwise becomes the script (exec, the same process: its GPU claim, its signals, its pid), which
+   then runs exactly as `python <script>` would.
+
+A job's life from there: vlft.jobs.cli.run says where it runs and turns bad input and Ctrl-C into
+one line each; a training job given several GPUs relaunches itself under torchrun
+(vlft.jobs.distributed); SIGTERM, SIGUSR1 or its time limit coming close make it save and exit 75
+(vlft.jobs.stopping).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from vlft.jobs import gpus, warm_start
+
+
+def main(argv: list[str]) -> None:
+    count = 0
+    if argv[:1] == ["--gpus"]:
+        count, argv = int(argv[1]), argv[2:]
+    if not argv:
+        sys.exit("usage: python -m vlft.jobs.launch [--gpus N] SCRIPT [ARGUMENTS...]")
+    sys.argv = list(argv)  # the job is the script: its name in every line it says
+    if count > 0:
+        gpus.claim(count, os.getpid())
+    warm_start.hand_off()  # returns where no warm process runs it
+    flags = subprocess._args_from_interpreter_flags()
+    os.execv(sys.executable, [sys.executable, *flags, *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
