@@ -1,6 +1,8 @@
 # Vision-language LoRA fine-tuning experiments: caches -> training stages -> evaluations -> report.
 from snakemake.utils import min_version
 
+from vlft.jobs.driver import set_up_driver
+
 min_version("9.0")
 
 
@@ -16,6 +18,12 @@ if not workflow.overwrite_configfiles:
 
 
 include: "workflow/rules/common.smk"
+
+
+# The driver's own process: signals, Ctrl-C to its jobs, what its jobs inherit (vlft.jobs.driver).
+set_up_driver(workflow, RESULTS)
+
+
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/cache.smk"
 include: "workflow/rules/train.smk"

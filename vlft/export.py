@@ -17,6 +17,7 @@ import torch
 
 from vlft.files import atomic_path
 from vlft.model_files import NEEDS, require_model_dir
+from vlft.trained_stage import TrainedStage
 from vlft.modeling import load_base_model, with_adapter
 
 # The base checkpoint's files that are not its weights or config: copied as they are, but the
@@ -38,7 +39,7 @@ def export_stage(
     require_model_dir(model_dir)
     dtype = checkpoint_dtype(model_dir)
     model = load_base_model(model_dir, torch.device("cpu"), dtype)
-    merged = with_adapter(model, stage_dir / "adapter", trainable=False).merge_and_unload()
+    merged = with_adapter(model, TrainedStage.at(stage_dir).adapter, trainable=False).merge_and_unload()
     with atomic_path(output) as tmp:
         merged.save_pretrained(tmp)  # safetensors, sharded as transformers shards
         for path in sorted(model_dir.iterdir()):

@@ -16,6 +16,7 @@ from pathlib import Path
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, model_dir_problem
+from vlft.data.answers import AnswerFormat
 from vlft.data.records import selection_problem
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
@@ -116,9 +117,15 @@ class Plan:
             # The base model answers directly: clicks on a dataset whose stages click, else the final answer.
             dataset = self.base_dataset(stage)
             clicks = any(
-                s.settings["answer_format"] == "click" for s in self.stages.values() if s.settings["dataset"] == dataset
+                s.settings["answer_format"] == AnswerFormat.CLICK
+                for s in self.stages.values()
+                if s.settings["dataset"] == dataset
             )
-            source = dict(self.defaults, dataset=dataset, answer_format="click" if clicks else "final")
+            source = dict(
+                self.defaults,
+                dataset=dataset,
+                answer_format=(AnswerFormat.CLICK if clicks else AnswerFormat.FINAL).value,
+            )
         else:
             source = self.stage(experiment, stage).settings
         keys = ("dataset", "answer_format", "min_pixels", "max_pixels", "max_seq_len")

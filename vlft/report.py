@@ -357,17 +357,50 @@ def examples_html(evaluations: list[Evaluation]) -> str:
     return "".join(sections)
 
 
+# The page's look: tables that scroll in their own box rather than being cut off, example answers
+# wrapped, wrong ones marked.
+STYLE = """<style>
+body { font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 72rem; color: #222; }
+div.scroll { overflow-x: auto; max-width: 100%; margin-bottom: 1.5rem; }
+div.scroll table.t { margin-bottom: 0; }
+table.t { border-collapse: collapse; font-size: 0.9rem; margin-bottom: 1.5rem; }
+table.t th, table.t td { padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd; text-align: right; }
+table.t th { background: #f3f3f3; }
+table.examples td, table.examples th { text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; }
+tr.wrong td:last-child { color: #b00; }
+img { max-width: 100%; }
+</style>"""
+# The jobs table's columns, where the stages have them.
+JOB_COLUMNS = (
+    "experiment",
+    "stage",
+    "steps",
+    "samples",
+    "wall_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_memory_gb",
+    "final_loss",
+    "resumed_from_step",
+    "eval_share",
+    "kept_step",
+    "device",
+    "repeats",
+)
+
+
+def table_html(frame: pd.DataFrame) -> str:
+    """A table that scrolls inside its own box where it is wider than the page, never cut off."""
+    table = frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0, na_rep="")
+    return f'<div class="scroll">{table}</div>'
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
     for name, table in (("results.csv", results), ("accuracy_by_category.csv", categories), ("jobs.csv", jobs)):
         with atomic_path(output_dir / name) as tmp:
             table.to_csv(tmp, index=False, float_format="%.4f")
-
-    def table_html(frame: pd.DataFrame) -> str:
-        """A table that scrolls inside its own box where it is wider than the page, never cut off."""
-        table = frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0, na_rep="")
-        return f'<div class="scroll">{table}</div>'
 
     # The columns a reader compares first, then the rest.
     first = ["experiment", "stage", "split", "accuracy", "gain_over_base", "gain_over_start", "started_from", "repeats"]
@@ -385,39 +418,10 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             "(<code>keep: best</code>). <code>eval_share</code> in the jobs table: their share of the stage's time.</p>"
             f'<img alt="accuracy during training, one panel per experiment" src="data:image/png;base64,{png}">'
         )
-    job_columns = [
-        c
-        for c in (
-            "experiment",
-            "stage",
-            "steps",
-            "samples",
-            "wall_time_s",
-            "samples_per_s",
-            "tokens_per_s",
-            "peak_memory_gb",
-            "final_loss",
-            "resumed_from_step",
-            "eval_share",
-            "kept_step",
-            "device",
-            "repeats",
-        )
-        if c in jobs
-    ]
+    job_columns = [c for c in JOB_COLUMNS if c in jobs]
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 72rem; color: #222; }}
-div.scroll {{ overflow-x: auto; max-width: 100%; margin-bottom: 1.5rem; }}
-div.scroll table.t {{ margin-bottom: 0; }}
-table.t {{ border-collapse: collapse; font-size: 0.9rem; margin-bottom: 1.5rem; }}
-table.t th, table.t td {{ padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd; text-align: right; }}
-table.t th {{ background: #f3f3f3; }}
-table.examples td, table.examples th {{ text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; }}
-tr.wrong td:last-child {{ color: #b00; }}
-img {{ max-width: 100%; }}
-</style></head><body>
+{STYLE}</head><body>
 <h1>Experiment report</h1>
 <p>Every trained stage on every evaluated split, beside the untrained base model (experiment <code>{BASE_EXPERIMENT}</code>) on the same split of the same dataset (its stage is <code>{BASE_STAGE}</code> on the defaults' dataset, else the dataset's name).
 Accuracy compares the final answer parsed out of each generated answer with the reference's; for a click stage, it is whether the point answered lands in the target's box.</p>

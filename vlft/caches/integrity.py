@@ -12,7 +12,6 @@ a core against sha256's 1.7, which keeps the check near 0.5% of an evaluation jo
 
 from __future__ import annotations
 
-import json
 import zlib
 from pathlib import Path
 
@@ -20,8 +19,7 @@ import torch
 
 from vlft.errors import InputError
 from vlft.files import remove_inside
-
-ADAPTER_SUMMARY = "summary.json"  # beside the adapter directory: a stage's outputs, or its finished copy
+from vlft.trained_stage import TrainedStage
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -55,8 +53,9 @@ def verify_adapter(adapter_dir: str | Path) -> None:
     """Check an adapter's files against the checksums its stage's summary recorded when it was made;
     an adapter of an earlier version, whose summary records none, is taken as it is."""
     adapter_dir = Path(adapter_dir)
-    summary = adapter_dir.parent / ADAPTER_SUMMARY
-    expected = json.loads(summary.read_text()).get("adapter_crc32") if summary.exists() else None
+    stage = TrainedStage.of_adapter(adapter_dir)  # the stage's outputs, or their finished copy
+    summary = stage.summary
+    expected = stage.read_summary().get("adapter_crc32") if summary.exists() else None
     for name, checksum in (expected or {}).items():
         path = adapter_dir / name
         if not path.exists() or file_checksum(path) != checksum:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from enum import Enum
 
 FINAL_ANSWER = re.compile(r"final answer\s*[:：]", re.IGNORECASE)
 NUMBER_WORDS = {w: str(i) for i, w in enumerate("zero one two three four five six seven eight nine ten".split())}
@@ -10,6 +11,14 @@ ARTICLES = {"a", "an", "the"}
 
 
 END_OF_THINKING = "</think>"
+
+
+class AnswerFormat(str, Enum):
+    """How a stage's answers are written and judged (a stage's `answer_format`; equal to its name)."""
+
+    FINAL = "final"  # the final answer alone
+    COT = "cot"  # reasoning, then the final answer
+    CLICK = "click"  # a point on the image, judged by whether it lands in the target's box (vlft.data.clicks)
 
 
 def final_answer(text: str) -> str:
@@ -26,7 +35,7 @@ def normalize(answer: str) -> str:
 
 def target_text(answer: str, answer_format: str) -> str:
     """What a stage trains the model to say: the final answer alone, or reasoning then final answer."""
-    return final_answer(answer) if answer_format == "final" else answer.strip()
+    return final_answer(answer) if answer_format == AnswerFormat.FINAL else answer.strip()
 
 
 def is_correct(prediction: str, reference: str) -> bool:

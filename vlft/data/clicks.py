@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from vlft.data.answers import final_answer
+from vlft.data.answers import AnswerFormat, final_answer
 from vlft.errors import ConfigError, InputError
 
 RELATIVE_GRID = 1000
@@ -87,6 +87,11 @@ class Convention:
         return Frame(
             record["width"], record["height"], grid_w * self.patch_size, grid_h * self.patch_size, self.coordinates
         )
+
+
+def convention_for(answer_format: str, model_config) -> Convention | None:
+    """The model family's coordinates where a stage answers with clicks, else None."""
+    return Convention.of(model_config) if answer_format == AnswerFormat.CLICK else None
 
 
 def target_point(record: dict, where: str) -> tuple[float, float]:

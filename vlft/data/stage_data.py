@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlft.data import clicks
-from vlft.data.answers import target_text
+from vlft.data.answers import AnswerFormat, target_text
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
@@ -17,7 +17,9 @@ from vlft.data.records import select_records
 
 @dataclass
 class StageData:
-    records: list[dict]  # each with "key": unique across the splits joined here
+    # Each with "key", unique across the splits joined here (`<prepared split>#<id>`), and "source_split",
+    # the prepared split it came from: a field of its own, never parsed back out of the key.
+    records: list[dict]
     images: dict[
         str, tuple[ImageCache | VisionCache, str]
     ]  # by record key: the cache holding its image, and its id there
@@ -53,17 +55,17 @@ def load_stage_data(
             if record["id"] not in cache.records:
                 raise InputError(cache_dir, f"record {record['id']} of {split_path} is not in the image cache")
             key = f"{split_path}#{record['id']}"
-            records.append(dict(record, key=key))
+            records.append(dict(record, key=key, source_split=split_path))
             images[key] = (cache, cache.image_of(record["id"]))
     if not records:  # checked when the workflow starts too, where the raw splits exist by then
         raise InputError(", ".join(prepared), f"the stage's filter {filters} selects no record of its splits")
     frames = {}
-    if answer_format == "click":
+    if answer_format == AnswerFormat.CLICK:
         frames = {r["key"]: convention.frame(r, grid_of(images, r["key"])) for r in records}
 
     def target(record: dict) -> str:
-        if answer_format == "click":
-            return clicks.target_text(record, frames[record["key"]], record["key"].split("#")[0])
+        if answer_format == AnswerFormat.CLICK:
+            return clicks.target_text(record, frames[record["key"]], record["source_split"])
         return target_text(record["answer"], answer_format)
 
     samples = {

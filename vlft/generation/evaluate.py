@@ -15,7 +15,7 @@ import torch
 from vlft.data import clicks
 
 from vlft.jobs import distributed
-from vlft.data.answers import final_answer, is_correct
+from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation.engine import greedy_answers
@@ -59,7 +59,7 @@ def evaluate_split(
         filters={},
         answer_format=settings["answer_format"],
         max_seq_len=settings["max_seq_len"],
-        convention=clicks.Convention.of(model.config) if settings["answer_format"] == "click" else None,
+        convention=clicks.convention_for(settings["answer_format"], model.config),
     )
 
     batch_size = settings["batch_size"]
@@ -169,7 +169,7 @@ def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_fo
         "loss": loss_sum / max(loss_tokens, 1),
         "answer_format": answer_format,
     }
-    if answer_format == "click":
+    if answer_format == AnswerFormat.CLICK:
         distances = [p["distance"] for p in predictions if p["distance"] is not None]
         metrics |= {
             "n_with_box": len(judged),
@@ -217,6 +217,6 @@ def prediction_of(record: dict, text: str, data: StageData) -> dict:
         return prediction | {"correct": is_correct(text, record["answer"])}
     # A click: the reference is the target as the model is taught to say it; judged in pixels.
     frame = data.frames[record["key"]]
-    where = record["key"].split("#")[0]
+    where = record["source_split"]
     prediction["reference"] = clicks.target_text(record, frame, where)
     return prediction | {"box": record.get("box")} | clicks.score(record, text, frame, where)

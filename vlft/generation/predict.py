@@ -4,10 +4,10 @@ on a split made of the questions asked. The answer to a record is the evaluation
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
+from vlft.data.answers import AnswerFormat
 from vlft.errors import InputError
 from vlft.generation.evaluate import evaluate_split
 from vlft.files import read_jsonl, write_jsonl
@@ -16,20 +16,22 @@ from vlft.modeling import load_image_processor
 from vlft.data.importers.common import json_rows, required_text
 from vlft.data.records import check_image, prepare_split
 from vlft.report import thumbnail_jpeg
+from vlft.trained_stage import TrainedStage
 
 # Asked questions have no reference: the evaluation path needs one, and its judgement is dropped.
 # A click's is a point at the image's corner (inside every image, as prepare_split requires).
 NO_REFERENCE = {"answer": "unknown", "point": [0, 0]}
 
 
-def stage_settings(stage_dir: Path) -> dict:
+def stage_settings(stage: TrainedStage) -> dict:
     """The base model and answering settings a stage's summary records."""
-    summary_path = stage_dir / "summary.json"
-    if not summary_path.is_file():
-        raise InputError(stage_dir, "not a trained stage (no summary.json): give results/train/<experiment>/<stage>")
-    summary = json.loads(summary_path.read_text())
+    if not stage.summary.is_file():
+        raise InputError(
+            stage.summary.parent, "not a trained stage (no summary.json): give results/train/<experiment>/<stage>"
+        )
+    summary = stage.read_summary()
     if "answering" not in summary:
-        raise InputError(summary_path, "records no base model or answer settings (an earlier version): train it again")
+        raise InputError(stage.summary, "records no base model or answer settings (an earlier version): train it again")
     return summary
 
 
@@ -77,11 +79,11 @@ def predict(
 ) -> list[dict]:
     """Each question ({image: path, question: text}) with the stage's answer, and for a click stage
     the point answered, in pixels of the image."""
-    stage_dir = Path(stage_dir)
-    summary = stage_settings(stage_dir)
+    stage = TrainedStage.at(stage_dir)
+    summary = stage_settings(stage)
     answering, model = summary["answering"], summary["model"]
-    model_dir = base_model_dir(model, stage_dir / "summary.json")
-    clicks = answering["answer_format"] == "click"
+    model_dir = base_model_dir(model, stage.summary)
+    clicks = answering["answer_format"] == AnswerFormat.CLICK
     check_images(questions)
     with tempfile.TemporaryDirectory(prefix="vlft-predict-") as work:
         work = Path(work)
@@ -98,7 +100,7 @@ def predict(
         settings = answering | {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
         evaluate_split(
             model_dir,
-            str(stage_dir / "adapter"),
+            str(stage.adapter),
             str(work / "prepared.jsonl"),
             str(work / "cache"),
             settings,

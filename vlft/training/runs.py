@@ -5,12 +5,11 @@ Named by a fingerprint of the stage's settings and the content of its inputs, so
 resumes and a rerun after a change starts over. A run that finished its steps is kept (`finished/`)
 and restored rather than trained again where publishing it never completed (a full disk, a kill
 while it copied), and, on a retry, where the attempt before may have published it and been stopped
-just after. The trained stage it publishes is vlft.training.stage_dir.TrainedStage's layout.
+just after. What it publishes, and keeps until then, is a trained stage (vlft.trained_stage).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from vlft.caches.shards import INDEX
 from vlft.errors import InputError
 from vlft.files import atomic_path, remove_inside, write_json
 from vlft.plan import LEFT_OUT_WITH
+from vlft.trained_stage import TrainedStage
 from vlft.training import checkpoints, step_evals
 
 # In a run directory: the outputs of a run that finished its steps, and in them, until they have
@@ -46,19 +46,12 @@ class StageInputs:
         image's checksum), the adapter it starts from."""
         files = [Path(p) for p in self.prepared] + [Path(c) / INDEX for c in self.caches]
         if self.init_adapter:
-            files.append(Path(self.init_adapter) / "adapter_model.safetensors")
+            files.append(Path(self.init_adapter) / "adapter_model.safetensors")  # PEFT's name for the weights
         return files
 
     def eval_files(self) -> list[Path]:
         """The files its evaluations during training read, where it has them."""
         return [Path(self.eval_prepared), Path(self.eval_cache) / INDEX] if self.eval_prepared else []
-
-
-@dataclass
-class StageOutputs:
-    adapter: Path
-    log: Path
-    summary: Path
 
 
 class RunDirectory:
@@ -72,19 +65,20 @@ class RunDirectory:
                 remove_inside(earlier, root)
         self.path.mkdir(parents=True, exist_ok=True)
         self.finished = self.path / FINISHED
+        self.kept = TrainedStage.at(self.finished)  # the finished outputs, as they will be published
         self.running_log = self.path / RUNNING_LOG
 
     def restorable(self, retry: bool) -> bool:
         """Whether a finished run's outputs are to be published instead of training: they never
         reached the workflow's paths whole, or this job is a retry that may have been stopped after
         they did."""
-        return (self.finished / "summary.json").exists() and (retry or (self.finished / UNPUBLISHED).exists())
+        return self.kept.summary.exists() and (retry or (self.finished / UNPUBLISHED).exists())
 
-    def restore(self, outputs: StageOutputs) -> dict | None:
+    def restore(self, outputs: TrainedStage) -> dict | None:
         """Publish the outputs of an earlier run that finished its steps; None where its adapter was
         damaged since (it is removed, and the stage trains)."""
         try:
-            verify_adapter(self.finished / "adapter")
+            verify_adapter(self.kept.adapter)
         except InputError as err:
             print(f"cannot restore the finished run ({err}): training the stage", flush=True)
             remove_inside(self.finished, self.path)
@@ -114,32 +108,30 @@ class RunDirectory:
         kept best's), marked unpublished, and drop what only a resume needed."""
         with atomic_path(self.finished) as tmp:
             tmp.mkdir()
+            stage = TrainedStage.at(tmp)
             if kept_step is not None:
-                shutil.copytree(self.path / f"{step_evals.BEST_PREFIX}{kept_step:08d}", tmp / "adapter")
+                shutil.copytree(self.path / f"{step_evals.BEST_PREFIX}{kept_step:08d}", stage.adapter)
             else:
-                model.save_pretrained(tmp / "adapter")
-            summary["adapter_crc32"] = adapter_checksums(tmp / "adapter")  # checked wherever it is loaded
-            shutil.copyfile(self.running_log, tmp / "log.jsonl")
-            write_json(tmp / "summary.json", summary)
+                model.save_pretrained(stage.adapter)
+            summary["adapter_crc32"] = adapter_checksums(stage.adapter)  # checked wherever it is loaded
+            shutil.copyfile(self.running_log, stage.log)
+            write_json(stage.summary, summary)
             (tmp / UNPUBLISHED).touch()
         for checkpoint in [*self.path.glob("step-*"), *step_evals.best_dirs(self.path).values()]:
             remove_inside(checkpoint, self.path)
         self.running_log.unlink()
         (self.path / step_evals.EVALS_LOG).unlink(missing_ok=True)
 
-    def publish(self, outputs: StageOutputs) -> dict:
+    def publish(self, outputs: TrainedStage) -> dict:
         """Copy the finished outputs to the workflow's paths, each complete or not at all, then remove
         the mark that they are not: until then, any rerun restores them."""
         with atomic_path(outputs.adapter) as tmp:
-            shutil.copytree(self.finished / "adapter", tmp)
-        for name, target in (("log.jsonl", outputs.log), ("summary.json", outputs.summary)):
+            shutil.copytree(self.kept.adapter, tmp)
+        for source, target in ((self.kept.log, outputs.log), (self.kept.summary, outputs.summary)):
             with atomic_path(target) as tmp:
-                shutil.copyfile(self.finished / name, tmp)
+                shutil.copyfile(source, tmp)
         (self.finished / UNPUBLISHED).unlink(missing_ok=True)
-        return json.loads((self.finished / "summary.json").read_text())
-
-    def finished_summary(self) -> dict:
-        return json.loads((self.finished / "summary.json").read_text())
+        return self.kept.read_summary()
 
 
 def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:

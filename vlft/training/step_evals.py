@@ -53,7 +53,7 @@ class StepEvaluator:
             filters={},
             answer_format=answer_format,
             max_seq_len=eval_settings["max_seq_len"],
-            convention=clicks.Convention.of(model.config) if answer_format == "click" else None,
+            convention=clicks.convention_for(answer_format, model.config),
         )
         n = len(self.data.records)
         # The same records at every step and on every attempt, in the split's order.

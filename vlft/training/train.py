@@ -50,7 +50,8 @@ from vlft.training.batching import prefetched, to_device
 from vlft.training.host_batches import HostBatcher
 from vlft.training.methods import SupervisedFineTuning, TrainingMethod
 from vlft.training.packing import use_packed_attention
-from vlft.training.runs import RunDirectory, StageInputs, StageOutputs, training_fingerprint
+from vlft.trained_stage import TrainedStage
+from vlft.training.runs import RunDirectory, StageInputs, training_fingerprint
 from vlft.training.step_log import StepLog, throughput
 from vlft.training.steps import image_of, plan_steps
 
@@ -88,7 +89,7 @@ def train_stage(
     result: a setting of how the job runs, not of what it computes). With `eval_every` in the
     settings, the stage evaluates as it trains, as `settings["evaluation"]` says."""
     started, group = time.time(), distributed.join()
-    outputs = StageOutputs(Path(adapter_out), Path(log_out), Path(summary_out))
+    outputs = TrainedStage(Path(adapter_out), Path(log_out), Path(summary_out))
     run = RunDirectory(checkpoint_root, inputs, settings, clean=group.is_main)
     if (restored := _restore_if_finished(run, outputs, reuse_finished, group)) is not None:
         return restored
@@ -141,7 +142,7 @@ def train_stage(
             evaluation.after(model, done, len(steps), log)
     if not group.is_main:
         distributed.barrier()  # until the main process has written the outputs
-        return run.finished_summary()
+        return run.kept.read_summary()
 
     # The finished outputs, kept in the run directory until this stage runs with other settings
     # (the checkpoints have served), then published where the workflow wants them.
@@ -196,7 +197,7 @@ class Trainer:
         return {name: total / weight for name, total in zip(self.method.METRICS, totals)}, lr, float(grad_norm)
 
 
-def _restore_if_finished(run: RunDirectory, outputs: StageOutputs, retry: bool, group) -> dict | None:
+def _restore_if_finished(run: RunDirectory, outputs: TrainedStage, retry: bool, group) -> dict | None:
     """The published summary of an earlier run that finished its steps, where it is to be restored
     (vlft.training.runs) and its adapter is whole; None: train. Every process gets the main one's answer."""
     restore = run.restorable(retry)
@@ -212,7 +213,6 @@ def _restore_if_finished(run: RunDirectory, outputs: StageOutputs, retry: bool, 
 
 def _setup_data(prepared: list[str], caches: list[str], settings: dict, builder, model_config) -> StageData:
     """The stage's records and samples, click answers in the model family's coordinates."""
-    click = settings["answer_format"] == "click"
     return load_stage_data(
         prepared,
         caches,
@@ -220,7 +220,7 @@ def _setup_data(prepared: list[str], caches: list[str], settings: dict, builder,
         filters=settings["filter"],
         answer_format=settings["answer_format"],
         max_seq_len=settings["max_seq_len"],
-        convention=clicks.Convention.of(model_config) if click else None,
+        convention=clicks.convention_for(settings["answer_format"], model_config),
     )
 
 
@@ -362,12 +362,8 @@ def _save_and_stop(run: RunDirectory, trainer: Trainer, reason: str, done: int, 
 
 
 def _steps_before(init_adapter: str | None) -> int:
-    """The optimizer steps of the stages this one starts from, from its starting stage's summary
-    (beside its adapter); 0 for none, or where that summary is of a version that did not count them."""
-    if not init_adapter:
-        return 0
-    summary = json.loads((Path(init_adapter).parent / "summary.json").read_text())
-    return summary.get("steps_before", 0) + summary["steps"]
+    """The optimizer steps of the stages this one starts from; 0 for none."""
+    return TrainedStage.of_adapter(init_adapter).steps_through() if init_adapter else 0
 
 
 def compile_decoder_layers(model, backend: str = "inductor") -> None:

@@ -1,15 +1,14 @@
-# Config -> plan, output paths, and the get_* input functions of every rule.
+# Config -> plan, output paths, and the get_* input functions of every rule. (What the driver's own
+# process sets up is vlft.jobs.driver's, called from the Snakefile.)
 import json
 import os
 import shlex
-import signal
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from vlft.config import resolve_config
 from vlft.errors import ConfigError
-from vlft.jobs.interrupt import stop_jobs_on_interrupt
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 from vlft.data.records import image_paths
@@ -26,29 +25,12 @@ try:
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
 
-# SLURM's early warning before a time limit (`--signal=USR1@...`, see profiles/slurm) goes to
-# every process of the job, Snakemake's own included, and USR1's default action is to exit.
-# Snakemake ignores it, so that the job lives on while the trainer saves a checkpoint.
-signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-if workflow.is_main_process:
-    # Ctrl-C to the driver stops its jobs at a checkpoint, and the driver records their ends (vlft.jobs.interrupt).
-    stop_jobs_on_interrupt(workflow)
-
 RESULTS = config["results"]
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
 # GPU jobs fail where CUDA is not usable, unless the config lets them run on the CPU (the demo's).
 # A resource of the GPU rules, not a param: allowing it reruns nothing.
 CPU_FALLBACK = int(config["cpu_fallback"])
-# torch.compile's artifacts (inductor's graphs and Triton kernels) where every later job of the
-# study finds them, on this machine or, through SLURM, on another node that shares the results
-# directory: a job then compiles from the cache in seconds instead of about a minute. Jobs inherit
-# it (the local executor's subprocesses; a SLURM job parses this file again). A
-# TORCHINDUCTOR_CACHE_DIR of one's own wins.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(RESULTS).resolve() / ".cache/torch-compile"))
-# Jobs on this machine hand their scripts to a warm process that imported torch, transformers and
-# peft once, rather than each importing them anew (vlft.jobs.warm_start; never under SLURM). 0 turns it off.
-os.environ.setdefault("VLFT_WARM_START", "1")
 # The datasets the demo builds, by name: {kind, sizes, seed}.
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
 
