@@ -71,13 +71,11 @@ def main():
         eval_prepared=args.eval_prepared,
         eval_cache=args.eval_cache,
     )
-    settings = json.loads(args.settings)
-    if args.eval_settings:
-        settings["evaluation"] = json.loads(args.eval_settings)
+    evaluation = json.loads(args.eval_settings) if args.eval_settings else None
     try:
         summary = train_stage(
             inputs=inputs,
-            settings=settings,
+            params=json.loads(args.settings),
             adapter_out=args.adapter,
             log_out=args.log,
             summary_out=args.summary,
@@ -87,6 +85,7 @@ def main():
             reuse_finished=args.attempt > 1,
             curves_dir=args.tensorboard,
             activation_checkpointing=bool(args.activation_checkpointing),
+            evaluation=evaluation,
         )
     except Preempted as stopped:
         if main_process:

@@ -15,6 +15,7 @@ from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
 from vlft.training.image_groups import ImageGroup, group_rows, shared_prefix_length
+from vlft.job_settings import StageSettings
 from vlft.training.steps import groups_in_order, image_of, plan_steps
 from vlft.jobs.distributed import share_by_tokens
 from vlft.data.prompts import Sample
@@ -89,7 +90,7 @@ def test_steps_take_whole_groups_in_the_stages_order(order):
     sizes = [9, 1, 4, 18, 2, 7, 3, 9, 5]
     records, images = records_of(sizes, field=order == "by_field")
     settings = dict(STEP, order=order, order_field="difficulty" if order == "by_field" else None, epochs=2, max_steps=0)
-    steps = plan_steps(records, settings, image_of(images))
+    steps = plan_steps(records, StageSettings.resolve(settings), image_of(images))
     groups_of = {r["key"]: images[r["key"]][1] for r in records}
     epoch_steps = []
     for step in steps:
@@ -114,8 +115,9 @@ def test_steps_take_whole_groups_in_the_stages_order(order):
         second_epoch = [groups_of[g[0]] for step in steps for g in step][len(sizes) :]
         assert sorted(first_epoch) == sorted(second_epoch) and first_epoch != second_epoch
     # max_steps: cut short, or further epochs.
-    assert plan_steps(records, dict(settings, max_steps=3), image_of(images)) == steps[:3]
-    assert len(plan_steps(records, dict(settings, max_steps=len(steps) + 5), image_of(images))) == len(steps) + 5
+    assert plan_steps(records, StageSettings.resolve(dict(settings, max_steps=3)), image_of(images)) == steps[:3]
+    longer = StageSettings.resolve(dict(settings, max_steps=len(steps) + 5))
+    assert len(plan_steps(records, longer, image_of(images))) == len(steps) + 5
 
 
 def test_rows_keep_groups_whole_where_they_fit_and_shares_never_cut_a_group():

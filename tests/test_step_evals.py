@@ -62,7 +62,6 @@ def settings(**evaluation) -> dict:
     base = tiny_stage_settings(max_steps=6, micro_batch=8, lora_dropout=0.1, learning_rate=2e-3, warmup_ratio=0)
     if evaluation:
         base |= {"eval_samples": 8, "eval_split": None, "keep": "last", "best_metric": "accuracy"} | evaluation
-        base["evaluation"] = EVALUATION
     return base
 
 
@@ -78,6 +77,7 @@ def train(inputs, stage_settings, out: Path, dtype=torch.float64, stop=None, che
         stop,
         dtype=dtype,
         curves_dir=out / "tb",
+        evaluation=EVALUATION if stage_settings.get("eval_every") else None,
     )
 
 
@@ -170,6 +170,7 @@ def test_keep_best_publishes_the_adapter_of_the_best_evaluation_and_survives_a_s
         tmp_path / "again/ckpt",
         1000,
         dtype=torch.float64,
+        evaluation=EVALUATION,
     )
     assert again["evaluations_during_training"][0]["loss"] == pytest.approx(lowest["loss"], rel=1e-9)
     # A curriculum stage's curves go on after the steps of the stage it started from.

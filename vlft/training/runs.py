@@ -54,12 +54,18 @@ class StageInputs:
         return [Path(self.eval_prepared), Path(self.eval_cache) / INDEX] if self.eval_prepared else []
 
 
+def run_key(settings, evaluation: dict | None) -> dict:
+    """What names a stage's run besides its inputs: its params as the job was given them, and where
+    it evaluates as it trains, how those evaluations generate."""
+    return settings.params | ({"evaluation": evaluation} if settings.eval_every else {})
+
+
 class RunDirectory:
-    def __init__(self, checkpoint_root: str | Path, inputs: StageInputs, settings: dict, clean: bool):
-        """This exact stage's directory; those of the stage's earlier settings go (`clean`: the
-        main process's): no run of this stage will resume them."""
+    def __init__(self, checkpoint_root: str | Path, inputs: StageInputs, key: dict, clean: bool):
+        """This exact stage's directory (`key`: run_key's); those of the stage's earlier settings go
+        (`clean`: the main process's): no run of this stage will resume them."""
         root = Path(checkpoint_root)
-        self.path = root / checkpoints.fingerprint(settings, inputs.files() + inputs.eval_files())
+        self.path = root / checkpoints.fingerprint(key, inputs.files() + inputs.eval_files())
         for earlier in root.glob("*") if clean else ():
             if earlier != self.path:
                 remove_inside(earlier, root)
@@ -134,15 +140,16 @@ class RunDirectory:
         return self.kept.read_summary()
 
 
-def training_fingerprint(inputs: StageInputs, settings: dict, steps: list) -> str:
-    """What a stage trained on, however its config said it: its inputs' content, its settings with
+def training_fingerprint(inputs: StageInputs, settings, evaluation: dict | None, steps: list) -> str:
+    """What a stage trained on, however its config said it: its inputs' content, its params with
     the filter replaced by the records it selected (and without the splits it is evaluated on), and
     every step's records in order. Two stages with one fingerprint compute the same adapter (the
     report says so: a repeat is no second finding)."""
-    left_out, files = ["filter", "eval_splits"], inputs.files()
-    if settings.get("keep", "last") == "last":  # evaluating as it trains changes nothing it trains
+    key, files = run_key(settings, evaluation), inputs.files()
+    left_out = ["filter", "eval_splits"]
+    if settings.keep == "last":  # evaluating as it trains changes nothing it trains
         left_out += ["eval_every", *LEFT_OUT_WITH, "evaluation"]
     else:
         files += inputs.eval_files()
-    computed = {k: v for k, v in settings.items() if k not in left_out} | {"steps": steps}
+    computed = {k: v for k, v in key.items() if k not in left_out} | {"steps": steps}
     return checkpoints.fingerprint(computed, files)

@@ -42,7 +42,7 @@ class StepEvaluator:
     def __init__(
         self, prepared: str, cache: str, eval_settings: dict, settings: dict, builder, tokenizer, model, run_dir: Path
     ):
-        self.every, self.keep, self.metric = settings["eval_every"], settings["keep"], settings["best_metric"]
+        self.every, self.keep, self.metric = settings.eval_every, settings.keep, settings.best_metric
         self.eval_settings, self.builder, self.tokenizer = eval_settings, builder, tokenizer
         self.run_dir, self.group = run_dir, distributed.join()
         answer_format = eval_settings["answer_format"]
@@ -57,7 +57,7 @@ class StepEvaluator:
         )
         n = len(self.data.records)
         # The same records at every step and on every attempt, in the split's order.
-        chosen = sorted(random.Random(settings["seed"]).sample(range(n), min(settings["eval_samples"], n)))
+        chosen = sorted(random.Random(settings.seed).sample(range(n), min(settings.eval_samples, n)))
         self.mine = chosen[self.group.rank :: self.group.size]  # this process's share
 
     def due(self, step: int, last_step: int) -> bool:

@@ -15,31 +15,34 @@ import random
 from typing import Callable
 
 from vlft.data.records import order_records
+from vlft.job_settings import StageSettings
 
 Step = list[list[str]]  # a step's groups, each the keys of its records
 
 
-def plan_steps(records: list[dict], settings: dict, group_of: Callable[[dict], str] | None = None) -> list[Step]:
+def plan_steps(
+    records: list[dict], settings: StageSettings, group_of: Callable[[dict], str] | None = None
+) -> list[Step]:
     """Every optimizer step of the stage. `group_of`: what a record's group is known by (its image,
     with image groups); None: each record is a group of its own."""
     group_of = group_of or (lambda record: record["key"])
-    step_size = settings["micro_batch"] * settings["grad_accum"]
+    step_size = settings.micro_batch * settings.grad_accum
     groups = groups_in_order(records, group_of)
-    max_steps = settings["max_steps"]
+    max_steps = settings.max_steps
     steps: list[Step] = []
     epoch = 0
-    while (len(steps) < max_steps) if max_steps else epoch < settings["epochs"]:
-        if settings["order"] == "random":
+    while (len(steps) < max_steps) if max_steps else epoch < settings.epochs:
+        if settings.order == "random":
             # Groups of one shuffle as vlft.data.records.order_records shuffles records: the same draws.
             ordered = list(groups)
-            random.Random(settings["seed"] * 100_003 + epoch).shuffle(ordered)
+            random.Random(settings.seed * 100_003 + epoch).shuffle(ordered)
         else:
             in_order = order_records(
                 records,
-                settings["order"],
-                settings["order_field"],
-                settings["order_descending"],
-                settings["seed"],
+                settings.order,
+                settings.order_field,
+                settings.order_descending,
+                settings.seed,
                 epoch,
             )
             ordered = groups_in_order(in_order, group_of)

@@ -31,6 +31,7 @@ from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import StageData, load_stage_data, uses_vision_cache
 from vlft.caches.vision_cache import use_vision_cache
 from vlft.errors import ConfigError
+from vlft.job_settings import StageSettings
 from vlft.jobs import distributed
 from vlft.jobs.stopping import StopRequest
 from vlft.modeling import (
@@ -51,7 +52,7 @@ from vlft.training.host_batches import HostBatcher
 from vlft.training.methods import SupervisedFineTuning, TrainingMethod
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
-from vlft.training.runs import RunDirectory, StageInputs, training_fingerprint
+from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
 from vlft.training.step_log import StepLog, throughput
 from vlft.training.steps import image_of, plan_steps
 
@@ -67,7 +68,7 @@ class Preempted(Exception):
 
 def train_stage(
     inputs: StageInputs,
-    settings: dict,
+    params: dict,
     adapter_out: str | Path,
     log_out: str | Path,
     summary_out: str | Path,
@@ -78,6 +79,7 @@ def train_stage(
     reuse_finished: bool = False,
     curves_dir: str | Path | None = None,
     activation_checkpointing: bool = False,
+    evaluation: dict | None = None,
 ) -> dict:
     """Train the stage, or restore it where an earlier run finished its steps but publishing them
     never completed (vlft.training.runs; with `reuse_finished`, this job is a retry that may have
@@ -86,32 +88,33 @@ def train_stage(
     rounding. In a data-parallel job every process calls this; the main one alone writes files.
     `curves_dir`: where the stage's TensorBoard run goes (vlft.training.curves).
     `activation_checkpointing`: recompute activations in the backward pass (less memory, the same
-    result: a setting of how the job runs, not of what it computes). With `eval_every` in the
-    settings, the stage evaluates as it trains, as `settings["evaluation"]` says."""
+    result: a setting of how the job runs, not of what it computes). `params`: the stage's settings
+    as the plan gives them (vlft.job_settings); with `eval_every` among them, the stage evaluates as
+    it trains, generating as `evaluation` (the config's evaluation settings) says."""
     started, group = time.time(), distributed.join()
+    settings = StageSettings.resolve(params)
     outputs = TrainedStage(Path(adapter_out), Path(log_out), Path(summary_out))
-    run = RunDirectory(checkpoint_root, inputs, settings, clean=group.is_main)
+    run = RunDirectory(checkpoint_root, inputs, run_key(settings, evaluation), clean=group.is_main)
     if (restored := _restore_if_finished(run, outputs, reuse_finished, group)) is not None:
         return restored
     device, device_dtype = pick_device()
     dtype = dtype or device_dtype
-    torch.manual_seed(settings["seed"])
+    torch.manual_seed(settings.seed)
 
     # Setup, one concern at a time.
     tokenizer = load_tokenizer(inputs.model_dir, inputs.trust_remote_code)
-    # quantization_bit is absent while off (vlft.plan.LEFT_OUT_WHEN_OFF).
-    base = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code, settings.get("quantization_bit"))
+    base = load_base_model(inputs.model_dir, device, dtype, inputs.trust_remote_code, settings.quantization_bit)
     builder = PromptBuilder(tokenizer, base.config.image_token_id)
     data = _setup_data(inputs.prepared, inputs.caches, settings, builder, base.config)
-    # image_groups is absent while off (vlft.plan.LEFT_OUT_WHEN_OFF): each record is then a group of its own.
-    steps = plan_steps(data.records, settings, image_of(data.images) if settings.get("image_groups") else None)
-    evaluation = _setup_evaluation(inputs, settings, builder, tokenizer, base, run, device, dtype)
+    # Without image groups each record is a group of its own.
+    steps = plan_steps(data.records, settings, image_of(data.images) if settings.image_groups else None)
+    during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     method: TrainingMethod = SupervisedFineTuning(data)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     first_step = run.resume(model, optimizer, scheduler, group.is_main)
-    evaluation.resume(first_step)
-    trainer = Trainer(model, method, optimizer, scheduler, settings["max_grad_norm"], device, dtype, group)
+    during.resume(first_step)
+    trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
     batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer)
     steps_before = _steps_before(inputs.init_adapter)
 
@@ -130,7 +133,7 @@ def train_stage(
         group.is_main,
     )
     with log:
-        evaluation.after(model, first_step, len(steps), log)  # before the first step, where it is due
+        during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
             fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
@@ -139,7 +142,7 @@ def train_stage(
                 _save_and_stop(run, trainer, reason, done, len(steps))
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
                 run.save_checkpoint(done, model, optimizer, scheduler)
-            evaluation.after(model, done, len(steps), log)
+            during.after(model, done, len(steps), log)
     if not group.is_main:
         distributed.barrier()  # until the main process has written the outputs
         return run.kept.read_summary()
@@ -147,9 +150,9 @@ def train_stage(
     # The finished outputs, kept in the run directory until this stage runs with other settings
     # (the checkpoints have served), then published where the workflow wants them.
     summary = _summary(
-        run, inputs, settings, trainer, data, steps, first_step, steps_before, chosen, evaluation, started
+        run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
     )
-    run.finish(summary, model, evaluation.kept_step())
+    run.finish(summary, model, during.kept_step())
     result = run.publish(outputs)
     distributed.barrier()
     return result
@@ -211,25 +214,25 @@ def _restore_if_finished(run: RunDirectory, outputs: TrainedStage, retry: bool, 
     return restored
 
 
-def _setup_data(prepared: list[str], caches: list[str], settings: dict, builder, model_config) -> StageData:
+def _setup_data(prepared: list[str], caches: list[str], settings: StageSettings, builder, model_config) -> StageData:
     """The stage's records and samples, click answers in the model family's coordinates."""
     return load_stage_data(
         prepared,
         caches,
         builder,
-        filters=settings["filter"],
-        answer_format=settings["answer_format"],
-        max_seq_len=settings["max_seq_len"],
-        convention=clicks.convention_for(settings["answer_format"], model_config),
+        filters=settings.filter,
+        answer_format=settings.answer_format,
+        max_seq_len=settings.max_seq_len,
+        convention=clicks.convention_for(settings.answer_format, model_config),
     )
 
 
-def _setup_evaluation(inputs: StageInputs, settings: dict, builder, tokenizer, base, run, device, dtype):
-    """The evaluation during training (`eval_every`; absent while off, vlft.plan.LEFT_OUT_WHEN_OFF)."""
-    if not settings.get("eval_every"):
+def _setup_evaluation(inputs: StageInputs, settings, evaluation, builder, tokenizer, base, run, device, dtype):
+    """The evaluation during training (`eval_every`), or the object that does nothing."""
+    if not settings.eval_every:
         return step_evals.NoEvaluation()
     evaluator = step_evals.StepEvaluator(
-        inputs.eval_prepared, inputs.eval_cache, settings["evaluation"], settings, builder, tokenizer, base, run.path
+        inputs.eval_prepared, inputs.eval_cache, evaluation, settings, builder, tokenizer, base, run.path
     )
     return step_evals.EvaluationDuringTraining(evaluator, device, dtype)
 
@@ -237,7 +240,7 @@ def _setup_evaluation(inputs: StageInputs, settings: dict, builder, tokenizer, b
 def _setup_model(
     model,
     init_adapter: str | None,
-    settings: dict,
+    settings: StageSettings,
     vision_cache: bool,
     device: torch.device,
     activation_checkpointing: bool = False,
@@ -247,17 +250,17 @@ def _setup_model(
     model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
     if vision_cache:
         use_vision_cache(model)
-    if settings["packing"]:
+    if settings.packing:
         use_packed_attention(model)
     if activation_checkpointing:
         use_activation_checkpointing(model)
-    if settings["compile"] and device.type == "cuda":
+    if settings.compile and device.type == "cuda":
         compile_decoder_layers(model)
     model.train()
     return model
 
 
-def _setup_optimizer(model, settings: dict, n_steps: int, n_records: int, device: torch.device, group):
+def _setup_optimizer(model, settings: StageSettings, n_steps: int, n_records: int, device: torch.device, group):
     """AdamW over the adapter (every process starting from the main one's weights) and its schedule."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if group.size > 1:
@@ -265,10 +268,10 @@ def _setup_optimizer(model, settings: dict, n_steps: int, n_records: int, device
     if problem := schedule_problem(settings, n_steps):  # epochs of few records: only now is the count known
         raise ConfigError(f"this stage's {n_records} records make {n_steps} step(s): {problem}")
     optimizer = torch.optim.AdamW(
-        trainable, lr=settings["learning_rate"], weight_decay=settings["weight_decay"], fused=device.type == "cuda"
+        trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay, fused=device.type == "cuda"
     )
     scheduler = get_scheduler(
-        settings["lr_schedule"],
+        settings.lr_schedule,
         optimizer,
         num_warmup_steps=warmup_steps(settings, n_steps),
         num_training_steps=n_steps,
@@ -276,7 +279,7 @@ def _setup_optimizer(model, settings: dict, n_steps: int, n_records: int, device
     return optimizer, scheduler
 
 
-def _setup_batcher(settings: dict, tokenizer, builder, data: StageData, trainer: Trainer):
+def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData, trainer: Trainer):
     """The host batcher with the stage's token budget, and for `max_batch_tokens: auto` what was
     chosen and why (vlft.training.token_budget): the tightest GPU's, in a data-parallel job."""
     batcher = HostBatcher(
@@ -284,13 +287,13 @@ def _setup_batcher(settings: dict, tokenizer, builder, data: StageData, trainer:
         builder,
         rope_index(trainer.model),
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn,
-        settings["packing"],
-        settings["micro_batch"],
+        settings.packing,
+        settings.micro_batch,
         None,
         trainer.group,
         pin=trainer.device.type == "cuda",
     )
-    budget = settings["max_batch_tokens"]
+    budget = settings.max_batch_tokens
     if budget != "auto":
         return replace(batcher, budget=budget), None
     samples = [data.samples[record["key"]] for record in data.records]
@@ -313,7 +316,7 @@ def _setup_batcher(settings: dict, tokenizer, builder, data: StageData, trainer:
 
 
 def _summary(
-    run, inputs, settings, trainer, data, steps, first_step, steps_before, chosen, evaluation, started
+    run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
 ) -> dict:
     """What the stage did, from its step log: speed and memory, what it trained on, how its adapter
     is used (for predict.py: the base model, and how images and answers were made)."""
@@ -326,18 +329,18 @@ def _summary(
         **throughput(rows),
         "device": str(trainer.device),
         "dtype": str(trainer.dtype).removeprefix("torch."),
-        "data_and_settings": training_fingerprint(inputs, settings, steps),
+        "data_and_settings": training_fingerprint(inputs, settings, evaluation, steps),
         "model": {
             "path": inputs.model_dir,  # as the config gave it: relative to the workflow's directory, maybe
             "resolved": str(Path(inputs.model_dir).resolve()),
             "trust_remote_code": inputs.trust_remote_code,
         },
-        "answering": {k: settings[k] for k in ANSWERING_KEYS},
+        "answering": {k: getattr(settings, k) for k in ANSWERING_KEYS},
         "steps_before": steps_before,
     }
     if chosen:
         summary["max_batch_tokens_auto"] = chosen
-    return summary | evaluation.summary(rows)
+    return summary | during.summary(rows)
 
 
 def _stop_reason(stop: StopRequest | None, done: int, total: int, group, device) -> str | None:

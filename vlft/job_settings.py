@@ -1,0 +1,77 @@
+"""A training job's settings, resolved once at its entry point into one typed object.
+
+The plan hands a training job its stage's settings as its params, leaving out the options that are
+off (vlft.plan.LEFT_OUT_WHEN_OFF), so that adding an option reruns nothing a study has trained. The
+job takes them back in here, once: every key the schema documents, the params' values where they
+give one, the schema's defaults elsewhere (vlft.config.stage_defaults). Nothing downstream reads a
+setting with a default of its own. What a job's identity rests on (its checkpoints' directory, its
+fingerprint) stays the params as given (`params`), so the rerun policy is the plan's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from vlft.config import stage_defaults
+from vlft.errors import ConfigError
+
+# How a job runs, not what it computes: never in its params (vlft.plan.RUN_ONLY_KEYS).
+RUN_ONLY = ("resources", "checkpoint_every", "activation_checkpointing")
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    dataset: str | None  # the plan always names it; None only where a caller needs no data
+    train_splits: list[str]
+    eval_splits: list[str]
+    filter: dict
+    order: str  # random, given or by_field
+    order_field: str | None
+    order_descending: bool
+    init_from: str | None
+    answer_format: str  # vlft.data.answers.AnswerFormat
+    epochs: int
+    max_steps: int | None
+    learning_rate: float
+    lr_schedule: str
+    warmup_ratio: float
+    weight_decay: float
+    max_grad_norm: float
+    micro_batch: int
+    grad_accum: int
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: list[str]
+    min_pixels: int | None
+    max_pixels: int | None
+    max_seq_len: int
+    seed: int
+    vision_cache: bool
+    max_batch_tokens: int | str | None  # a number, "auto" or None
+    packing: bool
+    compile: bool
+    image_groups: bool
+    quantization_bit: int | None
+    eval_every: int
+    eval_samples: int
+    eval_split: str | None
+    keep: str  # last or best
+    best_metric: str  # accuracy or loss
+    params: dict = field(compare=False, repr=False)  # as the job was given them
+
+    @classmethod
+    def resolve(cls, params: dict) -> "StageSettings":
+        """The job's params, every key they leave out taken from the schema's default; a key the
+        schema does not know is an error naming it."""
+        names = {f.name for f in fields(cls)} - {"params"}
+        unknown = sorted(set(params) - names - set(RUN_ONLY))
+        if unknown:
+            raise ConfigError(f"unknown stage setting(s) {', '.join(unknown)} in this job's settings")
+        values = {k: v for k, v in ({"dataset": None} | stage_defaults() | params).items() if k in names}
+        return cls(**values, params=dict(params))
+
+    def __getitem__(self, key: str):
+        """A setting by name, for code that takes a stage's settings as a mapping (lora_config,
+        the schedule's checks, the plan's)."""
+        return getattr(self, key)
