@@ -1,6 +1,7 @@
 """The rerun policy, each rule of it proven by a real Snakemake dry run over the finished demo."""
 
 import os
+import shutil
 import time
 
 import yaml
@@ -147,6 +148,18 @@ def test_editing_library_code_reruns_nothing(demo_workdir):
     for path in list((demo_workdir / "vlft").rglob("*.py")) + list((demo_workdir / "scripts").glob("*.py")):
         path.write_text(path.read_text() + "\n# edited\n")
     assert planned_outputs(demo_workdir) == set()
+
+
+def test_an_upgrade_that_changes_how_rules_run_reruns_nothing(demo_workdir, tmp_path):
+    """A release that changes every rule's command line (as one that adds an option does) but not
+    what the jobs compute: nothing of a finished study runs again. In a copy, the demo's results
+    with it."""
+    workdir = tmp_path / "upgraded"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    for rules in (workdir / "workflow/rules").glob("*.smk"):
+        rules.write_text(rules.read_text().replace(" scripts/", " ./scripts/"))
+    assert " ./scripts/train.py" in (workdir / "workflow/rules/train.smk").read_text()
+    assert planned_outputs(workdir) == set()
 
 
 def test_forcing_exp4_stage2_alone_or_with_what_depends_on_it(demo_workdir):

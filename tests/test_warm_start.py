@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -362,3 +363,41 @@ def test_what_one_job_changes_in_its_process_the_next_job_never_sees(scripts, wa
     second = json.loads(run(script, "look", env=warm_env, cwd=tmp_path).stdout)
     expected = {"safety": 0.9, "variable": None, "cwd": str(tmp_path), "dtype": "torch.float32"}
     assert second == first == expected | {"warm": True}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to connect as another user")
+def test_a_warm_process_refuses_another_users_job_unread(scripts, warm_env, tmp_path):
+    """Any local user can connect to the warm process's abstract socket: a job sent as another uid
+    (here `nobody`, 65534) is refused, and its script never runs as the warm process's user."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "hostile.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run(scripts / "job.py", "0", env=warm_env, cwd=tmp_path)  # the warm process runs now
+    key = warm_start.fingerprint(warm_env)
+    address = warm_start._address(key)  # the owner's uid is in its name: listed for all to see
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user's process: a raw connection, then the job as a job's process sends it
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connection.connect(address)
+            sys.argv = [str(script)]
+            try:
+                reply = warm_start._send_job(connection, connection.makefile("rb"))
+            except OSError as error:  # refused before it finished sending
+                reply = f"no ({error})"
+            os.write(write, reply.encode())
+        except BaseException as error:  # said, for the assertion below to show
+            os.write(write, f"failed: {error!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    reply = os.read(read, 1000).decode()
+    assert reply.startswith("no"), reply
+    time.sleep(1)  # a child it had forked would have run the script by now
+    assert not marker.exists()
+    log = (Path(warm_env["TMPDIR"]) / warm_start.server_log(key).name).read_text()  # the warm process's TMPDIR
+    assert "refused a job from uid 65534: a warm process serves only its own user" in log

@@ -3,7 +3,7 @@
 Every job that trains, evaluates or caches used to spend 10-16 s on the GPU machine importing its
 libraries before its first line (benchmarks/README.md, "What each job pays once"): some 100 s of a
 small study's 390 on one GPU. Snakemake starts a process per job, so the workflow keeps that, and
-moves only the imports: a job's script calls `hand_off()` first thing, and where a warm process
+moves only the imports: a job's launcher (vlft.jobs.launch) calls `hand_off()`, and where a warm process
 runs (one that imported the libraries once), the script's own process hands it its arguments,
 environment, working directory, standard streams and signal dispositions. The warm process forks
 a child that runs the script as `python script args` would; the job's process waits, passes every
@@ -16,10 +16,14 @@ Only where that changes nothing but the time:
   started by hand, never under SLURM (`SLURM_JOB_ID`): a job's processes stay inside its
   allocation, where SLURM counts, signals and ends them;
 - not in the processes of a data-parallel job (torchrun starts them with `WORLD_SIZE`);
-- the warm process forks before anything touched CUDA (it checks, and serves nothing otherwise),
-  so each child initializes CUDA for itself, with its job's CUDA_VISIBLE_DEVICES (vlft.jobs.gpus);
-- a warm process serves only jobs of its interpreter, interpreter flags, code (vlft's files) and
-  environment, but for the variables read when a job first uses them (`PER_JOB`: the GPUs, the
+- a warm process serves only its own user: the kernel's credentials of each connection's peer are
+  checked (an abstract Unix socket has no owner or mode, so any local user could connect), and a
+  job hands itself only to a warm process of its own user;
+- the warm process forks before anything touched CUDA, and while it runs no thread besides its own
+  (it checks both, and serves nothing otherwise), so each child initializes CUDA for itself, with
+  its job's CUDA_VISIBLE_DEVICES (vlft.jobs.gpus);
+- a warm process serves only jobs of its interpreter, interpreter flags, code (vlft's files),
+  installed packages and environment, but for the variables read when a job first uses them (`PER_JOB`: the GPUs, the
   thread counts); a job whose environment differs in anything else gets a warm process of its own;
 - the child gets fresh seeds for Python's and numpy's global generators, as a new process would.
 Anything that fails before the hand-off leaves the job to run as before, in its own process.
@@ -33,6 +37,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -135,6 +140,9 @@ def hand_off() -> None:
         connection = _connect(key)
         if connection is None:
             return _say(f"the warm process did not start (its log: {server_log(key)})")
+        if (owner := peer_uid(connection)) != os.getuid():  # another user took the address first
+            connection.close()
+            return _say(f"the warm process at this job's address runs as uid {owner}, not this job's user")
         # The warm process's replies, a line each: its child's pid, then the child's exit status.
         replies = connection.makefile("rb")
         reply = _send_job(connection, replies)
@@ -169,6 +177,12 @@ def _connect(key: str) -> socket.socket | None:
         elif server.poll() is not None or time.monotonic() > deadline:
             return None  # it ended (another job's took the address and ended too), or hangs
         time.sleep(0.02)
+
+
+def peer_uid(connection: socket.socket) -> int:
+    """The user the process at the other end of a Unix socket runs as, as the kernel tells it."""
+    pid_uid_gid = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", pid_uid_gid)[1]
 
 
 def server_log(key: str) -> Path:
@@ -276,6 +290,13 @@ def serve(key: str) -> None:
         except TimeoutError:
             continue
         last_busy = time.monotonic()
+        # Only its own user's jobs: the address is in the abstract namespace, which has no owner or
+        # mode, so any local user can connect. Another's job is refused unread.
+        if (uid := peer_uid(connection)) != os.getuid():
+            print(f"refused a job from uid {uid}: a warm process serves only its own user", file=sys.stderr, flush=True)
+            _send_line(connection, "no this warm process serves only its own user's jobs")
+            connection.close()
+            continue
         # The job is read in full first, refused or not: a job's process still sending when this
         # end closed would fail with a broken pipe instead of reading why.
         job = _receive_job(connection)

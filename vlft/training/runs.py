@@ -98,13 +98,35 @@ class RunDirectory:
         """Restore the newest complete checkpoint, if any; the step it was saved after (0 for none).
         The main process cuts its logs back to that step: what came after is trained again."""
         first_step = 0
-        if (checkpoint := checkpoints.latest(self.path)) is not None:
+        if (checkpoint := self.newest_checkpoint(is_main)) is not None:
             first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
             if is_main:  # the others' go unsaid
                 print(f"resuming from step {first_step} ({checkpoint})", flush=True)
         if is_main:
             checkpoints.truncate_log(self.running_log, first_step)
         return first_step
+
+    def newest_checkpoint(self, is_main: bool) -> Path | None:
+        """The newest checkpoint that can be read whole. One that cannot (cut short, overwritten,
+        emptied) is set aside with one sentence naming it, and the one before it serves; checkpoints
+        of an earlier version, which were pickled, are never loaded (that could run code), and say so."""
+        for older in checkpoints.older_format(self.path):
+            if is_main:
+                print(
+                    f"{older}: a checkpoint of an earlier version, saved with pickle, which this version does not "
+                    "load (loading it could run code): set aside; the stage resumes from an older checkpoint or trains "
+                    "from its first step",
+                    flush=True,
+                )
+                remove_inside(older, self.path)
+        for checkpoint in checkpoints.complete(self.path)[::-1]:  # newest first; every process alike
+            problem = checkpoints.readable(checkpoint)
+            if problem is None:
+                return checkpoint
+            if is_main:
+                print(f"{checkpoint}: damaged ({problem}): set aside; resuming from the one before it", flush=True)
+                remove_inside(checkpoint, self.path)
+        return None
 
     def save_checkpoint(self, step: int, model, optimizer, scheduler) -> None:
         checkpoints.save(self.path, step, model, optimizer, scheduler)
