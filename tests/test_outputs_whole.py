@@ -201,3 +201,28 @@ def test_a_used_up_quota_is_named_as_such_and_other_errors_pass_through(tmp_path
     with pytest.raises(InputError):  # bad input stays bad input, whatever room is left
         with atomic_path(target) as tmp:
             raise InputError(target, "bad")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_outputs_follow_the_umask_though_safetensors_writes_them_private(tmp_path, mask):
+    """A group-shared results directory: an adapter, cache or checkpoint written with safetensors
+    (which leaves its files 0600) gets the modes a plain file of the user's umask would have."""
+    import torch
+    from safetensors.torch import save_file
+
+    before = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "adapter") as tmp:
+            tmp.mkdir()
+            save_file({"w": torch.zeros(2)}, tmp / "adapter_model.safetensors")
+            (tmp / "adapter_config.json").write_text("{}")
+        with atomic_path(tmp_path / "index.json") as tmp:
+            tmp.write_text("{}")
+        (tmp_path / "plain").write_text("")
+    finally:
+        os.umask(before)
+    plain = (tmp_path / "plain").stat().st_mode & 0o777
+    assert plain == 0o666 & ~mask
+    for path in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "index.json"):
+        assert (tmp_path / path).stat().st_mode & 0o777 == plain, path
+    assert (tmp_path / "adapter").stat().st_mode & 0o777 == 0o777 & ~mask

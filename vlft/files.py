@@ -37,6 +37,7 @@ def atomic_path(target: str | Path):
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        follow_umask(tmp)
         remove_inside(target, target.parent)
         os.replace(tmp, target)
     except Exception as err:
@@ -46,6 +47,28 @@ def atomic_path(target: str | Path):
         raise
     finally:
         remove_inside(tmp, target.parent)
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it while it reads it, which a
+    thread creating a file meanwhile would see)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
+
+
+def follow_umask(path: Path) -> None:
+    """Give a written output (a file, or a directory and all in it) the modes a plain `open` would
+    have: libraries that write through temporary files (safetensors, tempfile) leave them 0600 or
+    0700 whatever the umask, which hides a group-shared results directory's weights from colleagues."""
+    mask = umask()
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path] if path.exists() else []
+    for entry in paths:
+        if entry.is_symlink():
+            continue
+        executable = entry.is_dir() or entry.stat().st_mode & 0o111
+        entry.chmod((0o777 if executable else 0o666) & ~mask)
 
 
 def storage_error(err: BaseException, path: str | Path) -> StorageError | None:

@@ -13,6 +13,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on cluster nodes
+# Every label drawn as the text it is: a category named "$5 or more" is no math to typeset (an
+# unknown macro in one failed the whole report, after all training), nor is a stage's name.
+matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -395,12 +398,27 @@ def table_html(frame: pd.DataFrame) -> str:
     return f'<div class="scroll">{table}</div>'
 
 
+# What a spreadsheet reads as the start of a formula (OWASP's list for CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert_for_spreadsheets(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every text cell that a spreadsheet would run as a formula (a category named
+    `=HYPERLINK(...)`) written as text: a leading apostrophe, which spreadsheets show as nothing."""
+
+    def inert(value):
+        return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+    text = [c for c in table.columns if not pd.api.types.is_numeric_dtype(table[c])]
+    return table.assign(**{c: table[c].map(inert) for c in text}).rename(columns=inert)
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
     for name, table in (("results.csv", results), ("accuracy_by_category.csv", categories), ("jobs.csv", jobs)):
         with atomic_path(output_dir / name) as tmp:
-            table.to_csv(tmp, index=False, float_format="%.4f")
+            inert_for_spreadsheets(table).to_csv(tmp, index=False, float_format="%.4f")
 
     # The columns a reader compares first, then the rest.
     first = ["experiment", "stage", "split", "accuracy", "gain_over_base", "gain_over_start", "started_from", "repeats"]
