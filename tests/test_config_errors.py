@@ -276,3 +276,32 @@ def test_a_sharded_checkpoint_missing_a_shard_is_one_sentence(tiny_model_dir, tm
     (sharded / "model-00001-of-00002.safetensors").rename(sharded / "model-00002-of-00002.safetensors")
     (sharded / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert model_dir_problem(sharded) is None  # the processor's settings nested in processor_config.json do
+
+
+@pytest.mark.parametrize(
+    "duplicated, lines",
+    [
+        ("  exp1:\n    stages:\n      - name: again\n", "exp1"),  # an experiment written twice
+        ("experiments:\n  other:\n    stages:\n      - name: main\n", "experiments"),  # a second section
+    ],
+)
+def test_a_key_written_twice_is_one_sentence_naming_both_lines(workdir, duplicated, lines):
+    """YAML keeps the last of a key written twice: the first experiment, or every experiment of a
+    first `experiments:` section, would be dropped without a word."""
+    text = (workdir / "config/config.yaml").read_text()
+    if duplicated.startswith("  "):  # under experiments:
+        text = text.replace("experiments:\n", "experiments:\n" + duplicated, 1)
+    else:
+        text += duplicated
+    (workdir / "config/twice.yaml").write_text(text)
+    first = text.splitlines().index(f"  {lines}:" if duplicated.startswith("  ") else f"{lines}:") + 1
+    again = len(text.splitlines()) - text.splitlines()[::-1].index(
+        f"  {lines}:" if duplicated.startswith("  ") else f"{lines}:"
+    )
+    result = snakemake(workdir, "--dry-run", "--configfile", "config/twice.yaml", check=False)
+    assert result.returncode != 0
+    said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Invalid config: ")]
+    assert said == [
+        f"Invalid config: config/twice.yaml: key '{lines}' is written twice in one mapping, at lines "
+        f"{min(first, again)} and {max(first, again)}; YAML would keep only the second"
+    ], (result.stdout + result.stderr)

@@ -43,6 +43,38 @@ def _has_default(node: dict) -> bool:
     return "default" in node or any(_has_default(p) for p in node.get("properties", {}).values())
 
 
+def duplicate_key(text: str) -> tuple[str, int, int] | None:
+    """The first key written twice in one mapping of a YAML text, with the lines of both (YAML
+    keeps the last silently: an experiment written twice, or a second `experiments:` section,
+    would drop the first without a word); None where there is none."""
+    nodes = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        return key.value, seen[key.value], key.start_mark.line + 1
+                    seen[key.value] = key.start_mark.line + 1
+                nodes.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)
+    return None
+
+
+def check_config_files(paths: list[str | Path]) -> None:
+    """Each config file read as YAML with no key written twice in one mapping."""
+    for path in map(Path, paths):
+        if (found := duplicate_key(path.read_text())) is not None:
+            key, first, again = found
+            shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+            raise ConfigError(
+                f"{shown}: key '{key}' is written twice in one mapping, at lines {first} and {again}; "
+                "YAML would keep only the second"
+            )
+
+
 def stage_defaults() -> dict:
     """What every stage starts from before the config's `defaults` and the stage's own keys."""
     return _defaults_of(load_schema()["$defs"]["stage_settings"])

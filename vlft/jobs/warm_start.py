@@ -79,9 +79,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 PROJECT = Path(__file__).resolve().parents[1]  # the vlft package: its code is part of the key
 # The warm process's program. It drops `-c`'s working directory from sys.path, so that it imports
 # vlft from where the jobs' scripts do (their sys.path less their own directory).
+# The warm process imports the very vlft its first job imported (argv[2]: the directory holding it;
+# a job launched with `python -m` from a copy of the workflow imports the copy's), not the working
+# directory's or whatever else is first on the path.
 SERVER = (
     "import sys\n"
     "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+    "sys.path.insert(0, sys.argv[2])\n"
     "from vlft.jobs.warm_start import serve; serve(sys.argv[1])"
 )
 
@@ -197,7 +201,7 @@ def _start_server(key: str):
     # signals it; it ends by itself when idle.
     with open(server_log(key), "ab") as log:
         return subprocess.Popen(
-            [sys.executable, *_interpreter_flags(), "-c", SERVER, key],
+            [sys.executable, *_interpreter_flags(), "-c", SERVER, key, str(PROJECT.parent)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -7,13 +7,15 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from vlft.config import resolve_config
+from vlft.config import check_config_files, resolve_config
 from vlft.errors import ConfigError
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 from vlft.data.records import image_paths
 
 try:
+    # Snakemake has read the files already, keeping the last of a key written twice: say so instead.
+    check_config_files(workflow.configfiles)
     # In place: the rules read `config` too. Keys the file leaves out take the schema's defaults.
     config.update(resolve_config(config))
     PLAN = build_plan(config)
