@@ -47,6 +47,25 @@ def test_a_damaged_cache_shard_is_one_sentence_and_the_cache_is_removed_for_its_
     assert not cache.exists() and (tmp_path).is_dir()
 
 
+@pytest.mark.parametrize("damage", ["cut short", "emptied"])
+def test_a_damaged_cache_index_is_one_sentence_and_the_cache_is_removed_for_its_rebuild(small_stage, tmp_path, damage):
+    """The shards' checksums do not cover the index: a JSON traceback on every job that read it."""
+    from vlft.caches.image_cache import ImageCache
+
+    inputs, _ = small_stage
+    cache = tmp_path / "cache"
+    shutil.copytree(inputs.caches[0], cache)
+    index = cache / "index.json"
+    text = index.read_text()
+    index.write_text(text[: len(text) // 2] if damage == "cut short" else "")
+    with pytest.raises(InputError) as found:
+        ImageCache(cache)
+    said = str(found.value)
+    assert said.startswith(f"{index}: damaged: not the JSON the cache wrote (") and "\n" not in said
+    assert said.endswith(f"; removed {cache}, so that the next run rebuilds the cache (a dry run lists the job)")
+    assert not cache.exists()
+
+
 def test_an_intact_cache_reads_back_what_was_written(small_stage):
     from vlft.caches.image_cache import ImageCache
     from vlft.caches.integrity import tensor_checksum

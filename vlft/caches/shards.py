@@ -74,8 +74,12 @@ def finish_cache(directory: Path, writer: ShardWriter, kind: str, **metadata) ->
 
 
 def read_index(directory: str | Path) -> dict:
-    index = json.loads((Path(directory) / INDEX).read_text())
-    if index.get("format") != FORMAT:
+    path = Path(directory) / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:  # cut short or overwritten: its shards cannot be found
+        raise damaged(Path(directory), path, f"not the JSON the cache wrote ({error})", "rebuilds the cache") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise InputError(directory, "a cache written by an older version of this workflow; delete it and run again")
     return index
 
