@@ -289,3 +289,26 @@ def small_stage(tmp_path_factory, tiny_model_dir):
     inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
     settings = build_plan(yaml.safe_load((REPO / "config/config.yaml").read_text())).stage("exp1", "main")
     return inputs, settings.train_params() | {"compile": False}
+
+
+class KilledAfter:
+    """A job killed after `steps` steps, with no chance to save (kill -9, a node lost)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.seen = steps, 0
+
+    def reason(self):
+        self.seen += 1
+        if self.seen == self.steps:
+            raise KeyboardInterrupt
+
+
+class StopAfter:
+    """Stands in for a SIGTERM arriving while step `n` runs."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def reason(self):
+        self.calls += 1
+        return "SIGTERM received" if self.calls == self.n else None

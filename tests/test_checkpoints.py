@@ -7,21 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import KilledAfter, StopAfter
+
 from vlft.files import read_jsonl
 from vlft.training import checkpoints
 from vlft.training.train import Preempted, train_stage
-
-
-class KilledAfter:
-    """A job killed after `steps` steps, with no chance to save (kill -9, a node lost)."""
-
-    def __init__(self, steps: int):
-        self.steps, self.seen = steps, 0
-
-    def reason(self):
-        self.seen += 1
-        if self.seen == self.steps:
-            raise KeyboardInterrupt
 
 
 def train(small_stage, out: Path, stop=None, checkpoint_every: int = 1) -> dict:
@@ -62,7 +52,7 @@ def test_checkpoints_hold_no_pickle_and_a_resumed_stage_unpickles_nothing(small_
 def test_a_checkpoint_of_the_pickled_format_is_one_sentence_and_never_loaded(small_stage, tmp_path, capsys):
     """A replaced state.pt would run its code when unpickled (here: it would create a file)."""
     with pytest.raises(Preempted):
-        train(small_stage, tmp_path, StopAt(2))
+        train(small_stage, tmp_path, StopAfter(2))
     directory = run_dir(tmp_path)
     for checkpoint in checkpoints.complete(directory):  # as an earlier version left them
         (checkpoint / checkpoints.COMPLETE).unlink()
@@ -93,17 +83,6 @@ def test_a_damaged_checkpoint_is_one_sentence_set_aside_and_the_one_before_serve
     assert newest.name == "step-00000002" and summary["resumed_from_step"] == 1
     assert f"{newest}: damaged (" in capsys.readouterr().out
     assert [row["step"] for row in read_jsonl(tmp_path / "log.jsonl")] == [1, 2, 3, 4]
-
-
-class StopAt:
-    """A SIGTERM arriving while step `n` runs: the trainer saves a checkpoint after it."""
-
-    def __init__(self, n):
-        self.n, self.calls = n, 0
-
-    def reason(self):
-        self.calls += 1
-        return "SIGTERM received" if self.calls == self.n else None
 
 
 class RunsCode:

@@ -8,24 +8,13 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from conftest import FLOAT64_RTOL, REPO, assert_close_normwise
+from conftest import FLOAT64_RTOL, REPO, StopAfter, assert_close_normwise
 from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
 from vlft.data.records import prepare_split
 from vlft.jobs.stopping import RESERVE_S, StopRequest, slurm_end_time
 from vlft.training.train import Preempted, StageInputs, train_stage
-
-
-class StopAfter:
-    """Stands in for a SIGTERM arriving while step `n` runs."""
-
-    def __init__(self, n):
-        self.n, self.calls = n, 0
-
-    def reason(self):
-        self.calls += 1
-        return "SIGTERM received" if self.calls == self.n else None
 
 
 @pytest.fixture

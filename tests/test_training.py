@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+
+from conftest import KilledAfter
 from vlft.training.curves import SCALARS
 from vlft.errors import ConfigError, InputError
 from vlft.files import read_jsonl, write_jsonl
@@ -58,18 +60,6 @@ def test_a_training_job_takes_a_filter_on_its_splits_as_a_whole(small_stage, tmp
         str(refused.value)
         == f"{splits[0]}, {splits[1]}: the stage's filter {{'category': 'size'}} selects no record of its splits"
     )
-
-
-class KilledAfter:
-    """A job killed after `steps` steps, with no chance to save (kill -9, a node lost)."""
-
-    def __init__(self, steps: int):
-        self.steps, self.seen = steps, 0
-
-    def reason(self):
-        self.seen += 1
-        if self.seen == self.steps:
-            raise KeyboardInterrupt
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
