@@ -14,9 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError
-
-# How a job runs, not what it computes: never in its params (vlft.plan.RUN_ONLY_KEYS).
-RUN_ONLY = ("resources", "checkpoint_every", "activation_checkpointing")
+from vlft.plan import RUN_ONLY_KEYS
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class StageSettings:
         """The job's params, every key they leave out taken from the schema's default; a key the
         schema does not know is an error naming it."""
         names = {f.name for f in fields(cls)} - {"params"}
-        unknown = sorted(set(params) - names - set(RUN_ONLY))
+        unknown = sorted(set(params) - names - set(RUN_ONLY_KEYS))
         if unknown:
             raise ConfigError(f"unknown stage setting(s) {', '.join(unknown)} in this job's settings")
         values = {k: v for k, v in ({"dataset": None} | stage_defaults() | params).items() if k in names}

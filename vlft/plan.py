@@ -23,7 +23,8 @@ from vlft.data.records import selection_problem
 RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 
 # Options added after studies already ran, left out of a stage's parameters while off, so that
-# adding them reruns nothing a study has already trained. The training job reads them as off when absent.
+# adding them reruns nothing a study has already trained. The training job takes them back from the
+# schema's defaults, once, at its entry (vlft.job_settings).
 LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None}
 # Options that mean something only while another is on: left out with it.
 LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
