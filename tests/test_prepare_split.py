@@ -132,3 +132,24 @@ def test_record_without_question_or_answer(split, field):
     del rows[2][field]
     split.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert_one_error(*prepare(split), f"{split}:3", f"field '{field}'", "missing")
+
+
+@pytest.mark.parametrize("where", ["absolute", "climbing out"])
+def test_an_image_outside_the_image_root_is_refused(split, where):
+    """Its thumbnail would go into the shareable report: an image the dataset's owner never put under
+    its root (here a real image beside the root) is one sentence naming the line and the field."""
+    outside = split.parent.parent / f"outside-{split.parent.name}.png"
+    Image.new("RGB", (40, 30), (0, 0, 200)).save(outside)
+    rows = [json.loads(line) for line in split.read_text().splitlines()]
+    rows[1]["image"] = str(outside) if where == "absolute" else f"../{outside.name}"
+    split.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = prepare(split)
+    assert_one_error(*result, f"{split}:2", "field 'image'", f"lies outside the dataset's image_root {split.parent}")
+
+
+def test_an_image_root_of_links_to_a_shared_store_is_a_root_like_any_other(split, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    (split.parent / "2.png").rename(store / "2.png")
+    (split.parent / "2.png").symlink_to(store / "2.png")
+    result, output = prepare(split)
+    assert result.returncode == 0, result.stderr

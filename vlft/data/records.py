@@ -10,6 +10,7 @@ or an order may use.
 from __future__ import annotations
 
 import json
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,6 +136,9 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
     """Validate every record and every image once; write the normalized records atomically."""
     records = read_raw_records(raw_jsonl)
     paths = [Path(image_root) / record["image"] for _, record in records]
+    for (line_no, record), path in zip(records, paths):
+        if problem := outside_root(path, image_root):
+            raise InputError(raw_jsonl, problem, line_no, "image")
     with ThreadPoolExecutor(max_workers=threads) as pool:
         checks = list(pool.map(check_image, paths))
     normalized = []
@@ -148,6 +152,17 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
         normalized.append(record)
     write_jsonl(output, normalized)
     return len(normalized)
+
+
+def outside_root(path: Path, image_root: str | Path) -> str | None:
+    """Why an image path lies outside its dataset's image root (an absolute path, or one that climbs
+    out with `..`), or None. Judged on the path as written, not where symlinks lead: a root of links
+    to a shared store is a root like any other. An image from elsewhere would be read, cached and
+    shown in the shareable report's examples without the dataset's owner having put it there."""
+    root = os.path.normpath(os.path.abspath(image_root))
+    if os.path.commonpath([root, os.path.normpath(os.path.abspath(path))]) != root:
+        return f"{path} lies outside the dataset's image_root {image_root}: records name images relative to it"
+    return None
 
 
 def place_problem(record: dict, width: int, height: int) -> tuple[str, str] | None:
