@@ -49,15 +49,16 @@ def require_gpus(count: int, cpu_fallback: bool) -> None:
         print(f"{where}: no usable GPU ({problem}): running on the CPU, as cpu_fallback allows", flush=True)
 
 
-def pick_device() -> tuple[torch.device, torch.dtype]:
-    """bf16 on a GPU that supports it, fp32 elsewhere; TF32 for whatever matmuls stay in fp32."""
+def pick_device(dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype]:
+    """bf16 on a GPU that supports it, fp32 elsewhere (`dtype`, where given, instead); TF32 for
+    whatever matmuls stay in fp32."""
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        default = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         # The GPU this process was given: device 0 of its own, or its LOCAL_RANK's in a data-parallel job.
-        return torch.device("cuda", torch.cuda.current_device()), dtype
-    return torch.device("cpu"), torch.float32
+        return torch.device("cuda", torch.cuda.current_device()), dtype or default
+    return torch.device("cpu"), dtype or torch.float32
 
 
 def attention_implementation(device: torch.device) -> str:

@@ -14,6 +14,16 @@ stage's data and step plan, the evaluation during training, the model with its a
 optimizer and schedule, the token budget), then the loop, then the finished outputs published.
 What a step trains on and how its loss is computed is the training method's
 (vlft.training.methods); the loop knows nothing of which method runs.
+
+train_stage's arguments: `params`, the stage's settings as the plan gives them (vlft.job_settings);
+with `eval_every` among them, the stage evaluates as it trains, generating as `evaluation` (the
+config's evaluation settings) says. `reuse_finished`: this job is a retry that may have been stopped
+just after publishing a finished run, which it then restores. `dtype`: the model's, by default the
+device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts of one
+computation beyond float32 rounding. `curves_dir`: where the stage's TensorBoard run goes
+(vlft.training.curves). `activation_checkpointing`: recompute activations in the backward pass (less
+memory, the same result: a setting of how the job runs, not of what it computes). In a data-parallel
+job every process calls it; the main one alone writes files.
 """
 
 from __future__ import annotations
@@ -81,24 +91,15 @@ def train_stage(
     activation_checkpointing: bool = False,
     evaluation: dict | None = None,
 ) -> dict:
-    """Train the stage, or restore it where an earlier run finished its steps but publishing them
-    never completed (vlft.training.runs; with `reuse_finished`, this job is a retry that may have
-    been stopped just after). `dtype`: the model's, by default the device's (bf16 on a GPU, float32
-    on the CPU); tests train in float64 to compare two layouts of one computation beyond float32
-    rounding. In a data-parallel job every process calls this; the main one alone writes files.
-    `curves_dir`: where the stage's TensorBoard run goes (vlft.training.curves).
-    `activation_checkpointing`: recompute activations in the backward pass (less memory, the same
-    result: a setting of how the job runs, not of what it computes). `params`: the stage's settings
-    as the plan gives them (vlft.job_settings); with `eval_every` among them, the stage evaluates as
-    it trains, generating as `evaluation` (the config's evaluation settings) says."""
+    """Train the stage, or restore it where an earlier run finished its steps (vlft.training.runs).
+    Its arguments are explained in the module's docstring, "train_stage's arguments"."""
     started, group = time.time(), distributed.join()
     settings = StageSettings.resolve(params)
     outputs = TrainedStage(Path(adapter_out), Path(log_out), Path(summary_out))
     run = RunDirectory(checkpoint_root, inputs, run_key(settings, evaluation), clean=group.is_main)
     if (restored := _restore_if_finished(run, outputs, reuse_finished, group)) is not None:
         return restored
-    device, device_dtype = pick_device()
-    dtype = dtype or device_dtype
+    device, dtype = pick_device(dtype)
     torch.manual_seed(settings.seed)
 
     # Setup, one concern at a time.
@@ -122,7 +123,7 @@ def train_stage(
     # background thread, while the GPU trains on the step before.
     todo = range(first_step, len(steps))
     step_groups = (method.step_groups(steps[step]) for step in todo)
-    log = StepLog(
+    with StepLog(
         run.running_log,
         len(steps),
         first_step,
@@ -131,8 +132,7 @@ def train_stage(
         steps_before,
         device,
         group.is_main,
-    )
-    with log:
+    ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
             fields, lr, grad_norm = trainer.step(groups, micro_batches)
@@ -147,8 +147,7 @@ def train_stage(
         distributed.barrier()  # until the main process has written the outputs
         return run.kept.read_summary()
 
-    # The finished outputs, kept in the run directory until this stage runs with other settings
-    # (the checkpoints have served), then published where the workflow wants them.
+    # The finished outputs, kept in the run directory (the checkpoints have served), then published.
     summary = _summary(
         run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
     )
