@@ -32,7 +32,10 @@ def running_jobs(session_id: int) -> list[str]:
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue
         args = [a.decode() for a in cmdline if a]
-        if len(args) > 1 and args[1].startswith("scripts/"):
+        # A job's process: its script's own (python scripts/...), or the launcher's that hands it to
+        # a warm process and waits for it (python -m vlft.jobs.launch [--gpus N] scripts/...).
+        launched = args[1:3] == ["-m", "vlft.jobs.launch"] and any(a.startswith("scripts/") for a in args)
+        if len(args) > 1 and (args[1].startswith("scripts/") or launched):
             jobs.append(" ".join(args))
     return jobs
 
