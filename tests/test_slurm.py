@@ -295,6 +295,9 @@ def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(cluster_to_i
     # The orphaned job goes on and completes on the cluster.
     wait_for(lambda: not queued_jobs(), 600, "the orphaned job to end")
     (job,) = [p.stem for p in job_outputs_of_long_stage(workdir)]
+    # The accounting database hears of the job's end after the queue does: seen RUNNING there once
+    # the queue was empty (CI, 2026-11-25).
+    wait_for(lambda: sacct_states([job])[job] not in ("RUNNING", "COMPLETING"), 60, "the accounting to record its end")
     assert sacct_states([job])[job] == "COMPLETED"
     dry_run = slurm_run(workdir, profile, LONG_ADAPTER, "--dry-run")
     assert "Nothing to be done" in dry_run.stdout + dry_run.stderr, dry_run.stdout
