@@ -94,7 +94,7 @@ def run_reference(model, records, image_processor, builder, pad_id, lengths) -> 
     began = time.perf_counter()
     for start in range(0, len(records), REFERENCE_BATCH):
         batch = records[start : start + REFERENCE_BATCH]
-        images = [Image.open(r["image_path"]).convert("RGB") for r in batch]
+        images = [Image.open(r["image_file"]).convert("RGB") for r in batch]
         vision = image_processor(
             images=images, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, return_tensors="pt"
         )
@@ -247,6 +247,8 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     raw = make_workload(work, args.samples, tokenizer, 0, args.questions_per_image, args.short_answers)
     prepare_split(raw, work / "images", work / "prepared.jsonl")
     records = read_jsonl(work / "prepared.jsonl")
+    # The reference decodes the image files themselves.
+    records = [dict(r, image_file=str(work / "images" / r["image"])) for r in records]
     builder = PromptBuilder(tokenizer, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
     # Each answer's own length: its tokens and the end of the turn.
     lengths = {r["id"]: len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) + 1 for r in records}
@@ -260,6 +262,7 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     image_processor.save_pretrained(model_dir)
     build_image_cache(
         work / "prepared.jsonl",
+        work / "images",
         work / "pixels",
         PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
         threads=16,

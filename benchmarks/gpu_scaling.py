@@ -61,6 +61,7 @@ def prepare(work: Path, arch: str, images: int) -> Path:
     processor.save_pretrained(work / "model")
     build_image_cache(
         work / "prepared.jsonl",
+        work / "images",
         work / "pixels",
         PixelSettings.from_processor(processor, MIN_PIXELS, MAX_PIXELS),
         threads=16,

@@ -176,7 +176,7 @@ class ReferenceCollator:
         self.image_processor, self.builder, self.pad_id = image_processor, builder, pad_id
 
     def __call__(self, records):
-        images = [Image.open(r["image_path"]).convert("RGB") for r in records]
+        images = [Image.open(r["image_file"]).convert("RGB") for r in records]
         vision = self.image_processor(
             images=images, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, return_tensors="pt"
         )
@@ -364,6 +364,7 @@ def build_caches(work: Path, image_processor, model, device: str = "cuda") -> tu
     started = time.time()
     build_image_cache(
         work / "prepared.jsonl",
+        work / "images",
         work / "pixels",
         PixelSettings.from_processor(image_processor, MIN_PIXELS, MAX_PIXELS),
         threads=16,
@@ -460,6 +461,8 @@ def main():
     from vlft.files import read_jsonl
 
     records = read_jsonl(work / "prepared.jsonl")
+    # The reference decodes the image files themselves.
+    records = [dict(r, image_file=str(work / "images" / r["image"])) for r in records]
     peak = matmul_peak_tflops()
 
     model = build_model(args.arch, tokenizer, "cuda")

@@ -12,6 +12,9 @@ def main():
     parser.add_argument("--metrics", nargs="+", required=True, help="metrics.json of each evaluation")
     parser.add_argument("--predictions", nargs="+", required=True, help="predictions.jsonl of each evaluation")
     parser.add_argument("--prepared", nargs="+", required=True, help="the prepared split of each evaluation")
+    parser.add_argument(
+        "--image-roots", nargs="+", required=True, help="the image root of each evaluation's split, in order"
+    )
     parser.add_argument("--evaluations", nargs="+", required=True, help="experiment/stage/split of each, in order")
     parser.add_argument("--summaries", nargs="+", required=True, help="summary.json of each trained stage")
     parser.add_argument("--logs", nargs="+", required=True, help="log.jsonl of each trained stage, in order")
@@ -21,19 +24,19 @@ def main():
     )
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
-    per_evaluation = (args.metrics, args.predictions, args.prepared, args.evaluations)
+    per_evaluation = (args.metrics, args.predictions, args.prepared, args.image_roots, args.evaluations)
     if not (
         len(set(map(len, per_evaluation))) == 1
         and len(args.summaries) == len(args.logs) == len(args.stages) == len(args.init_from)
     ):
         raise InputError(
-            "--metrics/--predictions/--prepared/--evaluations, --summaries/--logs/--stages/--init-from",
+            "--metrics/--predictions/--prepared/--image-roots/--evaluations, --summaries/--logs/--stages/--init-from",
             "each list needs one entry per job",
         )
     evaluations = [
-        Evaluation(*label.split("/"), metrics, predictions, prepared)
-        for label, metrics, predictions, prepared in zip(
-            args.evaluations, args.metrics, args.predictions, args.prepared
+        Evaluation(*label.split("/"), metrics, predictions, prepared, image_root)
+        for label, metrics, predictions, prepared, image_root in zip(
+            args.evaluations, args.metrics, args.predictions, args.prepared, args.image_roots
         )
     ]
     stages = [

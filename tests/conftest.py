@@ -104,7 +104,7 @@ def tiny_family_data(root: Path, family: str, raw: Path) -> Path:
     make_tiny_model(root / "model", family=family)
     prepare_split(raw, root / "images", root / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "pixels", pixels)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "pixels", pixels)
     return root
 
 
@@ -285,7 +285,7 @@ def small_stage(tmp_path_factory, tiny_model_dir):
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 16}, seed=0)
     prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
     inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
     settings = build_plan(yaml.safe_load((REPO / "config/config.yaml").read_text())).stage("exp1", "main")
     return inputs, settings.train_params() | {"compile": False}

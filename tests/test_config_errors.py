@@ -150,7 +150,7 @@ def test_cli_prints_a_config_error_as_one_sentence(tmp_path, tiny_model_dir):
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 2}, seed=0)
     prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     settings = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "pixels", settings)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "images", tmp_path / "pixels", settings)
     output = tmp_path / "vision"
     result = subprocess.run(
         [

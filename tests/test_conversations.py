@@ -86,7 +86,7 @@ def test_a_stage_and_an_evaluation_read_each_record_with_its_history(tmp_path, t
     write_jsonl(tmp_path / "raw.jsonl", records)
     prepare_split(tmp_path / "raw.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "pixels", pixels)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "images", tmp_path / "pixels", pixels)
     data = load_stage_data([str(tmp_path / "prepared.jsonl")], [str(tmp_path / "pixels")], builder, {}, "final", 512)
     prompts = [builder.tokenizer.decode(s.input_ids[: s.prompt_length]) for s in data.samples.values()]
     assert "How many shapes?<|im_end|>\n<|im_start|>assistant\nTwo.<|im_end|>" in prompts[1]

@@ -127,3 +127,34 @@ def test_after_an_evaluation_finds_its_cache_damaged_a_dry_run_lists_the_rebuild
         str(cache.relative_to(workdir)),
         evaluation.replace("metrics.json", "predictions.jsonl"),
     }
+
+
+def test_an_empty_adapter_or_cache_index_is_named_and_a_dry_run_lists_what_makes_it_again(demo_workdir, tmp_path):
+    """Found at plan time, from stats alone: an adapter whose weights are 0 bytes (a copy cut short)
+    and a cache whose index is empty. The dry run says so in a sentence each, and plans exactly the
+    jobs that make them again and what depends on them; no job had to trip over them first."""
+    workdir = tmp_path / "demo"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    weights = workdir / "results/train/exp1/main/adapter/adapter_model.safetensors"
+    weights.write_bytes(b"")
+    [cache] = (workdir / "results/cache/images/screens/test").iterdir()
+    (cache / "index.json").write_bytes(b"")
+
+    result = snakemake(workdir, "--dry-run")
+    said = [line for line in result.stderr.splitlines() if ": damaged: " in line]
+    assert said == [
+        f"{cache.relative_to(workdir)}/index.json: damaged: empty; removed {cache.relative_to(workdir)}, "
+        "so that this run makes it again",
+        "results/train/exp1/main/adapter/adapter_model.safetensors: damaged: empty; removed "
+        "results/train/exp1/main/adapter, so that this run makes it again",
+    ]
+    assert planned_outputs(workdir) == {
+        str(cache.relative_to(workdir)),
+        "results/eval/click/main/test/predictions.jsonl",
+        "results/eval/base/screens/test/predictions.jsonl",
+        "results/train/exp1/main/adapter",
+        "results/eval/exp1/main/val/predictions.jsonl",
+        "results/eval/exp1/main/test/predictions.jsonl",
+        "results/report/index.html",
+        "rule:all",
+    }

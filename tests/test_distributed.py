@@ -75,7 +75,7 @@ def seven_step_stage(root, raw, tiny_model_dir, **overrides):
     """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
     prepare_split(raw, root / "images", root / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     settings = build_plan(config).stage("exp1", "main").train_params() | {
         "micro_batch": 8,

@@ -57,7 +57,7 @@ def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_
     assert prepared == sizes
     processor = load_image_processor(tiny_model_dir)
     settings = PixelSettings.from_processor(processor, 32 * 32, 128 * 128)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", settings, shard_bytes=50_000)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path, tmp_path / "cache", settings, shard_bytes=50_000)
     cache = ImageCache(tmp_path / "cache")
     assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) > 1
     for name in sizes:

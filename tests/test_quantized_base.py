@@ -29,7 +29,7 @@ def split(tmp_path_factory, tiny_model_dir) -> Path:
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 32}, seed=2)
     prepare_split(root / "train.jsonl", root / "images", root / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "cache", pixels)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
     return root
 
 

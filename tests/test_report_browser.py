@@ -107,7 +107,7 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
         )
         + "\n"
     )
-    (tmp_path / "prepared.jsonl").write_text(json.dumps({"id": "r1", "image_path": str(tmp_path / "red.png")}) + "\n")
+    (tmp_path / "prepared.jsonl").write_text(json.dumps({"id": "r1", "image": "red.png"}) + "\n")
     metrics = {
         "n": 1,
         "accuracy": 0.0,
@@ -127,6 +127,7 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
             str(tmp_path / "metrics.json"),
             str(tmp_path / "predictions.jsonl"),
             str(tmp_path / "prepared.jsonl"),
+            str(tmp_path),
         )
         for experiment, stage in (("base", "base"), ("exp1", "main"))
     ]

@@ -43,7 +43,7 @@ def splits(tmp_path_factory, tiny_model_dir) -> Path:
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
     for split, path in raw.items():
         prepare_split(path, root / "images", root / f"{split}.prepared.jsonl")
-        build_image_cache(root / f"{split}.prepared.jsonl", root / f"{split}.cache", pixels)
+        build_image_cache(root / f"{split}.prepared.jsonl", root / "images", root / f"{split}.cache", pixels)
     return root
 
 

@@ -59,7 +59,7 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 48}, seed=0)
     prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     settings_px = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", settings_px)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "images", tmp_path / "cache", settings_px)
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     settings = build_plan(config).stage("exp1", "main").train_params() | {
         "max_steps": 6,

@@ -34,7 +34,7 @@ def test_auto_on_a_cpu_keeps_micro_batch_samples_and_says_why(tmp_path, tiny_mod
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 24}, seed=4)
     prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "cache", pixels)
+    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "images", tmp_path / "cache", pixels)
     inputs = StageInputs(str(tiny_model_dir), [str(tmp_path / "prepared.jsonl")], [str(tmp_path / "cache")], None)
 
     def train(name, budget):

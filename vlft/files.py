@@ -4,8 +4,10 @@ path outside the directory that owns it; and the one way it reads text a user gi
 
 from __future__ import annotations
 
+import codecs
 import errno
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -145,6 +147,32 @@ def read_text(path: str | Path, errors: str = "strict") -> str:
             f"not UTF-8 text (byte 0x{data[err.start]:02x} at column {err.start - start + 1})",
             data.count(b"\n", 0, err.start) + 1,
         ) from None
+
+
+# The longest line a records file may hold. A record with a long chain of reasoning is tens of KB;
+# a line of this size is no record (a file of another kind, a line break lost over gigabytes), and is
+# refused before it is held in memory.
+MAX_LINE_BYTES = 16 << 20
+
+
+def text_lines(path: str | Path, errors: str = "strict"):
+    """(line number, text) of each line of a data file a user gives, one line in memory at a time,
+    decoded as `read_text` decodes; a line longer than MAX_LINE_BYTES is one InputError naming it."""
+    with open(path, "rb") as handle:
+        for line_no in itertools.count(1):
+            raw = handle.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):  # cut short by the limit
+                raise InputError(path, f"longer than {MAX_LINE_BYTES >> 20} MiB: no record is this long", line_no)
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                yield line_no, raw.decode("utf-8", errors).rstrip("\n")
+            except UnicodeDecodeError as err:
+                raise InputError(
+                    path, f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})", line_no
+                ) from None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

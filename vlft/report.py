@@ -31,6 +31,7 @@ class Evaluation:
     metrics: str  # its metrics.json
     predictions: str = ""  # its predictions.jsonl, for the examples
     prepared: str = ""  # the prepared split it answered, for the examples' images
+    image_root: str = ""  # where that split's images lie (prepared records name them relative to it)
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,7 @@ def examples_html(evaluations: list[Evaluation]) -> str:
             shown = right if prediction["correct"] else wrong
             if len(shown) < EXAMPLES_EACH:
                 shown.append(prediction)
-        images = {r["id"]: r["image_path"] for r in read_jsonl(evaluation.prepared)}
+        images = {r["id"]: str(Path(evaluation.image_root) / r["image"]) for r in read_jsonl(evaluation.prepared)}
         rows = "".join(
             f'<tr class="{"right" if p["correct"] else "wrong"}">'
             f'<td><img alt="image of {escaped(p["id"])}" '

@@ -9,7 +9,6 @@ the model runs on. Shards and index as vlft.caches.shards writes them: a cache t
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,10 +60,10 @@ class PixelSettings:
         return w, h
 
 
-def load_resized(path: str, settings: PixelSettings) -> np.ndarray:
+def load_resized(path: str | Path, settings: PixelSettings) -> np.ndarray:
     # transformers' own loading, as an inference server would feed the processor: the EXIF
     # orientation applied (the image as a person sees it), then any mode converted to RGB.
-    image = load_image(path)
+    image = load_image(str(path))
     size = settings.target_size(*image.size)
     if size != image.size:
         image = image.resize(size, resample=settings.resample)
@@ -73,33 +72,34 @@ def load_resized(path: str, settings: PixelSettings) -> np.ndarray:
 
 def build_image_cache(
     prepared_jsonl: str | Path,
+    image_root: str | Path,
     output_dir: str | Path,
     settings: PixelSettings,
     threads: int = 4,
     shard_bytes: int = 1 << 30,
 ) -> int:
-    """Resize every distinct image of a prepared split (many threads: PIL releases the GIL) into
-    shards; returns the number of images."""
+    """Resize every distinct image of a prepared split (its images under `image_root`; many threads:
+    PIL releases the GIL) into shards; returns the number of images. An image's identity in the
+    cache is the sha256 of its bytes (prepare_split's `image_sha256`): records naming one file
+    through different paths or links share its entry, and the cache says nothing of where the
+    dataset lies."""
     records = read_jsonl(prepared_jsonl)
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         writer = ShardWriter(tmp, shard_bytes)
-        writer.records = {record["id"]: image_id(record["image_path"]) for record in records}
-        # dict.fromkeys: each image once, in the order of the first record asking about it.
-        images = list(dict.fromkeys(writer.records.values()))
+        writer.records = {record["id"]: record["image_sha256"] for record in records}
+        # Each image once, in the order of the first record asking about it.
+        files = {}
+        for record in records:
+            files.setdefault(record["image_sha256"], Path(image_root) / record["image"])
         with ThreadPoolExecutor(max_workers=threads) as pool:
             # map() keeps the input order, so shards are written in that order.
-            for image, pixels in zip(images, pool.map(lambda path: load_resized(path, settings), images)):
+            resized = pool.map(lambda path: load_resized(path, settings), files.values())
+            for image, pixels in zip(files, resized):
                 height, width = pixels.shape[:2]
                 grid = [1, height // settings.patch_size, width // settings.patch_size]
                 writer.add({"id": image, "grid_thw": grid}, torch.from_numpy(pixels.copy()))
         return finish_cache(tmp, writer, ImageCache.KIND, settings=asdict(settings))
-
-
-def image_id(path: str) -> str:
-    """An image's identity in the caches: its resolved path, so that two records naming one file
-    (through different relative paths or links) share its entry."""
-    return os.path.realpath(path)
 
 
 class ImageCache(ShardedCache):

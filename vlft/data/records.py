@@ -9,24 +9,28 @@ or an order may use.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import random
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from PIL import ExifTags, Image
 
 from vlft.errors import InputError
-from vlft.files import read_text, write_jsonl
+from vlft.files import text_lines, write_jsonl
 
 REQUIRED_TEXT_FIELDS = ("question", "answer")
 
 
-def read_raw_records(jsonl: str | Path) -> list[tuple[int, dict]]:
-    """Parse every line, checking the fields; returns (line number, record) pairs."""
-    records, seen_ids = [], {}
-    for line_no, line in enumerate(read_text(jsonl).split("\n"), start=1):
+def raw_records(jsonl: str | Path):
+    """(line number, record) of each record of a raw split, its fields checked, one line in memory
+    at a time. Ids are checked for repeats by `check_unique_ids`, which needs them all."""
+    for line_no, line in text_lines(jsonl):
         if not line.strip():
             continue
         try:
@@ -37,13 +41,27 @@ def read_raw_records(jsonl: str | Path) -> list[tuple[int, dict]]:
             raise InputError(jsonl, "each line must be a JSON object", line_no)
         _check_fields(record, jsonl, line_no)
         record["id"] = str(record["id"])
-        if record["id"] in seen_ids:
-            raise InputError(jsonl, f"duplicate id (first seen on line {seen_ids[record['id']]})", line_no, "id")
-        seen_ids[record["id"]] = line_no
-        records.append((line_no, record))
-    if not records:
-        raise InputError(jsonl, "no records")
-    return records
+        yield line_no, record
+
+
+def id_hash(record_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def check_unique_ids(jsonl: str | Path, hashes: array) -> None:
+    """No id twice in a split, from 8 bytes a record (a million records: 8 MB) rather than a set of
+    the ids themselves; where two hashes meet, the file is read again for those ids alone, to name
+    the line that repeats one (or to find that two ids only share a hash)."""
+    ordered = np.sort(np.frombuffer(hashes, dtype=np.int64))
+    repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if not repeated:
+        return
+    first_seen = {}
+    for line_no, record in raw_records(jsonl):
+        if id_hash(record["id"]) in repeated:
+            if record["id"] in first_seen:
+                raise InputError(jsonl, f"duplicate id (first seen on line {first_seen[record['id']]})", line_no, "id")
+            first_seen[record["id"]] = line_no
 
 
 def _check_fields(record: dict, jsonl, line_no: int) -> None:
@@ -81,20 +99,6 @@ def _check_fields(record: dict, jsonl, line_no: int) -> None:
         raise InputError(jsonl, f"must be [x1, y1, x2, y2] with x1 <= x2 and y1 <= y2, not {box}", line_no, "box")
 
 
-def image_paths(jsonl: str | Path, image_root: str | Path) -> list[str]:
-    """The images a raw split refers to, read leniently: lines that do not parse are skipped here
-    and reported, with their line number, when the split is prepared."""
-    paths = []
-    for line in read_text(jsonl, errors="replace").split("\n"):
-        try:
-            image = json.loads(line).get("image")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(image, str) and image:
-            paths.append(str(Path(image_root) / image))
-    return paths
-
-
 # The largest long side / short side the Qwen-VL image processors take (their smart_resize).
 MAX_ASPECT_RATIO = 200
 
@@ -116,42 +120,62 @@ def aspect_ratio_problem(width: int, height: int) -> str | None:
     return None
 
 
-def check_image(path: Path) -> tuple[int, int] | str:
-    """(width, height) of a readable image as a person sees it (EXIF orientation applied), or the
-    reason it cannot be used."""
+def check_image(path: Path, digest: bool = False) -> tuple[int, int] | tuple[int, int, str] | str:
+    """(width, height) of a readable image as a person sees it (EXIF orientation applied), with
+    `digest` the sha256 of its file's bytes too, or the reason it cannot be used."""
     if not path.is_file():
         return "file not found"
+    data = path.read_bytes()
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(data)) as image:
             image.load()  # decode fully: a truncated file only fails here
             width, height = image.size
             if image.getexif().get(ExifTags.Base.Orientation) in TRANSPOSED_ORIENTATIONS:
                 width, height = height, width
     except Exception as err:  # PIL raises many types for corrupt files
         return f"cannot be read as an image ({type(err).__name__}: {err})"
-    return aspect_ratio_problem(width, height) or (width, height)
+    if problem := aspect_ratio_problem(width, height):
+        return problem
+    return (width, height, hashlib.sha256(data).hexdigest()) if digest else (width, height)
 
 
 def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | Path, threads: int = 8) -> int:
-    """Validate every record and every image once; write the normalized records atomically."""
-    records = read_raw_records(raw_jsonl)
-    paths = [Path(image_root) / record["image"] for _, record in records]
-    for (line_no, record), path in zip(records, paths):
-        if problem := outside_root(path, image_root):
-            raise InputError(raw_jsonl, problem, line_no, "image")
+    """Validate every record and every image once; write the normalized records atomically.
+
+    Two passes over the raw file, one record in memory at a time: memory grows with the split's
+    distinct images and by 8 bytes a record (for repeated ids), never with the records themselves.
+    A normalized record names its image as the raw one does, relative to the image root, with the
+    sha256 of its bytes (`image_sha256`, its identity in the caches) and its size: nothing in it says
+    where the dataset lies, so the same bytes elsewhere prepare to the same file."""
+    first_line_of, hashes = {}, array("q")
+    for line_no, record in raw_records(raw_jsonl):
+        hashes.append(id_hash(record["id"]))
+        if record["image"] not in first_line_of:
+            if problem := outside_root(Path(image_root) / record["image"], image_root):
+                raise InputError(raw_jsonl, problem, line_no, "image")
+            first_line_of[record["image"]] = line_no
+    if not hashes:
+        raise InputError(raw_jsonl, "no records")
+    check_unique_ids(raw_jsonl, hashes)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        checks = list(pool.map(check_image, paths))
-    normalized = []
-    for (line_no, record), path, check in zip(records, paths, checks):
+        checks = dict(
+            zip(first_line_of, pool.map(lambda image: check_image(Path(image_root) / image, digest=True), first_line_of))
+        )
+    # In order of first mention, so that the first bad line is the one named.
+    for image, check in checks.items():
         if isinstance(check, str):
-            raise InputError(raw_jsonl, f"{check}: {path}", line_no, "image")
-        if problem := place_problem(record, *check):
-            field, reason = problem
-            raise InputError(raw_jsonl, f"{reason} of {path}", line_no, field)
-        record = dict(record, image_path=str(path), width=check[0], height=check[1])
-        normalized.append(record)
-    write_jsonl(output, normalized)
-    return len(normalized)
+            raise InputError(raw_jsonl, f"{check}: {Path(image_root) / image}", first_line_of[image], "image")
+
+    def normalized():
+        for line_no, record in raw_records(raw_jsonl):
+            width, height, sha256 = checks[record["image"]]
+            if problem := place_problem(record, width, height):
+                field, reason = problem
+                raise InputError(raw_jsonl, f"{reason} of {Path(image_root) / record['image']}", line_no, field)
+            yield dict(record, image_sha256=sha256, width=width, height=height)
+
+    write_jsonl(output, normalized())
+    return len(hashes)
 
 
 def outside_root(path: Path, image_root: str | Path) -> str | None:
@@ -220,7 +244,7 @@ def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field:
 def _raw_objects(jsonl_paths: list[str | Path]):
     """The JSON objects of raw splits, lines that do not parse left out (prepare_split names them)."""
     for path in jsonl_paths:
-        for line in read_text(path, errors="replace").split("\n"):
+        for _, line in text_lines(path, errors="replace"):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:

@@ -68,5 +68,5 @@ def groups_in_order(records: list[dict], group_of: Callable[[dict], str]) -> lis
 
 def image_of(images: dict) -> Callable[[dict], str]:
     """A record's image, for image groups (`images`: record key -> (cache, image id); the id is the
-    image's resolved path, the same in every split's cache)."""
+    sha256 of the image's bytes, the same in every split's cache)."""
     return lambda record: images[record["key"]][1]

@@ -3,15 +3,17 @@
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from vlft.config import check_config_files, resolve_config
-from vlft.errors import ConfigError
+from vlft.digests import DigestMemo, model_digests, split_digest
+from vlft.empty_outputs import remove_empty_outputs
+from vlft.errors import ConfigError, InputError
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
-from vlft.data.records import image_paths
 
 try:
     # Snakemake has read the files already, keeping the last of a key written twice: say so instead.
@@ -28,6 +30,10 @@ except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
 
 RESULTS = config["results"]
+# Outputs a stat shows unusable (an empty adapter, a cache without its index) are removed before
+# the plan is made, so that it (a dry run's too) lists the jobs that make them again.
+for sentence in remove_empty_outputs(RESULTS):
+    print(sentence, file=sys.stderr)
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
 # GPU jobs fail where CUDA is not usable, unless the config lets them run on the CPU (the demo's).
@@ -35,6 +41,10 @@ TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"
 CPU_FALLBACK = int(config["cpu_fallback"])
 # The datasets the demo builds, by name: {kind, sizes, seed}.
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
+# The model, made by a rule of this workflow (the demo's) rather than given.
+MODEL_MADE_HERE = "model" in config.get("demo", {})
+# Digests of the model's and the datasets' content, kept between plans (vlft.digests).
+DIGESTS = DigestMemo(f"{RESULTS}/.vlft/digests.json")
 
 
 wildcard_constraints:
@@ -76,16 +86,59 @@ def report_path(name):
     return f"{RESULTS}/report/{name}"
 
 
-def get_raw_split(wildcards):
-    """The raw records of a split and every image they name, so that changed content reruns it."""
+# Content, not place (vlft.digests): a job that reads the model or a raw split takes the digest of
+# its content as a param, so a changed file reruns it; the paths travel as params derived from the
+# input (`lambda wildcards, input: ...`), which Snakemake leaves out of its comparison, so the same
+# bytes moved or touched rerun nothing. Files are inputs only where a rule of this workflow makes
+# them (the demo's: the job waits for them), or where they are missing (Snakemake names them).
+
+
+def model_input(wildcards=None):
+    return {"model": MODEL} if MODEL_MADE_HERE or not Path(MODEL).exists() else {}
+
+
+def model_content(part):
+    """A param: the digest of the model's content, "whole" or its image "processor" alone.
+    Snakemake evaluates params again just before a job runs, so a model made earlier in the same
+    run (the demo's) is seen as it is then."""
+
+    def digest(wildcards):
+        return model_digests(MODEL, DIGESTS)[part] if Path(MODEL).is_dir() else "not there yet"
+
+    return digest
+
+
+def model_path(wildcards, input):
+    return MODEL
+
+
+def raw_split(wildcards):
     dataset = config["datasets"][wildcards.dataset]
-    records = dataset["splits"][wildcards.split]
+    return dataset["splits"][wildcards.split], dataset["image_root"]
+
+
+def get_raw_split(wildcards):
+    """A split's raw files as inputs: the demo's, made by its rule (one job makes the records and
+    the image directory), or a records file that is missing."""
+    records, image_root = raw_split(wildcards)
     if wildcards.dataset in DEMO_DATASETS:
-        # The demo's images are made with its records, by one job: their directory stands for them.
-        return {"records": records, "images": dataset["image_root"]}
-    images = image_paths(records, dataset["image_root"]) if Path(records).exists() else []
-    # Missing images are reported by prepare_split, with the line that names them.
-    return {"records": records, "images": [p for p in images if Path(p).exists()]}
+        return {"records": records, "images": image_root}
+    return {} if Path(records).exists() else {"records": records}
+
+
+def get_split_content(wildcards):
+    """A param: the digest of a raw split's records file and every image it names."""
+    records, image_root = raw_split(wildcards)
+    if not Path(records).is_file():
+        return "not there yet"
+    try:
+        return split_digest(records, image_root, DIGESTS)
+    except InputError as err:
+        raise WorkflowError(str(err)) from None
+
+
+def get_image_root(wildcards, input):
+    return config["datasets"][wildcards.dataset]["image_root"]
 
 
 def get_stage(wildcards):
@@ -98,7 +151,7 @@ def get_train_inputs(wildcards):
     # The cache kind the stage trains from: its evaluations during training read the same kind.
     cache_of = vision_cache_path if settings["vision_cache"] else cache_path
     inputs = {
-        "model": MODEL,
+        **model_input(),
         "prepared": [prepared_path(settings["dataset"], s) for s in settings["train_splits"]],
         "caches": [cache_of(settings["dataset"], s, stage.pixels()) for s in settings["train_splits"]],
     }
@@ -177,7 +230,7 @@ def get_eval_inputs(wildcards):
     settings = get_eval_settings(wildcards)
     pixels = pixels_tag(settings["min_pixels"], settings["max_pixels"])
     inputs = {
-        "model": MODEL,
+        **model_input(),
         "prepared": prepared_path(settings["dataset"], wildcards.split),
         "cache": cache_path(settings["dataset"], wildcards.split, pixels),
     }
@@ -190,7 +243,7 @@ def get_export_inputs(wildcards):
     """The base model, the stage's outputs, and its evaluations (for the model card)."""
     stage = get_stage(wildcards)
     return {
-        "model": MODEL,
+        **model_input(),
         "adapter": adapter_path(wildcards.experiment, wildcards.stage),
         "summary": stage_path(wildcards.experiment, wildcards.stage, "summary.json"),
         "metrics": [
@@ -228,6 +281,14 @@ def get_report_inputs(wildcards):
         "summaries": [stage_path(s.experiment, s.name, "summary.json") for s in stages],
         "logs": [stage_path(s.experiment, s.name, "log.jsonl") for s in stages],
     }
+
+
+def get_report_image_roots(wildcards, input):
+    """The image root of each evaluation's split, in the order of the labels below: where the
+    examples' images lie (derived from the input: a moved dataset reruns no report)."""
+    evaluations, _ = report_jobs()
+    datasets = [PLAN.eval_settings(e, s, config["evaluation"])["dataset"] for e, s, _ in evaluations]
+    return " ".join(shlex.quote(config["datasets"][d]["image_root"]) for d in datasets)
 
 
 def get_report_labels(wildcards):

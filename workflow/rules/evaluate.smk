@@ -14,6 +14,8 @@ rule evaluate:
         gpu=get_eval_resource("gpus"),
         cpu_fallback=CPU_FALLBACK,
     params:
+        model=model_content("whole"),
+        model_path=model_path,
         trust_remote_code=TRUST_REMOTE_CODE,
         settings=lambda wildcards: json.dumps(get_eval_settings(wildcards), sort_keys=True),
         adapter=get_adapter_arg,
@@ -21,6 +23,6 @@ rule evaluate:
     shell:
         # Launched with GPUs of its own among those visible (vlft.jobs.launch): one process a GPU, the
         # split's batches shared out among them.
-        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/evaluate.py --model {input.model:q} {params.trust_remote_code} {params.adapter} "
+        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/evaluate.py --model {params.model_path:q} {params.trust_remote_code} {params.adapter} "
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
         "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} 2>&1 | tee {log:q}"

@@ -11,7 +11,11 @@ rule prepare_split:
         mem_mb=4000,
         runtime=60,
     params:
-        image_root=lambda wildcards: config["datasets"][wildcards.dataset]["image_root"],
+        # What it computes from: the content of the records and images (a change reruns it) ...
+        content=get_split_content,
+        # ... and where they lie, derived from the input: moved, they rerun nothing.
+        records=lambda wildcards, input: raw_split(wildcards)[0],
+        image_root=get_image_root,
     shell:
-        "python -m vlft.jobs.launch scripts/prepare_split.py --records {input.records:q} --image-root {params.image_root:q} "
+        "python -m vlft.jobs.launch scripts/prepare_split.py --records {params.records:q} --image-root {params.image_root:q} "
         "--output {output:q} --threads {threads} 2>&1 | tee {log:q}"

@@ -21,10 +21,11 @@ rule report:
         runtime=10,
     params:
         labels=get_report_labels,
+        image_roots=get_report_image_roots,
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
         "python -m vlft.jobs.launch scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
-        "--prepared {input.prepared:q} --evaluations {params.labels[evaluations]} "
+        "--prepared {input.prepared:q} --image-roots {params.image_roots} --evaluations {params.labels[evaluations]} "
         "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
         "--init-from {params.labels[init_from]} "
         "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
