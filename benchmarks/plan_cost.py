@@ -81,16 +81,17 @@ def main() -> None:
         shadow.mkdir()
         (shadow / "scontrol").symlink_to(shutil.which("false"))
         env["PATH"] = f"{shadow}:{env['PATH']}"
-    dry_run = [sys.executable, "-m", "snakemake", "--configfile", "config/study.yaml", "--dry-run", "--quiet"]
+    dry_run = [sys.executable, "-m", "snakemake", "--configfile", "config/study.yaml", "--dry-run", "--quiet", "all"]
     prepare = [sys.executable, "-m", "snakemake", "--configfile", "config/study.yaml", "--cores", "4"]
     prepared = ["results/prepared/vqa/train.jsonl", "results/prepared/vqa/test.jsonl"]
     figures = {"records": args.records, "image_files": 8, "cpus": os.cpu_count()}
     figures["dry_run_first"] = timed(dry_run, args.work, env)  # reads the split once, hashes it
+    print(figures, flush=True)
     figures["dry_run_again_unprepared"] = timed(dry_run, args.work, env)
     figures["prepare_both_splits"] = timed([*prepare, *prepared], args.work, env)
     figures["dry_run_prepared"] = timed(dry_run, args.work, env)
     # A SLURM job starts as Snakemake planning its one job again: the same plan, then its job.
-    figures["job_start_plan"] = timed([*prepare, "--dry-run", "--quiet", prepared[0]], args.work, env)
+    figures["job_start_plan"] = timed([*prepare, "--dry-run", prepared[0]], args.work, env)
     small = args.work / "data/train-100k.jsonl"
     make_split(small, args.records // 10, 8)
     for name, split in (("prepare_split_tenth", small), ("prepare_split_all", args.work / "data/train.jsonl")):
