@@ -48,7 +48,9 @@ def make_study(work: Path, records: int) -> None:
     make_split(data / "test.jsonl", 200, 8)
     config = {
         "model": {"path": "models/tiny"},
-        "datasets": {"vqa": {"image_root": "data/images", "splits": {"train": "data/train.jsonl", "test": "data/test.jsonl"}}},
+        "datasets": {
+            "vqa": {"image_root": "data/images", "splits": {"train": "data/train.jsonl", "test": "data/test.jsonl"}}
+        },
         "defaults": {"dataset": "vqa", "train_splits": ["train"], "eval_splits": ["test"]},
         "experiments": {"exp1": {"stages": [{"name": "main"}, {"name": "two", "filter": {"category": "red"}}]}},
     }

@@ -21,7 +21,11 @@ def main():
     processor = load_image_processor(args.model, trust_remote_code=args.trust_remote_code)
     settings = PixelSettings.from_processor(processor, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     count = build_image_cache(
-        prepared_jsonl=args.records, image_root=args.image_root, output_dir=args.output, settings=settings, threads=args.threads
+        prepared_jsonl=args.records,
+        image_root=args.image_root,
+        output_dir=args.output,
+        settings=settings,
+        threads=args.threads,
     )
     print(f"cached {count} images in {args.output}")
 

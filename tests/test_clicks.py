@@ -247,7 +247,17 @@ def test_the_report_draws_the_target_box_and_the_answered_point_on_the_thumbnail
     write_jsonl(tmp_path / "predictions.jsonl", predictions)
     write_jsonl(tmp_path / "prepared.jsonl", [{"id": i, "image": "screen.png"} for i in "ab"])
     page = examples_html(
-        [Evaluation("e", "s", "val", "", str(tmp_path / "predictions.jsonl"), str(tmp_path / "prepared.jsonl"), str(tmp_path))]
+        [
+            Evaluation(
+                "e",
+                "s",
+                "val",
+                "",
+                str(tmp_path / "predictions.jsonl"),
+                str(tmp_path / "prepared.jsonl"),
+                str(tmp_path),
+            )
+        ]
     )
     assert "Green: the target box; red: the point answered." in page and "0 right, 2 wrong" in page
     images = [base64.b64decode(src) for src in re.findall(r"base64,([^\"]+)\"", page)]

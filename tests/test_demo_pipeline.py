@@ -153,7 +153,12 @@ def test_predict_answers_as_the_stages_evaluation_does(demo_workdir, tmp_path, e
 
     records = [json.loads(line) for line in (demo_workdir / f"results/prepared/{dataset}/test.jsonl").open()][:6]
     asked = tmp_path / "asked.jsonl"
-    asked.write_text("".join(json.dumps({"image": f"results/demo/{dataset}/images/{r['image']}", "question": r["question"]}) + "\n" for r in records))
+    asked.write_text(
+        "".join(
+            json.dumps({"image": f"results/demo/{dataset}/images/{r['image']}", "question": r["question"]}) + "\n"
+            for r in records
+        )
+    )
     # Images relative to the questions' file: here, the demo's folder.
     (tmp_path / "results").symlink_to(demo_workdir / "results")
     result = subprocess.run(

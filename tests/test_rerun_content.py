@@ -103,7 +103,11 @@ def test_touching_every_model_and_data_file_reruns_nothing(study):
         ("chat_template.jinja", lambda text: text.replace("<|im_start|>", "<|im_start|> ", 1), MODEL_USERS),
         ("tokenizer_config.json", lambda text: text.replace("{", '{"model_max_length": 77, ', 1), MODEL_USERS),
         # The image processor's settings: the pixel caches too.
-        ("preprocessor_config.json", lambda text: text.replace("{", '{"do_convert_rgb": true, ', 1), CACHES | MODEL_USERS),
+        (
+            "preprocessor_config.json",
+            lambda text: text.replace("{", '{"do_convert_rgb": true, ', 1),
+            CACHES | MODEL_USERS,
+        ),
     ],
 )
 def test_a_changed_model_file_reruns_exactly_what_read_it(study, file, edit, reruns):
@@ -137,12 +141,16 @@ def test_an_image_with_other_bytes_reruns_its_split_and_what_follows(study):
     original = image.read_bytes()
     try:
         Image.new("RGB", Image.open(image).size, "white").save(image)
-        assert planned(study) == {
-            f"{R}/prepared/shapes/train.jsonl",
-            f"{R}/cache/images/shapes/train/4096-16384",
-            f"{R}/train/exp1/main/adapter",
-            f"{R}/eval/exp1/main/test/predictions.jsonl",
-        } | REPORT
+        assert (
+            planned(study)
+            == {
+                f"{R}/prepared/shapes/train.jsonl",
+                f"{R}/cache/images/shapes/train/4096-16384",
+                f"{R}/train/exp1/main/adapter",
+                f"{R}/eval/exp1/main/test/predictions.jsonl",
+            }
+            | REPORT
+        )
     finally:
         image.write_bytes(original)
     assert planned(study) == set()

@@ -50,6 +50,11 @@ class StageSettings:
     packing: bool
     compile: bool
     image_groups: bool
+    method: str  # sft or dpo (vlft.training.methods)
+    beta: float
+    loss_type: str
+    label_smoothing: float
+    rpo_alpha: float | None
     quantization_bit: int | None
     eval_every: int
     eval_samples: int

@@ -25,9 +25,11 @@ RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 # Options added after studies already ran, left out of a stage's parameters while off, so that
 # adding them reruns nothing a study has already trained. The training job takes them back from the
 # schema's defaults, once, at its entry (vlft.job_settings).
-LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None}
+LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None, "method": "sft"}
 # Options that mean something only while another is on: left out with it.
-LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
+LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")} | {
+    key: "method" for key in ("beta", "loss_type", "label_smoothing", "rpo_alpha")
+}
 
 # Settings that must match between a stage and the stage it starts from (the adapter's shape).
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
@@ -302,12 +304,23 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         raise ConfigError(f"{key}.keep: 'best' is chosen among the evaluations during training: set eval_every too")
     if settings["image_groups"] and not settings["packing"]:
         raise ConfigError(f"{key}.image_groups: needs packing: true (a group is laid out in one packed row)")
+    if settings["method"] == "dpo" and settings["answer_format"] == "click":
+        raise ConfigError(f"{key}.method: dpo learns from answers in words (answer_format final or cot), not clicks")
+    if settings["method"] == "dpo" and not settings["packing"]:
+        raise ConfigError(
+            f"{key}.method: dpo needs packing: true (a pair's two answers share their prompt in one packed row)"
+        )
+    if settings["method"] == "dpo" and settings["max_batch_tokens"] == "auto":
+        raise ConfigError(
+            f"{key}.max_batch_tokens: auto is measured on single answers, not on preference pairs: give a number (or null) for a dpo stage"
+        )
     # On the stage's splits as a whole, from the raw records where they exist already (the demo's
     # are made by a job: its training job checks them): before any job is queued, not in a GPU job.
     train_records = [splits[split] for split in settings["train_splits"]]
     order_field = settings["order_field"] if settings["order"] == "by_field" else None
-    if (settings["filter"] or order_field) and all(Path(path).is_file() for path in train_records):
-        if problem := selection_problem(train_records, settings["filter"], order_field):
+    pair_field = "rejected" if settings["method"] == "dpo" else None
+    if (settings["filter"] or order_field or pair_field) and all(Path(path).is_file() for path in train_records):
+        if problem := selection_problem(train_records, settings["filter"], order_field, pair_field):
             raise ConfigError(f"{key}.{problem}, so the stage cannot train")
 
 

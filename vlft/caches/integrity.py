@@ -61,4 +61,3 @@ def verify_adapter(adapter_dir: str | Path) -> None:
         if not path.exists() or file_checksum(path) != checksum:
             state = "missing" if not path.exists() else "its content differs from the checksum in " + str(summary)
             raise damaged(adapter_dir, path, state, "trains the stage again")
-

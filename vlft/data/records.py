@@ -73,6 +73,14 @@ def _check_fields(record: dict, jsonl, line_no: int) -> None:
         value = record.get(name)
         if not isinstance(value, str) or not value.strip():
             raise InputError(jsonl, "missing or empty", line_no, name)
+    if "rejected" in record:  # a preference pair: `answer` the chosen one
+        rejected = record["rejected"]
+        if not isinstance(rejected, str) or not rejected.strip():
+            raise InputError(jsonl, "must be non-empty text: the answer not preferred", line_no, "rejected")
+        if rejected.strip() == record["answer"].strip():
+            raise InputError(
+                jsonl, "the same as the answer: a preference pair needs two different answers", line_no, "rejected"
+            )
     if "system" in record and (not isinstance(record["system"], str) or not record["system"].strip()):
         raise InputError(jsonl, "must be non-empty text", line_no, "system")
     history = record.get("history")
@@ -159,7 +167,9 @@ def prepare_split(raw_jsonl: str | Path, image_root: str | Path, output: str | P
     check_unique_ids(raw_jsonl, hashes)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         checks = dict(
-            zip(first_line_of, pool.map(lambda image: check_image(Path(image_root) / image, digest=True), first_line_of))
+            zip(
+                first_line_of, pool.map(lambda image: check_image(Path(image_root) / image, digest=True), first_line_of)
+            )
         )
     # In order of first mention, so that the first bad line is the one named.
     for image, check in checks.items():
@@ -218,13 +228,16 @@ def select_records(records: list[dict], filters: dict) -> list[dict]:
     return [r for r in records if selected_by(r, filters)]
 
 
-def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field: str | None = None) -> str | None:
+def selection_problem(
+    jsonl_paths: list[str | Path], filters: dict, order_field: str | None = None, pair_field: str | None = None
+) -> str | None:
     """Why a stage cannot train on its splits, taken as a whole: its filter or its order names a
-    field that no record has, or the filter selects no record; or None. Read from the raw splits
-    before any job runs, leniently: lines that do not parse are the prepare step's to report, with
-    their line numbers. The sentence starts with the stage's key it is about (filter, order_field)."""
+    field that no record has, its method learns from a field (`pair_field`: a dpo stage's
+    `rejected`) that no record has, or the filter selects no record; or None. Read from the raw
+    splits before any job runs, leniently: lines that do not parse are the prepare step's to report,
+    with their line numbers. The sentence starts with the stage's key it is about."""
     named = ", ".join(str(p) for p in jsonl_paths)
-    needed = set(filters) | ({order_field} if order_field else set())
+    needed = set(filters) | ({order_field} if order_field else set()) | ({pair_field} if pair_field else set())
     fields_seen, selected = set(), False
     for record in _raw_objects(jsonl_paths):
         fields_seen.update(k for k, v in record.items() if v is not None)
@@ -236,6 +249,8 @@ def selection_problem(jsonl_paths: list[str | Path], filters: dict, order_field:
             return f"filter: no record of {named} has the field '{name}'"
     if order_field and order_field not in fields_seen:
         return f"order_field: no record of {named} has the field '{order_field}'"
+    if pair_field and pair_field not in fields_seen:
+        return f"method: a dpo stage learns from preference pairs, and no record of {named} has a '{pair_field}' answer"
     if not selected:
         return f"filter: {filters} selects no record of {named}"
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlft.data import clicks
 from vlft.data.answers import AnswerFormat, target_text
@@ -25,6 +25,9 @@ class StageData:
     ]  # by record key: the cache holding its image, and its id there
     samples: dict[str, Sample]  # by record key
     frames: dict[str, clicks.Frame]  # by record key, for click answers: how the model sees the image
+    # By record key, for preference pairs: the rejected answer's sample (its record_id the record's
+    # key too: it asks the same question about the same image); `samples` holds the chosen one.
+    rejected: dict[str, Sample] = field(default_factory=dict)
 
 
 CACHE_KINDS = {cls.KIND: cls for cls in (ImageCache, VisionCache)}
@@ -43,10 +46,12 @@ def load_stage_data(
     answer_format: str,
     max_seq_len: int,
     convention: clicks.Convention | None = None,
+    pairs: bool = False,
 ) -> StageData:
     """The records of the prepared splits that pass `filters`, each encoded as a sample in
     `answer_format` of at most `max_seq_len` tokens, with the cache holding its image. Click answers
-    are written in the model family's coordinates (`convention`)."""
+    are written in the model family's coordinates (`convention`). With `pairs` (a preference stage)
+    every record must be a pair, and its rejected answer is encoded too."""
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
         cache = open_cache(cache_dir)
@@ -72,7 +77,16 @@ def load_stage_data(
         r["key"]: builder.sample(r["key"], r, target(r), image_tokens_of(images, r["key"]), max_seq_len)
         for r in records
     }
-    return StageData(records, images, samples, frames)
+    rejected = {}
+    if pairs:
+        for r in records:
+            if "rejected" not in r:
+                raise InputError(
+                    r["source_split"], f"record {r['id']} has no 'rejected' answer: a dpo stage learns from pairs alone"
+                )
+            text = target_text(r["rejected"], answer_format)
+            rejected[r["key"]] = builder.sample(r["key"], r, text, image_tokens_of(images, r["key"]), max_seq_len)
+    return StageData(records, images, samples, frames, rejected)
 
 
 def uses_vision_cache(data: StageData) -> bool:

@@ -22,7 +22,7 @@ from vlft.data.prompts import PromptBuilder, Sample
 T = TypeVar("T")
 
 # What a batch carries for the loss rather than for the model's forward pass.
-NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets")
+NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets", "answer_owners", "sample_ids")
 
 
 def collate(
@@ -67,6 +67,9 @@ def collate(
         "image_grid_thw": torch.tensor([cache.grid_thw(image_id) for cache, image_id in sources]),
         "answer_positions": rows * width + columns,
         "answer_targets": label_ids[rows, columns + 1],
+        # Whose each answer position is: the sample's place in the batch (for per-sample sums).
+        "answer_owners": rows,
+        "sample_ids": [s.record_id for s in samples],
     }
     if rope_index is not None and not left_pad:
         batch["position_ids"] = rope_index(

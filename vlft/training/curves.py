@@ -16,15 +16,18 @@ from torch.utils.tensorboard import SummaryWriter
 
 from vlft.files import remove_inside
 
-# The per-step log's fields drawn, each as train/<name>.
+# The per-step log's fields drawn, each as train/<name>, besides the training method's own metrics
+# (vlft.training.methods: DPO's rewards, say).
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "memory_gb")
 FLUSH_S = 30  # how stale a curve may be while a stage trains
 
 
 class Curves:
-    def __init__(self, log_dir: str | Path, first_step: int, steps_before: int = 0):
+    def __init__(self, log_dir: str | Path, first_step: int, steps_before: int = 0, metrics: tuple[str, ...] = ()):
         """`first_step`: the steps already done, restored from a checkpoint (0 for none);
-        `steps_before`: those of the stages this one starts from, after which its curves go on."""
+        `steps_before`: those of the stages this one starts from, after which its curves go on;
+        `metrics`: the training method's, drawn too."""
+        self.names = SCALARS + tuple(m for m in metrics if m not in SCALARS)
         log_dir = Path(log_dir)
         if first_step == 0:
             remove_inside(log_dir, log_dir.parent)
@@ -35,7 +38,7 @@ class Curves:
 
     def add(self, record: dict) -> None:
         """One line of the per-step log."""
-        for name in SCALARS:
+        for name in self.names:
             self.writer.add_scalar(f"train/{name}", record[name], self.offset + record["step"])
 
     def add_evaluation(self, record: dict) -> None:

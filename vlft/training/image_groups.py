@@ -33,10 +33,13 @@ class ImageGroup:
 
     samples: list[Sample]
     shared: int
+    # Samples that stay together when a group is cut to fit a budget: 2 for preference pairs (a
+    # pair's loss needs both its answers in one micro-batch), 1 otherwise.
+    unit: int = 1
 
     @classmethod
-    def of(cls, samples: list[Sample]) -> "ImageGroup":
-        return cls(samples, shared_prefix_length(samples))
+    def of(cls, samples: list[Sample], unit: int = 1) -> "ImageGroup":
+        return cls(samples, shared_prefix_length(samples), unit)
 
     @property
     def tokens(self) -> int:
@@ -102,18 +105,20 @@ class RowLayout:
 
 def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | None) -> list[ImageGroup]:
     """A group cut into groups of at most `max_tokens` tokens and `max_samples` samples, each
-    with the prefix of its own (a sample that exceeds the budget alone gets a group of its own)."""
+    with the prefix of its own, between its units only (a unit that exceeds the budget alone gets
+    a group of its own)."""
     parts, current = [], []
-    for sample in group.samples:
-        candidate = ImageGroup(current + [sample], group.shared)
+    units = [group.samples[i : i + group.unit] for i in range(0, len(group.samples), group.unit)]
+    for unit in units:
+        candidate = ImageGroup(current + unit, group.shared)
         too_long = max_tokens is not None and candidate.tokens > max_tokens
-        too_many = max_samples is not None and len(candidate.samples) > max_samples
+        too_many = max_samples is not None and len(candidate.samples) > max(max_samples, group.unit)
         if current and (too_long or too_many):
             parts.append(current)
             current = []
-        current.append(sample)
+        current += unit
     parts.append(current)
-    return [ImageGroup.of(part) for part in parts]
+    return [ImageGroup.of(part, group.unit) for part in parts]
 
 
 def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: int | None) -> list[list[ImageGroup]]:

@@ -90,3 +90,28 @@ def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
     answer_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
     loss = linear_cross_entropy_sum(answer_hidden, outer.lm_head.weight, batch["answer_targets"])
     return loss, batch["answer_targets"].numel()
+
+
+def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = hidden @ weight.t()
+    return torch.nn.functional.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="none")
+
+
+def answer_logps(model, batch: dict) -> torch.Tensor:
+    """Each sample's log-probability of its answer (the sum over its answer tokens), in the order
+    of `batch["sample_ids"]`, with gradients: what a preference loss compares. The head is applied
+    to answer positions only, a chunk of rows at a time, recomputed in the backward pass (liger's
+    fused kernel returns only a total, not one sum a sample)."""
+    outer = unwrapped(model)
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+    hidden = outer.model(**inputs, use_cache=False).last_hidden_state
+    answer_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
+    targets, owners = batch["answer_targets"], batch["answer_owners"]
+    sums = answer_hidden.new_zeros(len(batch["sample_ids"]), dtype=_loss_dtype(answer_hidden.dtype))
+    for start in range(0, answer_hidden.shape[0], CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        losses = checkpoint(
+            _chunk_losses, answer_hidden[rows], outer.lm_head.weight, targets[rows], use_reentrant=False
+        )
+        sums = sums.index_add(0, owners[rows], losses)
+    return -sums

@@ -24,10 +24,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from vlft.data.stage_data import StageData
 from vlft.training.image_groups import ImageGroup
-from vlft.training.loss import answer_loss_sum
+from vlft.training.loss import answer_logps, answer_loss_sum
 from vlft.training.steps import Step
 
 
@@ -60,3 +61,88 @@ class SupervisedFineTuning:
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         loss_sum, _ = answer_loss_sum(model, batch)
         return (loss_sum,)
+
+
+def dpo_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each pair's DPO loss (the sigmoid loss of its reward margin; conservative with label
+    smoothing) and the implicit rewards of its chosen and rejected answers, from the policy's and
+    the reference's log-probabilities of each answer: TRL's `dpo_loss` for `loss_type: sigmoid`
+    (tests/test_preferences.py checks them equal)."""
+    margin = (chosen - rejected) - (ref_chosen - ref_rejected)
+    losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
+    return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+
+
+class PreferenceOptimization:
+    """`method: dpo`: each record's chosen answer (`answer`) made more likely than its rejected one
+    relative to the stage's starting weights (Direct Preference Optimization).
+
+    A pair is an image group of two samples, chosen then rejected: its prompt (header, image,
+    question) is laid out once and both answers attend to it, each at the positions it has alone,
+    so each answer's log-probability and gradients are the ones it gets alone. With image groups
+    all pairs on one image share the image. A group is cut to fit a token budget between pairs only.
+    The reference log-probabilities (vlft.training.reference) are computed once, before the first
+    step. The loss is a mean per pair of the step; `rpo_alpha` adds that times the chosen answers'
+    cross-entropy, a mean per chosen token of the step (RPO, as TRL and ms-swift add it)."""
+
+    name = "dpo"
+    METRICS = (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    )
+
+    def __init__(self, data: StageData, settings, reference: dict[str, tuple[float, float]]):
+        self.data, self.reference = data, reference
+        self.beta, self.label_smoothing, self.rpo_alpha = settings.beta, settings.label_smoothing, settings.rpo_alpha
+        self.chosen_token_weight = 0.0
+
+    def step_groups(self, step: Step) -> list[ImageGroup]:
+        return [pair_group(self.data, keys) for keys in step]
+
+    def step_weight(self, groups: list[ImageGroup]) -> int:
+        pairs = sum(len(g.samples) for g in groups) // 2
+        # RPO's term is a mean per chosen token of the whole step; as a sum that the step's pairs
+        # divide, each chosen token weighs pairs / chosen tokens.
+        chosen_tokens = sum(len(s.input_ids) - s.prompt_length for g in groups for s in g.samples[0::2])
+        self.chosen_token_weight = pairs / chosen_tokens
+        return pairs
+
+    def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        logps = answer_logps(model, batch)
+        chosen, rejected = logps[0::2], logps[1::2]  # each group's samples are pairs, chosen first
+        references = torch.tensor(
+            [self.reference[key] for key in batch["sample_ids"][0::2]], dtype=logps.dtype, device=logps.device
+        )
+        losses, chosen_rewards, rejected_rewards = dpo_losses(
+            chosen, rejected, references[:, 0], references[:, 1], self.beta, self.label_smoothing
+        )
+        loss = losses.sum()
+        if self.rpo_alpha:
+            loss = loss - self.rpo_alpha * self.chosen_token_weight * chosen.sum()
+        return (
+            loss,
+            chosen_rewards.sum(),
+            rejected_rewards.sum(),
+            (chosen_rewards - rejected_rewards).sum(),
+            (chosen_rewards > rejected_rewards).sum().to(logps.dtype),
+            chosen.detach().sum(),
+            rejected.detach().sum(),
+        )
+
+
+def pair_group(data: StageData, keys: list[str]) -> ImageGroup:
+    """The preference pairs of `keys` (the records of one image group, or one record) as one image
+    group: chosen, rejected, chosen, rejected, ..."""
+    return ImageGroup.of([s for key in keys for s in (data.samples[key], data.rejected[key])], unit=2)

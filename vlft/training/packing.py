@@ -62,7 +62,7 @@ def pack_groups(
     layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in groups])
     segments = iter(layout.segments)
     pieces: dict[str, list] = {key: [] for key in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
-    grids, row_images, answer_positions, answer_targets = [], [], [], []
+    grids, row_images, answer_positions, answer_targets, answer_owners = [], [], [], [], []
     for group in groups:
         for n, sample in enumerate(group.samples):
             # A batch of one has no padding, so the pad id is never written.
@@ -76,10 +76,13 @@ def pack_groups(
             # Each sample alone is a batch of one: its answer positions are offsets within it.
             answer_positions.append(alone["answer_positions"] - drop + next(segments)[0])
             answer_targets.append(alone["answer_targets"])
+            answer_owners.append(torch.full_like(alone["answer_targets"], len(answer_owners)))
     row = {key: torch.cat(values, dim=-1) for key, values in pieces.items()}
     row["image_grid_thw"] = torch.cat(grids)
     row["answer_positions"] = torch.cat(answer_positions)
     row["answer_targets"] = torch.cat(answer_targets)
+    row["answer_owners"] = torch.cat(answer_owners)
+    row["sample_ids"] = [s.record_id for g in groups for s in g.samples]
     row.update(layout.attention_inputs())
     row["images"] = row_images
     return pinned(row) if pin else row

@@ -33,11 +33,12 @@ class StepLog:
         steps_before: int,
         device: torch.device,
         is_main: bool,
+        metrics: tuple[str, ...] = (),
     ):
         self.path, self.device, self.is_main = path, device, is_main
         self.progress = tqdm(total=total_steps, initial=first_step, desc=name, mininterval=5, disable=not is_main)
         # A curriculum's curves go on from the steps of the stages it starts from.
-        self.curves = Curves(curves_dir, first_step, steps_before) if curves_dir and is_main else None
+        self.curves = Curves(curves_dir, first_step, steps_before, metrics) if curves_dir and is_main else None
         self.clock = time.time()  # a step's time runs from the end of the one before: waits included
 
     def __enter__(self) -> "StepLog":

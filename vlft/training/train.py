@@ -59,7 +59,8 @@ from vlft.plan import schedule_problem, warmup_steps
 from vlft.training import step_evals, token_budget
 from vlft.training.batching import prefetched, to_device
 from vlft.training.host_batches import HostBatcher
-from vlft.training.methods import SupervisedFineTuning, TrainingMethod
+from vlft.training.methods import PreferenceOptimization, SupervisedFineTuning, TrainingMethod
+from vlft.training.reference import reference_logps
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
@@ -111,8 +112,9 @@ def train_stage(
     steps = plan_steps(data.records, settings, image_of(data.images) if settings.image_groups else None)
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
-    method: TrainingMethod = SupervisedFineTuning(data)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
+    # Before a checkpoint is restored: a method's reference is the stage's starting weights.
+    method = _setup_method(settings, data, model, tokenizer, builder, run, device, dtype, group)
     first_step = run.resume(model, optimizer, scheduler, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
@@ -123,15 +125,9 @@ def train_stage(
     # background thread, while the GPU trains on the step before.
     todo = range(first_step, len(steps))
     step_groups = (method.step_groups(steps[step]) for step in todo)
+    name = outputs.adapter.parent.name
     with StepLog(
-        run.running_log,
-        len(steps),
-        first_step,
-        outputs.adapter.parent.name,
-        curves_dir,
-        steps_before,
-        device,
-        group.is_main,
+        run.running_log, len(steps), first_step, name, curves_dir, steps_before, device, group.is_main, method.METRICS
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
@@ -223,6 +219,7 @@ def _setup_data(prepared: list[str], caches: list[str], settings: StageSettings,
         answer_format=settings.answer_format,
         max_seq_len=settings.max_seq_len,
         convention=clicks.convention_for(settings.answer_format, model_config),
+        pairs=settings.method == "dpo",
     )
 
 
@@ -278,20 +275,38 @@ def _setup_optimizer(model, settings: StageSettings, n_steps: int, n_records: in
     return optimizer, scheduler
 
 
-def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData, trainer: Trainer):
-    """The host batcher with the stage's token budget, and for `max_batch_tokens: auto` what was
-    chosen and why (vlft.training.token_budget): the tightest GPU's, in a data-parallel job."""
-    batcher = HostBatcher(
+def _setup_method(settings: StageSettings, data: StageData, model, tokenizer, builder, run, device, dtype, group):
+    """The stage's training method (vlft.training.methods), with what it computes once before the
+    first step: for dpo, the reference log-probabilities (vlft.training.reference)."""
+    if settings.method == "sft":
+        return SupervisedFineTuning(data)
+    batcher = replace(
+        _host_batcher(settings, tokenizer, builder, data, model, device, group), budget=settings.max_batch_tokens
+    )
+    context = adapter_autocast(model, device, dtype)
+    reference = reference_logps(model, data, settings.image_groups, batcher, run.path, context, device, dtype, group)
+    return PreferenceOptimization(data, settings, reference)
+
+
+def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, model, device, group) -> HostBatcher:
+    """The stage's host batcher, without a token budget yet."""
+    return HostBatcher(
         data.images,
         builder,
-        rope_index(trainer.model),
+        rope_index(model),
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn,
         settings.packing,
         settings.micro_batch,
         None,
-        trainer.group,
-        pin=trainer.device.type == "cuda",
+        group,
+        pin=device.type == "cuda",
     )
+
+
+def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData, trainer: Trainer):
+    """The host batcher with the stage's token budget, and for `max_batch_tokens: auto` what was
+    chosen and why (vlft.training.token_budget): the tightest GPU's, in a data-parallel job."""
+    batcher = _host_batcher(settings, tokenizer, builder, data, trainer.model, trainer.device, trainer.group)
     budget = settings.max_batch_tokens
     if budget != "auto":
         return replace(batcher, budget=budget), None

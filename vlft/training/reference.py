@@ -1,0 +1,55 @@
+"""The reference of a preference stage: the log-probability of every pair's two answers under the
+stage's starting weights (the base with the adapter it starts from, or the base with a fresh
+adapter, which changes nothing yet), computed once before the first step (TRL's
+`precompute_ref_log_probs`) rather than by a second model at every step.
+
+Computed with the very model the stage trains, before a checkpoint is restored into it and with
+dropout off, laid out as training lays pairs out (each pair's prompt once; with image groups each
+image once), its micro-batches shared out among data-parallel processes. Kept in the run
+directory, so a resumed stage, or a retry after a time limit, reads them instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vlft.data.stage_data import StageData
+from vlft.files import write_json
+from vlft.jobs import distributed
+from vlft.training.batching import to_device
+from vlft.training.loss import answer_logps
+from vlft.training.methods import pair_group
+from vlft.training.steps import groups_in_order, image_of
+
+REFERENCE_FILE = "reference_logps.json"
+
+
+def reference_logps(
+    model, data: StageData, image_groups: bool, batcher, run_dir: Path, forward_context, device, dtype, group
+) -> dict[str, tuple[float, float]]:
+    """By record key: the starting weights' log-probabilities of its chosen and rejected answers."""
+    path = Path(run_dir) / REFERENCE_FILE
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if set(kept) == {r["key"] for r in data.records}:
+            return {key: tuple(pair) for key, pair in kept.items()}
+    by_group = image_of(data.images) if image_groups else (lambda record: record["key"])
+    groups = [pair_group(data, [r["key"] for r in records]) for records in groups_in_order(data.records, by_group)]
+    computed = {}
+    model.eval()  # no dropout: the reference is the starting weights themselves
+    try:
+        with torch.no_grad(), forward_context:
+            for host_batch in batcher(groups):
+                logps = answer_logps(model, to_device(host_batch, device, dtype)).tolist()
+                for n, key in enumerate(host_batch["sample_ids"][0::2]):
+                    computed[key] = (logps[2 * n], logps[2 * n + 1])
+    finally:
+        model.train()
+    if group.size > 1:
+        computed = {key: pair for share in distributed.gathered(computed) for key, pair in share.items()}
+    if group.is_main:
+        write_json(path, computed)
+    return computed
