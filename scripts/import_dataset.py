@@ -5,6 +5,7 @@ ready to name under `datasets:` in a config.
     python scripts/import_dataset.py kvasir-vqa-x1 --x1 x1/*.parquet --parquet data/*.parquet --out data/kvasir-x1
     python scripts/import_dataset.py chat --json train.json --image-root data/images --out data/chat
     python scripts/import_dataset.py screenspot --json screenspot_web.json --out data/screenspot
+    python scripts/import_dataset.py pairs --parquet rlaif-v/*.parquet --out data/rlaif-v
 """
 
 import argparse
@@ -35,7 +36,10 @@ def main():
         help="x, y, width, height; or corners; auto: corners for ScreenSpot-Pro and the Hub mirror, else x, y, w, h",
     )
     clicks.add_argument("--split", default="test", help="the split the records form")
-    for sub in (kvasir, x1, chat, clicks):
+    pairs = formats.add_parser("pairs", help="flat preference pairs as RLAIF-V publishes them (parquet)")
+    pairs.add_argument("--parquet", nargs="+", required=True, help="rows of image, question, chosen, rejected")
+    pairs.add_argument("--split", default="train", help="the split the records form")
+    for sub in (kvasir, x1, chat, clicks, pairs):
         sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")
     args = parser.parse_args()
 
@@ -45,6 +49,8 @@ def main():
         summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out)
     elif args.format == "chat":
         summary = importers.import_chat(args.json, args.image_root, args.out, args.split)
+    elif args.format == "pairs":
+        summary = importers.import_pairs(args.parquet, args.out, args.split)
     else:
         summary = importers.import_screenspot(args.json, args.out, args.bbox, args.split)
     print(json.dumps(summary))

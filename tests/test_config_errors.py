@@ -64,7 +64,7 @@ def stage(config, experiment, index):
         (
             lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
             "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: click/main, exp1/main, "
-            "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main, exp6/main)",
+            "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main, exp6/main, exp7/main)",
         ),
         (
             lambda c: c["demo"]["datasets"].update(buttons=c["demo"]["datasets"].pop("screens")),
@@ -250,7 +250,16 @@ def test_a_model_directory_copied_in_part_is_one_sentence_before_any_job(
         return
     # A job given it (the directory changed after the run began, or a script run by hand) says the same.
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts/cache_images.py"), "--records", "none", "--model", str(partial)]
+        [
+            sys.executable,
+            str(REPO / "scripts/cache_images.py"),
+            "--records",
+            "none",
+            "--image-root",
+            "none",
+            "--model",
+            str(partial),
+        ]
         + ["--min-pixels", "4096", "--max-pixels", "16384", "--output", str(tmp_path / "cache")],
         capture_output=True,
         text=True,

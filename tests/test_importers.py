@@ -417,8 +417,17 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
             r"chat.jsonl:2: field 'images': image https://example.org/a.jpg is a URL",
         ),
         (
-            {"messages": MLLM_DEMO[0]["messages"], "rejected_response": "No.", "images": ["a.jpg"]},
-            r"chat.jsonl:2: a preference pair \(rejected_response\): this project trains on answers",
+            {"messages": MLLM_DEMO[0]["messages"], "label": False, "images": ["a.jpg"]},
+            r"chat.jsonl:2: field 'label': a KTO row \(label: true/false marks one answer desirable or not\)",
+        ),
+        (
+            {
+                "messages": MLLM_DEMO[0]["messages"],
+                "rejected_response": "No.",
+                "images": ["a.jpg"],
+                "rejected_images": ["b.jpg"],
+            },
+            r"chat.jsonl:2: the rejected answer is about other images",
         ),
         (
             {
@@ -466,7 +475,8 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
         "marker-without-image",
         "two-images",
         "url",
-        "preference",
+        "kto",
+        "rejected-images",
         "image-later",
         "no-answer",
         "tool-turn",
@@ -592,3 +602,78 @@ def test_prepare_split_refuses_a_box_or_point_outside_its_image(tmp_path, field,
     with pytest.raises(InputError, match=rf"raw.jsonl:2: field '{field}': {message} of .*a.jpg"):
         prepare_split(tmp_path / "raw.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
     assert not (tmp_path / "prepared.jsonl").exists()
+
+
+def test_preference_pairs_as_llama_factory_and_ms_swift_write_them_become_records_with_rejected(tmp_path):
+    """LLaMA-Factory's ranking rows (the conversation ends with the question; `chosen` and
+    `rejected` turns beside it) and ms-swift's (`rejected_response` beside a conversation whose last
+    answer is the chosen one): one record a pair, its last round, the rounds before as history."""
+    chat_fixtures(tmp_path)
+    llama_factory = {
+        "conversations": [{"from": "human", "value": "<image>What is in the image?"}],
+        "chosen": {"from": "gpt", "value": "A red circle."},
+        "rejected": {"from": "gpt", "value": "A blue square."},
+        "images": ["a.jpg"],
+    }
+    swift = {
+        "messages": [
+            {"role": "user", "content": "<image>Describe it."},
+            {"role": "assistant", "content": "Noise."},
+            {"role": "user", "content": "Which colour dominates?"},
+            {"role": "assistant", "content": "Grey."},
+        ],
+        "rejected_response": "Green.",
+        "images": ["b.jpg"],
+    }
+    (tmp_path / "pairs.json").write_text(json.dumps([llama_factory, swift]))
+    summary = import_chat([tmp_path / "pairs.json"], tmp_path / "images", tmp_path / "out")
+    assert summary["records"] == 2 and summary["preference_pairs"] == 2
+    first, second = read_jsonl(tmp_path / "out/train.jsonl")
+    assert (first["question"], first["answer"], first["rejected"]) == (
+        "What is in the image?",
+        "A red circle.",
+        "A blue square.",
+    )
+    assert (second["question"], second["answer"], second["rejected"]) == ("Which colour dominates?", "Grey.", "Green.")
+    assert second["history"] == [{"question": "Describe it.", "answer": "Noise."}]
+    prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
+    assert [r["rejected"] for r in read_jsonl(tmp_path / "prepared.jsonl")] == ["A blue square.", "Green."]
+
+
+def test_flat_preference_pairs_as_rlaif_v_publishes_them(tmp_path):
+    """RLAIF-V's parquet shape: the image's bytes, question, chosen, rejected and provenance; each
+    image written once by its content; a row whose answers are the same is refused with its place."""
+    from vlft.data.importers import import_pairs
+
+    rows = [
+        {
+            "ds_name": "RLAIF-V",
+            "image": {"bytes": jpeg_bytes(i % 2), "path": None},
+            "question": f"What do you see ({i})?",
+            "chosen": "A field of grey noise.",
+            "rejected": "A cat on a sofa.",
+            "origin_dataset": "VQAv2",
+            "idx": f"row-{i}",
+        }
+        for i in range(3)
+    ]
+    pd.DataFrame(rows).to_parquet(tmp_path / "rlaif.parquet")
+    summary = import_pairs([tmp_path / "rlaif.parquet"], tmp_path / "out")
+    assert summary == {"records": 3, "images": 2, "splits": {"train": 3}}
+    records = read_jsonl(tmp_path / "out/train.jsonl")
+    assert [r["id"] for r in records] == ["row-0", "row-1", "row-2"] and records[0]["image"] == records[2]["image"]
+    assert records[1] | {"image": None} == {
+        "id": "row-1",
+        "image": None,
+        "question": "What do you see (1)?",
+        "answer": "A field of grey noise.",
+        "rejected": "A cat on a sofa.",
+        "ds_name": "RLAIF-V",
+        "origin_dataset": "VQAv2",
+    }
+    prepare_split(tmp_path / "out/train.jsonl", tmp_path / "out/images", tmp_path / "prepared.jsonl")
+    rows[1]["rejected"] = rows[1]["chosen"]
+    pd.DataFrame(rows).to_parquet(tmp_path / "same.parquet")
+    with pytest.raises(InputError, match=r"same.parquet:2: field 'rejected': the same as 'chosen'"):
+        import_pairs([tmp_path / "same.parquet"], tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()

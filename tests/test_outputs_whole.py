@@ -111,6 +111,7 @@ def test_a_full_disk_while_caching_is_one_sentence_naming_the_cache_and_leaves_n
         full,
         "256k",
         [sys.executable, "scripts/cache_images.py", "--records", inputs.prepared[0], "--model", inputs.model_dir]
+        + ["--image-root", str(Path(inputs.prepared[0]).parent / "images")]
         + ["--min-pixels", "4096", "--max-pixels", "16384", "--threads", "2", "--output", str(cache)],
     )
     assert "exit 1" in result.stdout, result.stdout + result.stderr

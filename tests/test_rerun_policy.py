@@ -110,6 +110,7 @@ def test_changed_dataset_content_reruns_that_split_and_everything_downstream(dem
         "exp4/stage2",
         "exp5/main",
         "exp6/main",
+        "exp7/main",
     ]
     assert planned == {
         f"{R}/prepared/shapes/train.jsonl",

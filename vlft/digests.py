@@ -9,9 +9,10 @@ out of that comparison.
 
 Cheaply: a file is hashed (sha256) once, and again only when its path, size, inode or time stamps
 changed (its change time too, which no tool sets back: bytes written in place with the old
-modification time restored are still seen); the digests are kept in `<results>/.vlft/digests.json`. A dry run of a study on a
-16 GB checkpoint stats its files; the first one, or the first after a file changed, reads them
-(about 10 s for 16 GB). A raw split's image list is read once per content of its records file.
+modification time restored are still seen). The digests are kept in `.snakemake/vlft/`, beside
+Snakemake's records of the jobs. A dry run of a study on a 16 GB checkpoint stats its files; the
+first one, or the first after a file changed, reads them (about 10 s for 16 GB). A raw split's
+image list is read once per content of its records file.
 """
 
 from __future__ import annotations

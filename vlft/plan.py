@@ -179,7 +179,7 @@ def build_plan(config: dict) -> Plan:
                 raise ConfigError(f"{key}.name: stage '{name}' appears twice in experiment '{experiment}'")
             names.add(name)
             settings = _merge(defaults, {k: v for k, v in stage_spec.items() if k != "name"})
-            _check_data(settings, datasets, key)
+            _check_data(settings, datasets, key, made_here=set(config.get("demo", {}).get("datasets", {})))
             _check_schedule(settings, key)
             init_from = settings.pop("init_from")
             if init_from is not None and "/" not in init_from:
@@ -278,7 +278,7 @@ def _check_schedule(settings: dict, key: str) -> None:
         )
 
 
-def _check_data(settings: dict, datasets: dict, key: str) -> None:
+def _check_data(settings: dict, datasets: dict, key: str, made_here: set[str] = frozenset()) -> None:
     name = settings["dataset"]
     if name not in datasets:
         known = ", ".join(sorted(datasets)) or "none"
@@ -314,11 +314,14 @@ def _check_data(settings: dict, datasets: dict, key: str) -> None:
         raise ConfigError(
             f"{key}.max_batch_tokens: auto is measured on single answers, not on preference pairs: give a number (or null) for a dpo stage"
         )
-    # On the stage's splits as a whole, from the raw records where they exist already (the demo's
-    # are made by a job: its training job checks them): before any job is queued, not in a GPU job.
+    # On the stage's splits as a whole, from the raw records where they exist already: before any
+    # job is queued, not in a GPU job. Not the demo's (`made_here`): a job makes them, perhaps again
+    # over older ones, and the training job checks them.
     train_records = [splits[split] for split in settings["train_splits"]]
     order_field = settings["order_field"] if settings["order"] == "by_field" else None
     pair_field = "rejected" if settings["method"] == "dpo" else None
+    if name in made_here:
+        return
     if (settings["filter"] or order_field or pair_field) and all(Path(path).is_file() for path in train_records):
         if problem := selection_problem(train_records, settings["filter"], order_field, pair_field):
             raise ConfigError(f"{key}.{problem}, so the stage cannot train")

@@ -414,6 +414,27 @@ def inert_for_spreadsheets(table: pd.DataFrame) -> pd.DataFrame:
     return table.assign(**{c: table[c].map(inert) for c in text}).rename(columns=inert)
 
 
+PREFERENCE_COLUMNS = ["preference_accuracy_start", "preference_accuracy_end", "reward_margin_end"]
+
+
+def preference_stages(jobs: pd.DataFrame, results: pd.DataFrame) -> str:
+    """The section on preference (dpo) stages, where the study has any: how often each step's pairs
+    preferred the chosen answer, early and late, and its accuracy beside the stage it started from."""
+    if "preference_accuracy_end" not in jobs:
+        return ""
+    tuned = jobs[jobs.preference_accuracy_end.notna()][["experiment", "stage", *PREFERENCE_COLUMNS]]
+    shown = tuned.merge(
+        results[["experiment", "stage", "split", "accuracy", "started_from", "gain_over_start"]],
+        on=["experiment", "stage"],
+    )
+    return (
+        "<h2>Preference stages</h2><p><code>preference_accuracy</code>: the share of a step's pairs whose chosen "
+        "answer gained more on the starting weights than its rejected one, over the first and the last tenth of "
+        "the steps; <code>reward_margin_end</code>: the mean margin (β times the log-ratio difference) at the end. "
+        "Accuracy: answers, as every stage is judged, beside the stage it started from.</p>" + table_html(shown)
+    )
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
@@ -438,6 +459,7 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             f'<img alt="accuracy during training, one panel per experiment" src="data:image/png;base64,{png}">'
         )
     job_columns = [c for c in JOB_COLUMNS if c in jobs]
+    preferences = preference_stages(jobs, results)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 {STYLE}</head><body>
@@ -455,6 +477,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 <h2>Training loss</h2><p>One panel per experiment; a curriculum's stages one after the other.</p>
 <img alt="training loss curves, one panel per experiment" src="data:image/png;base64,{losses}">
 {accuracy_over_steps}
+{preferences}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 <h2>Example answers</h2>
 <p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>

@@ -24,6 +24,17 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
 DIFFICULTY = {"color": 1, "yes/no": 2, "location": 3, "count": 4}
 
 
+def other(values, value):
+    """The value after `value` among `values`: a wrong answer the image contradicts, chosen
+    without a random draw (so the images and right answers stay those of the same seed)."""
+    values = list(values)
+    return values[(values.index(value) + 1) % len(values)]
+
+
+def wrong_count(n: int) -> int:
+    return n + 1 if n < 4 else n - 1
+
+
 def draw(cells: list[tuple[int, int]], shape: str, color: str, rng: random.Random) -> Image.Image:
     image = Image.new("RGB", (3 * CELL, 3 * CELL), (245, 245, 245))
     pen = ImageDraw.Draw(image)
@@ -47,21 +58,31 @@ def make_record(index: int, category: str, rng: random.Random) -> tuple[dict, Im
         counted = ", ".join(NUMBER_WORDS[i] for i in range(1, len(cells) + 1))
         question = "How many shapes are there?"
         answer = f"I count the {color} {shape}s one by one: {counted}. Final answer: {len(cells)}"
+        wrong = wrong_count(len(cells))
+        miscounted = ", ".join(NUMBER_WORDS[i] for i in range(1, wrong + 1))
+        rejected = f"I count the {color} {shape}s one by one: {miscounted}. Final answer: {wrong}"
     else:
         cells = [rng.choice(all_cells)]
         column = COLUMNS[cells[0][1]]
         if category == "color":
             question = "What color is the shape?"
             answer = f"There is one {shape} and it is filled with {color}. Final answer: {color}"
+            wrong = other(COLORS, color)
+            rejected = f"There is one {shape} and it is filled with {wrong}. Final answer: {wrong}"
         elif category == "location":
             question = "Where is the shape?"
             answer = f"The {color} {shape} is in the {column} column of the image. Final answer: {column}"
+            wrong = other(COLUMNS, column)
+            rejected = f"The {color} {shape} is in the {wrong} column of the image. Final answer: {wrong}"
         else:
             asked = color if rng.random() < 0.5 else rng.choice([c for c in COLORS if c != color])
             question = f"Is there a {asked} shape?"
             verdict = "yes" if asked == color else "no"
             answer = f"The only shape is a {color} {shape}, and {asked} was asked. Final answer: {verdict}"
-    return shapes_record(f"{index:05d}", index, question, answer, category, len(cells)), draw(cells, shape, color, rng)
+            seen = other(COLORS, color) if asked == color else asked
+            rejected = f"The only shape is a {seen} {shape}, and {asked} was asked. Final answer: {other(('yes', 'no'), verdict)}"
+    record = shapes_record(f"{index:05d}", index, question, answer, category, len(cells))
+    return record | {"rejected": rejected}, draw(cells, shape, color, rng)
 
 
 def shapes_record(record_id: str, image_index: int, question: str, answer: str, category: str, shapes: int) -> dict:
@@ -84,42 +105,58 @@ def make_scene(index: int, rng: random.Random, most: int) -> list[tuple[dict, Im
     all_cells = [(r, c) for r in range(3) for c in range(3)]
     cells = rng.sample(all_cells, 1 if rng.random() < 0.5 else rng.randint(2, 4))
     one = len(cells) == 1
-    counted = ", ".join(NUMBER_WORDS[i] for i in range(1, len(cells) + 1))
     asked = color if rng.random() < 0.5 else rng.choice([c for c in COLORS if c != color])
     verdict = "yes" if asked == color else "no"
-    shapes_are = f"The only shape is a {color} {shape}" if one else f"The shapes are {color} {shape}s"
+
+    def shapes_are(fill: str) -> str:
+        return f"The only shape is a {fill} {shape}" if one else f"The shapes are {fill} {shape}s"
+
+    def count_answer(n: int) -> str:
+        counted = ", ".join(NUMBER_WORDS[i] for i in range(1, n + 1))
+        return f"I count the {color} {shape}s one by one: {counted}. Final answer: {n}"
+
+    def color_answer(fill: str) -> str:
+        seen = (
+            f"There is one {shape} and it is filled with {fill}."
+            if one
+            else f"There are {len(cells)} {shape}s and they are filled with {fill}."
+        )
+        return f"{seen} Final answer: {fill}"
+
+    # Each question with its right answer and a wrong one the image contradicts (the preference
+    # stage's rejected answer), the wrong one made without a random draw.
+    seen = other(COLORS, color) if asked == color else asked
     questions = [
-        (
-            "count",
-            "How many shapes are there?",
-            f"I count the {color} {shape}s one by one: {counted}. Final answer: {len(cells)}",
-        ),
+        ("count", "How many shapes are there?", count_answer(len(cells)), count_answer(wrong_count(len(cells)))),
         (
             "color",
             "What color is the shape?" if one else "What color are the shapes?",
-            (
-                f"There is one {shape} and it is filled with {color}."
-                if one
-                else f"There are {len(cells)} {shape}s and they are filled with {color}."
-            )
-            + f" Final answer: {color}",
+            color_answer(color),
+            color_answer(other(COLORS, color)),
         ),
-        ("yes/no", f"Is there a {asked} shape?", f"{shapes_are}, and {asked} was asked. Final answer: {verdict}"),
+        (
+            "yes/no",
+            f"Is there a {asked} shape?",
+            f"{shapes_are(color)}, and {asked} was asked. Final answer: {verdict}",
+            f"{shapes_are(seen)}, and {asked} was asked. Final answer: {other(('yes', 'no'), verdict)}",
+        ),
     ]
     if one:
         column = COLUMNS[cells[0][1]]
+        where = "The {} {} is in the {} column of the image. Final answer: {}"
         questions.append(
             (
                 "location",
                 "Where is the shape?",
-                f"The {color} {shape} is in the {column} column of the image. Final answer: {column}",
+                where.format(color, shape, column, column),
+                where.format(color, shape, other(COLUMNS, column), other(COLUMNS, column)),
             )
         )
     image = draw(cells, shape, color, rng)
     scene = []
-    for number, (category, question, answer) in enumerate(questions[:most]):
+    for number, (category, question, answer, rejected) in enumerate(questions[:most]):
         record = shapes_record(f"{index:05d}-{number}", index, question, answer, category, len(cells))
-        scene.append((record, image if number == 0 else None))
+        scene.append((record | {"rejected": rejected}, image if number == 0 else None))
     return scene
 
 

@@ -42,6 +42,8 @@ class TrainingMethod(Protocol):
 
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]: ...
 
+    def summary(self, log: list[dict]) -> dict: ...
+
 
 class SupervisedFineTuning:
     """`method: sft`: the answers learned token by token (next-token cross-entropy on answer tokens)."""
@@ -61,6 +63,9 @@ class SupervisedFineTuning:
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         loss_sum, _ = answer_loss_sum(model, batch)
         return (loss_sum,)
+
+    def summary(self, log: list[dict]) -> dict:
+        return {}
 
 
 def dpo_losses(
@@ -140,6 +145,20 @@ class PreferenceOptimization:
             chosen.detach().sum(),
             rejected.detach().sum(),
         )
+
+    def summary(self, log: list[dict]) -> dict:
+        """For the summary and the report: the share of pairs preferred, and the reward margin,
+        over the first and the last tenth of the stage's steps."""
+        tenth = max(1, len(log) // 10)
+
+        def mean(rows, field):
+            return sum(r[field] for r in rows) / len(rows)
+
+        return {
+            "preference_accuracy_start": mean(log[:tenth], "rewards/accuracies"),
+            "preference_accuracy_end": mean(log[-tenth:], "rewards/accuracies"),
+            "reward_margin_end": mean(log[-tenth:], "rewards/margins"),
+        }
 
 
 def pair_group(data: StageData, keys: list[str]) -> ImageGroup:

@@ -341,6 +341,7 @@ def _summary(
         "samples": len(data.records),
         "wall_time_s": time.time() - started,
         **throughput(rows),
+        **trainer.method.summary(rows),
         "device": str(trainer.device),
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "data_and_settings": training_fingerprint(inputs, settings, evaluation, steps),

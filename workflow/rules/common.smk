@@ -43,8 +43,9 @@ CPU_FALLBACK = int(config["cpu_fallback"])
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
 # The model, made by a rule of this workflow (the demo's) rather than given.
 MODEL_MADE_HERE = "model" in config.get("demo", {})
-# Digests of the model's and the datasets' content, kept between plans (vlft.digests).
-DIGESTS = DigestMemo(f"{RESULTS}/.vlft/digests.json")
+# Digests of the model's and the datasets' content, kept between plans beside Snakemake's own
+# records of the jobs (vlft.digests): a plan writes nothing under the results.
+DIGESTS = DigestMemo(".snakemake/vlft/digests.json")
 
 
 wildcard_constraints:

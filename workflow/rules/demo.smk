@@ -23,6 +23,8 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             ),
             seed=demo_spec.get("seed", 0),
             questions=demo_spec.get("questions_per_image", 1),
+            # What the generators make: 2 since the shapes carry a rejected answer (CHANGELOG.md).
+            version=2,
         shell:
             "python -m vlft.jobs.launch scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
             "--records {params.records} --sizes {params.sizes} --seed {params.seed} "

@@ -1,6 +1,7 @@
 """Published dataset formats brought to our records (vlft.data.records): one JSONL per split, and the
 images they name, so that nothing downstream knows the formats' shapes. One module per family:
-kvasir (Kvasir-VQA, Kvasir-VQA-x1), chat (LLaMA-Factory, ms-swift, LLaVA), screenspot (v1, v2, Pro).
+kvasir (Kvasir-VQA, Kvasir-VQA-x1), chat (LLaMA-Factory, ms-swift, LLaVA; their preference pairs
+too), screenspot (v1, v2, Pro), pairs (flat preference pairs as RLAIF-V publishes them).
 
 Each importer writes its outputs whole or not at all and stops at the first bad row with one line
 naming the file, the row and the reason; what it leaves out on purpose (rows without an answer or
@@ -8,6 +9,15 @@ an image) is counted in the summary it returns."""
 
 from vlft.data.importers.chat import import_chat
 from vlft.data.importers.kvasir import import_kvasir_vqa, import_kvasir_vqa_x1, question_type, split_of
+from vlft.data.importers.pairs import import_pairs
 from vlft.data.importers.screenspot import import_screenspot
 
-__all__ = ["import_chat", "import_kvasir_vqa", "import_kvasir_vqa_x1", "import_screenspot", "question_type", "split_of"]
+__all__ = [
+    "import_chat",
+    "import_kvasir_vqa",
+    "import_kvasir_vqa_x1",
+    "import_pairs",
+    "import_screenspot",
+    "question_type",
+    "split_of",
+]

@@ -6,12 +6,17 @@ Read: sharegpt `conversations` (from / value) with `images` or LLaVA's `image`; 
 v1 format and OpenAI's); a system turn (a first `system` message, or sharegpt's `system` field);
 ms-swift's sharegpt (`conversation`: [{human, assistant}]) and query / response / history rows;
 ms-swift's grounding rows (`objects: {ref, bbox}` with `<ref-object>` and `<bbox>` in the text).
+Preference pairs: LLaMA-Factory's (`chosen` and `rejected` turns after a conversation that ends with
+the question, `ranking: true` in its dataset_info) and ms-swift's (`rejected_response` beside a
+conversation whose last answer is the chosen one).
 
 A conversation of n rounds on one image becomes n records, each with the rounds before it as its
-`history` (the loss is on its own answer). One image per conversation, shown in its first user
-turn; the same file shown again in a later turn is that image (counted in the summary). Rows
-without an image are skipped and counted; everything else that does not fit (two images, a URL, a
-tool turn, a preference pair) is refused with the file, the row and the reason, never cut."""
+`history` (the loss is on its own answer); a preference pair becomes one record, its last round,
+with `rejected`. One image per conversation, shown in its first user turn; the same file shown
+again in a later turn is that image (counted in the summary). Rows without an image are skipped
+and counted; everything else that does not fit (two images, a URL, a tool turn, a pair whose
+rejected answer is about other images, a KTO row) is refused with the file, the row and the
+reason, never cut."""
 
 from __future__ import annotations
 
@@ -22,14 +27,21 @@ from vlft.data.importers.common import UniqueIds, json_rows, write_splits
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 IMAGE_MARKER = "<image>"
-PREFERENCE_FIELDS = ("rejected_response", "rejected_messages", "rejected", "chosen_messages", "chosen")
+# Pairs as whole conversations, which no peer's VLM preference format writes: not read.
+WHOLE_CONVERSATION_PAIRS = ("rejected_messages", "chosen_messages")
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
 def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train") -> dict:
     """Records from chat files; image paths stay relative to `image_root` (images are not copied)."""
     records, ids = [], UniqueIds()
-    counts = {"conversations": 0, "skipped_without_image": 0, "image_shown_again": 0, "grounding_rows": 0}
+    counts = {
+        "conversations": 0,
+        "skipped_without_image": 0,
+        "image_shown_again": 0,
+        "grounding_rows": 0,
+        "preference_pairs": 0,
+    }
     for path in files:
         for where, row in json_rows(path):
             conversation = Conversation.read(row, where, Path(image_root))
@@ -39,6 +51,7 @@ def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | 
             counts["conversations"] += 1
             counts["image_shown_again"] += conversation.shown_again
             counts["grounding_rows"] += bool(conversation.extra)
+            counts["preference_pairs"] += conversation.rejected is not None
             base_id = str(row.get("id", f"{Path(path).stem}-{where[1]}"))
             for record in conversation.records(base_id):
                 ids.add(record["id"], where)
@@ -50,10 +63,26 @@ def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | 
 class Conversation:
     """One image, an optional system prompt and rounds of (question, answer)."""
 
-    def __init__(self, image: str, system: str | None, rounds: list[tuple[str, str]], shown_again: int, extra: dict):
+    def __init__(
+        self,
+        image: str,
+        system: str | None,
+        rounds: list[tuple[str, str]],
+        shown_again: int,
+        extra: dict,
+        rejected: str | None = None,
+    ):
         self.image, self.system, self.rounds, self.shown_again, self.extra = image, system, rounds, shown_again, extra
+        self.rejected = rejected  # a preference pair's rejected answer to its last question
 
     def records(self, base_id: str) -> list[dict]:
+        if self.rejected is not None:  # the pair: its last round, the rounds before as its history
+            n = len(self.rounds) - 1
+            record = {"id": base_id, "image": self.image, **({"system": self.system} if self.system else {})}
+            if n:
+                record["history"] = [{"question": q, "answer": a} for q, a in self.rounds[:n]]
+            question, answer = self.rounds[n]
+            return [dict(record, question=question, answer=answer, rejected=self.rejected, **self.extra)]
         out = []
         for n, (question, answer) in enumerate(self.rounds):
             record = {"id": base_id if len(self.rounds) == 1 else f"{base_id}-{n + 1}", "image": self.image}
@@ -69,14 +98,10 @@ class Conversation:
         path, number = where
         if not isinstance(row, dict):
             raise InputError(path, "each record must be a JSON object", number)
-        if preference := [f for f in PREFERENCE_FIELDS if f in row]:
-            raise InputError(
-                path,
-                f"a preference pair ({', '.join(preference)}): this project trains on answers (SFT), not on "
-                "chosen/rejected pairs; keep the chosen answer as the assistant turn to import it",
-                number,
-            )
+        rejected = _rejected(row, where)
         turns = _turns(row, where)
+        if rejected is not None and "chosen" in row:  # LLaMA-Factory's: the conversation ends with the question
+            turns.append(("assistant", _answer_turn(row["chosen"], where, "chosen")))
         system = row.get("system")
         if turns and turns[0][0] == "system":
             system = turns.pop(0)[1]
@@ -123,7 +148,54 @@ class Conversation:
             rounds, extra = _grounding(row, rounds, where, image_root / image)
         elif any("<ref-object>" in t or "<bbox>" in t for pair in rounds for t in pair):
             raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
-        return cls(image, system, rounds, max(0, markers - 1), extra)
+        if rejected is not None and extra:
+            raise InputError(path, "a grounding row with a rejected answer: pairs of clicks are not learned", number)
+        return cls(image, system, rounds, max(0, markers - 1), extra, rejected)
+
+
+def _rejected(row: dict, where) -> str | None:
+    """A preference pair's rejected answer (ms-swift's `rejected_response`, LLaMA-Factory's
+    `rejected` turn beside its `chosen` one), or None for a row of answers alone. What is no pair of
+    answers to one question about one image is refused: a KTO row (one answer, `label` true or
+    false), a rejected answer about other images (`rejected_images`), pairs as whole conversations."""
+    path, number = where
+    if isinstance(row.get("label"), bool):
+        raise InputError(
+            path,
+            "a KTO row (label: true/false marks one answer desirable or not): preference stages learn from a "
+            "chosen and a rejected answer to one question, and this row has one answer",
+            number,
+            "label",
+        )
+    if "rejected_images" in row:
+        raise InputError(
+            path, "the rejected answer is about other images: a pair answers one question about one image", number
+        )
+    if found := [f for f in WHOLE_CONVERSATION_PAIRS if f in row]:
+        raise InputError(
+            path,
+            f"a pair as whole conversations ({', '.join(found)}) is not read: give ms-swift's rejected_response or "
+            "LLaMA-Factory's chosen and rejected turns",
+            number,
+        )
+    if "rejected_response" in row:
+        return _answer_turn(row["rejected_response"], where, "rejected_response")
+    if "rejected" in row or "chosen" in row:
+        if "rejected" not in row or "chosen" not in row:
+            raise InputError(path, "a pair needs both a 'chosen' and a 'rejected' answer", number)
+        return _answer_turn(row["rejected"], where, "rejected")
+    return None
+
+
+def _answer_turn(value, where, field: str) -> str:
+    """An answer given beside the conversation: text, or an assistant turn ({from/role, value/content})."""
+    if isinstance(value, dict):
+        if ROLES.get(value.get("role", value.get("from"))) != "assistant":
+            raise InputError(where[0], "must be an assistant turn", where[1], field)
+        value = value.get("content", value.get("value"))
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(where[0], "must be a non-empty answer", where[1], field)
+    return value.strip()
 
 
 def _turns(row: dict, where) -> list[tuple[str, object]]:
