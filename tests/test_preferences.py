@@ -308,6 +308,8 @@ def test_a_dpo_stage_that_cannot_train_is_one_sentence_before_any_job(tmp_path, 
     from vlft.plan import build_plan
 
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
+    answers_alone = [{k: v for k, v in r.items() if k != "rejected"} for r in read_jsonl(tmp_path / "train.jsonl")]
+    write_jsonl(tmp_path / "train.jsonl", answers_alone)
     config = {
         "model": {"path": str(tmp_path / "model")},
         "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
