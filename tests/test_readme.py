@@ -209,6 +209,7 @@ IMPORT_OUTPUTS = {
     "kvasir-vqa-x1": ("data/kvasir-x1", ("train", "val", "test")),
     "chat": ("data/chat", ("train",)),
     "screenspot": ("data/screenspot", ("test",)),
+    "pairs": ("data/rlaif-v", ("train",)),
 }
 
 
@@ -216,7 +217,8 @@ def run_import(command, fixture, tmp_path):
     """Each importer on files in its published format, at the paths the README names."""
     import json
 
-    from test_importers import chat_fixtures
+    import pandas as pd
+    from test_importers import chat_fixtures, jpeg_bytes
 
     workdir = copy_workflow(tmp_path / "work")
     published_kvasir(workdir, n_images=6)
@@ -226,6 +228,12 @@ def run_import(command, fixture, tmp_path):
     (workdir / "screenspot").mkdir()
     clicks = [{"img_filename": "web_1.png", "bbox": [5, 5, 20, 10], "instruction": "click OK", "data_type": "text"}]
     (workdir / "screenspot/screenspot_web.json").write_text(json.dumps(clicks))
+    (workdir / "rlaif-v").mkdir()
+    pairs = [
+        {"image": {"bytes": jpeg_bytes(i)}, "question": "What?", "chosen": "Noise.", "rejected": "A cat."}
+        for i in range(2)
+    ]
+    pd.DataFrame(pairs).to_parquet(workdir / "rlaif-v/train-00000.parquet")
 
     summary = json.loads(shell(command, workdir).strip().splitlines()[-1])
     out, splits = IMPORT_OUTPUTS[command.split()[2]]
@@ -309,6 +317,7 @@ RUNNERS = {
     "--out data/kvasir-x1": run_import,
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
+    "python scripts/import_dataset.py pairs --parquet rlaif-v/*.parquet --out data/rlaif-v": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
     "snakemake --cores all results/export/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
