@@ -26,6 +26,7 @@ from vlft.training.packing import pack_groups, use_packed_attention
 from vlft.training.reference import REFERENCE_FILE
 from vlft.training.runs import StageInputs
 from vlft.training.steps import groups_in_order, image_of
+from vlft.caches.vision_cache import VisionCache, build_vision_cache, use_vision_cache
 from vlft.training.train import Preempted
 from conftest import FLOAT64_RTOL, StopAfter, tiny_family_data, tiny_stage_settings
 from test_fast_path import lora_model
@@ -131,8 +132,9 @@ def plain_logps(model, samples, images, builder, pad_id):
     return -losses.sum(dim=1)
 
 
+@pytest.mark.parametrize("source", ["pixels", "vision cache"])
 def test_pairs_computed_with_their_prompt_and_image_once_give_the_loss_and_gradients_of_separate_sequences(
-    pairs_setup,
+    pairs_setup, source
 ):
     """A DPO step over 10 pairs on 4 images: each image's pairs one group (the image once, each
     answer after it), cut between pairs by the token budget into packed rows, the fused path's
@@ -164,8 +166,14 @@ def test_pairs_computed_with_their_prompt_and_image_once_give_the_loss_and_gradi
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     plain_grads = {n: (c + r, c.norm() + r.norm()) for n, c, r in zip(names, pulled, pushed)}
 
-    # Ours: the pairs of each image in one group, laid out in packed rows under a budget.
+    # Ours: the pairs of each image in one group, laid out in packed rows under a budget; from the
+    # pixels, or from the frozen vision tower's cached outputs.
     shared_model = lora_model(root / "model")
+    if source == "vision cache":
+        build_vision_cache(root / "pixels", model.get_base_model(), root / "vision", max_gb=1, device=CPU)
+        vision = VisionCache(root / "vision")
+        use_vision_cache(shared_model)
+        data.images = {key: (vision, image_id) for key, (_, image_id) in data.images.items()}
     use_packed_attention(shared_model)
     shared_model.zero_grad()
     method = PreferenceOptimization(data, settings, reference)
