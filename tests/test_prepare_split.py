@@ -153,3 +153,49 @@ def test_an_image_root_of_links_to_a_shared_store_is_a_root_like_any_other(split
     (split.parent / "2.png").symlink_to(store / "2.png")
     result, output = prepare(split)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_line_of_absurd_length_is_one_sentence_not_an_allocation(split):
+    """A line past 16 MiB (a file of another kind, line breaks lost) stops at its line number; the
+    reader holds at most the limit of it."""
+    from vlft.files import MAX_LINE_BYTES
+
+    with open(split, "a") as out:
+        out.write(json.dumps(record(3, answer="x" * (MAX_LINE_BYTES + 10))) + "\n")
+    result, output = prepare(split)
+    assert_one_error(result, output, f"{split}:4: longer than 16 MiB: no record is this long")
+
+
+def test_a_duplicate_id_names_the_line_that_repeats_it_and_the_first(split):
+    with open(split, "a") as out:
+        out.write(json.dumps(record(3)) + "\n" + json.dumps(record(1)) + "\n")
+    (split.parent / "3.png").write_bytes((split.parent / "0.png").read_bytes())
+    result, output = prepare(split)
+    assert_one_error(result, output, f"{split}:5: field 'id': duplicate id (first seen on line 2)")
+
+
+def peak_memory_mib(split, records: int) -> float:
+    """prepare_split's peak resident memory on a split of `records` records on its three images."""
+    split.write_text("".join(json.dumps(record(i, image=f"{i % 3}.png")) + "\n" for i in range(records)))
+    # VmHWM, the high-water mark of this program's own memory: ru_maxrss would count the pages of
+    # the test's process that the child shared between fork and exec.
+    probe = (
+        "import sys; from vlft.data.records import prepare_split; "
+        "prepare_split(sys.argv[1], sys.argv[2], sys.argv[3]); "
+        "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(split), str(split.parent), str(split.parent / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.split()[-1]) / 1024
+
+
+def test_prepare_split_streams_its_records(split):
+    """Ten times the records, and its memory grows by the 8 bytes a record its check of repeated ids
+    keeps (2 MB here), not by the records: held whole, 300,000 records took some 900 MB more."""
+    small, large = peak_memory_mib(split, 30_000), peak_memory_mib(split, 300_000)
+    assert large - small < 20, (small, large)
