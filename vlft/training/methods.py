@@ -13,10 +13,12 @@ are the loop's; a method is asked three things:
 - `loss_sums(model, batch)`: a micro-batch's summed loss, and any metrics the log carries, each a
   sum over the micro-batch (the loop adds them up over micro-batches and processes and divides
   them by the step's weight). `METRICS` names them, "loss" first.
+- `summary(log)`: what the stage's summary adds from its step log.
 
-A method that needs something computed once before the first step (DPO's reference
-log-probabilities) does it when it is built, from the stage's starting weights and its data, and
-keeps it in the run directory so a resumed stage reuses it (docs/ARCHITECTURE.md, "A second method").
+What a method needs computed once before the first step (DPO's reference log-probabilities,
+vlft.training.reference) is computed from the stage's starting weights before it is built, and
+kept in the run directory so a resumed stage reuses it (ARCHITECTURE.md, "Training: the recipe and
+its methods").
 """
 
 from __future__ import annotations
