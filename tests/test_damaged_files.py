@@ -131,8 +131,9 @@ def test_after_an_evaluation_finds_its_cache_damaged_a_dry_run_lists_the_rebuild
 
 def test_an_empty_adapter_or_cache_index_is_named_and_a_dry_run_lists_what_makes_it_again(demo_workdir, tmp_path):
     """Found at plan time, from stats alone: an adapter whose weights are 0 bytes (a copy cut short)
-    and a cache whose index is empty. The dry run says so in a sentence each, and plans exactly the
-    jobs that make them again and what depends on them; no job had to trip over them first."""
+    and a cache whose index is empty. The dry run says so in a sentence each, and it and every plan
+    after it (until they are made) plan exactly the jobs that make them again and what depends on
+    them; no job had to trip over them first."""
     workdir = tmp_path / "demo"
     shutil.copytree(demo_workdir, workdir, symlinks=True)
     weights = workdir / "results/train/exp1/main/adapter/adapter_model.safetensors"
@@ -155,6 +156,10 @@ def test_an_empty_adapter_or_cache_index_is_named_and_a_dry_run_lists_what_makes
         "results/train/exp1/main/adapter",
         "results/eval/exp1/main/val/predictions.jsonl",
         "results/eval/exp1/main/test/predictions.jsonl",
+        # exp7 starts from exp1's adapter.
+        "results/train/exp7/main/adapter",
+        "results/eval/exp7/main/val/predictions.jsonl",
+        "results/eval/exp7/main/test/predictions.jsonl",
         "results/report/index.html",
         "rule:all",
     }

@@ -1,14 +1,17 @@
 """Outputs a stat shows unusable, found when a plan is made: an empty file where content must be
 (a copy cut short, a disk full at the wrong moment), or one missing from an output directory. They
-are removed before Snakemake plans, so that the plan (a dry run's too) lists the jobs that make
-them again. What only reading shows (other bytes of the same size) is vlft.caches.integrity's,
-when a job reads them."""
+are removed before Snakemake plans, and kept in a list until they are made again: the workflow's
+`all` asks for them, because Snakemake makes a missing output again only where a job that needs it
+runs, and the jobs after it are all there. So the plan (a dry run's too) lists the jobs that make
+them again and what follows. What only reading shows (other bytes of the same size) is
+vlft.caches.integrity's, when a job reads them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from vlft.files import remove_inside
+from vlft.files import atomic_path, remove_inside
 
 # Each kind of output, by glob under the results directory, and the files it must hold, not empty
 # ("." for the output itself).
@@ -23,12 +26,12 @@ MUST_NOT_BE_EMPTY = {
 }
 
 
-def remove_empty_outputs(results: str | Path) -> list[str]:
+def remove_empty_outputs(results: str | Path, to_remake: str | Path) -> list[str]:
     """Remove every output that is plainly unusable (an empty file where content must be, or one
-    missing from an output directory), so that the plan, a dry run's included, lists the jobs that
-    make them again; one sentence each. Stats alone: it runs at every plan."""
+    missing from an output directory) and add it to the list `to_remake` holds; one sentence each.
+    Stats alone: it runs at every plan."""
     results = Path(results)
-    said = []
+    said, removed = [], []
     for pattern, needed in MUST_NOT_BE_EMPTY.items():
         for output in sorted(results.glob(pattern)):
             for name in (needed,) if isinstance(needed, str) else needed:
@@ -36,6 +39,31 @@ def remove_empty_outputs(results: str | Path) -> list[str]:
                 if not file.is_file() or file.stat().st_size == 0:
                     state = "missing" if not file.exists() else "empty"
                     remove_inside(output, output.parent)
+                    removed.append(str(output))
                     said.append(f"{file}: damaged: {state}; removed {output}, so that this run makes it again")
                     break
+    if removed:
+        _write(to_remake, sorted(set(_read(to_remake) + removed)))
     return said
+
+
+def still_to_remake(to_remake: str | Path) -> list[str]:
+    """The outputs removed as damaged that have not been made again since (those that have leave
+    the list)."""
+    listed = _read(to_remake)
+    missing = [path for path in listed if not Path(path).exists()]
+    if missing != listed:
+        _write(to_remake, missing)
+    return missing
+
+
+def _read(path: str | Path) -> list[str]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _write(path: str | Path, outputs: list[str]) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(outputs))

@@ -93,10 +93,11 @@ def predict(
             for i, q in enumerate(questions)
         ]
         write_jsonl(work / "asked.jsonl", records)
+        # The images where the questions name them: absolute paths, under the root of the file system.
         prepare_split(work / "asked.jsonl", "/", work / "prepared.jsonl", threads)
         processor = load_image_processor(model_dir, model["trust_remote_code"])
         pixels = PixelSettings.from_processor(processor, answering["min_pixels"], answering["max_pixels"])
-        build_image_cache(work / "prepared.jsonl", work / "cache", pixels, threads)
+        build_image_cache(work / "prepared.jsonl", "/", work / "cache", pixels, threads)
         settings = answering | {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
         evaluate_split(
             model_dir,

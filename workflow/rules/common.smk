@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 
 from vlft.config import check_config_files, resolve_config
 from vlft.digests import DigestMemo, model_digests, split_digest
-from vlft.empty_outputs import remove_empty_outputs
+from vlft.empty_outputs import remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
@@ -31,8 +31,9 @@ except ConfigError as err:
 
 RESULTS = config["results"]
 # Outputs a stat shows unusable (an empty adapter, a cache without its index) are removed before
-# the plan is made, so that it (a dry run's too) lists the jobs that make them again.
-for sentence in remove_empty_outputs(RESULTS):
+# the plan is made, and `all` asks for them until they are made again (vlft.empty_outputs).
+TO_REMAKE = ".snakemake/vlft/to-remake.json"
+for sentence in remove_empty_outputs(RESULTS, TO_REMAKE):
     print(sentence, file=sys.stderr)
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
@@ -301,3 +302,20 @@ def get_report_labels(wildcards):
         "stages": " ".join(s.id for s in stages),
         "init_from": " ".join(s.init_from or "-" for s in stages),
     }
+
+
+def outputs_to_remake():
+    """The outputs removed as damaged and not made since, where this config's plan still makes them."""
+    datasets = config["datasets"]
+    evaluations = {"/".join(job) for job in PLAN.evaluations()}
+
+    def planned(path):
+        parts = Path(path).relative_to(RESULTS).parts
+        if parts[0] == "train":
+            return f"{parts[1]}/{parts[2]}" in PLAN.stages
+        if parts[0] == "eval":
+            return "/".join(parts[1:4]) in evaluations
+        dataset, split = (parts[1], parts[2].removesuffix(".jsonl")) if parts[0] == "prepared" else parts[2:4]
+        return dataset in datasets and split in datasets[dataset]["splits"]
+
+    return [path for path in still_to_remake(TO_REMAKE) if planned(path)]
