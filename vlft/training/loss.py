@@ -83,13 +83,17 @@ def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
     hidden states, and its (frozen) head is applied to the answer positions only.
     """
     outer = unwrapped(model)
+    loss = linear_cross_entropy_sum(answer_hidden_states(model, batch), outer.lm_head.weight, batch["answer_targets"])
+    return loss, batch["answer_targets"].numel()
+
+
+def answer_hidden_states(model, batch: dict) -> torch.Tensor:
+    """The backbone's last hidden states at the batch's answer positions, the rows the head scores."""
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
     # No KV cache: nothing is generated, and filling one costs memory and time (and torch.compile
     # recompiles on its state).
-    hidden = outer.model(**inputs, use_cache=False).last_hidden_state
-    answer_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
-    loss = linear_cross_entropy_sum(answer_hidden, outer.lm_head.weight, batch["answer_targets"])
-    return loss, batch["answer_targets"].numel()
+    hidden = unwrapped(model).model(**inputs, use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
 
 
 def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -103,9 +107,7 @@ def answer_logps(model, batch: dict) -> torch.Tensor:
     to answer positions only, a chunk of rows at a time, recomputed in the backward pass (liger's
     fused kernel returns only a total, not one sum a sample)."""
     outer = unwrapped(model)
-    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
-    hidden = outer.model(**inputs, use_cache=False).last_hidden_state
-    answer_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["answer_positions"])
+    answer_hidden = answer_hidden_states(model, batch)
     targets, owners = batch["answer_targets"], batch["answer_owners"]
     sums = answer_hidden.new_zeros(len(batch["sample_ids"]), dtype=_loss_dtype(answer_hidden.dtype))
     for start in range(0, answer_hidden.shape[0], CHUNK_ROWS):
