@@ -1,5 +1,5 @@
 """Image groups: caches hold each image once, steps take whole groups in the stage's order, data-
-parallel shares never cut a group, and a stage trained with groups follows the plain loss curve
+parallel shares cut a group only where whole groups leave a process idle, and a stage trained with groups follows the plain loss curve
 where both take the same steps. (Equality of a grouped step's loss and gradients with the samples
 computed alone: tests/test_fast_path.py.)"""
 
@@ -14,7 +14,7 @@ from vlft.demo.shapes import make_dataset
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
-from vlft.training.image_groups import ImageGroup, group_rows, shared_prefix_length
+from vlft.training.image_groups import ImageGroup, group_rows, share_groups, shared_prefix_length
 from vlft.job_settings import StageSettings
 from vlft.training.steps import groups_in_order, image_of, plan_steps
 from vlft.jobs.distributed import share_by_tokens
@@ -139,6 +139,38 @@ def test_rows_keep_groups_whole_where_they_fit_and_shares_never_cut_a_group():
     assert all(sum(len(g.samples) for g in row) <= 4 for row in by_samples)
     shares = share_by_tokens(groups, 3, length=lambda g: g.tokens)
     assert sorted(id(g) for share in shares for g in share) == sorted(id(g) for g in groups)
+
+
+def test_shares_keep_groups_whole_where_that_balances_and_cut_them_where_a_process_would_idle():
+    """Kvasir's steps: 16 samples hold two images of 9 questions. At 2 processes each takes an image;
+    at 4, whole groups would leave two processes idle, so each image is cut in two, each part with
+    the prefix: the busiest process computes about half of what it would."""
+    prompt = list(range(100))  # the header and the image, shared
+
+    def image(g: int, questions: int, unit: int = 1) -> ImageGroup:
+        return ImageGroup.of(
+            [sample(f"g{g}-{q}", prompt + [1000 + g, 2000 + q], 20 + 7 * q) for q in range(questions)], unit
+        )
+
+    step = [image(0, 9), image(1, 9)]
+    assert share_groups(step, 1) == [step]
+    halves = share_groups(step, 2)
+    assert [[g.samples for g in share] for share in halves] == [[step[0].samples], [step[1].samples]]
+
+    quarters = share_groups(step, 4)
+    parts = [g for share in quarters for g in share]
+    assert sorted(s.record_id for g in parts for s in g.samples) == sorted(s.record_id for g in step for s in g.samples)
+    assert all(share for share in quarters) and all(g.shared == 101 for g in parts if len(g.samples) > 1)
+    whole_busiest = max(g.tokens for g in step)
+    busiest = max(sum(g.tokens for g in share) for share in quarters)
+    assert busiest < 0.65 * whole_busiest
+    # Preference pairs (units of 2) are cut between pairs only.
+    pairs = share_groups([image(0, 8, unit=2)], 3)
+    assert all(len(g.samples) % 2 == 0 for share in pairs for g in share)
+    assert [s.record_id for share in pairs for g in share for s in g.samples] == [f"g0-{q}" for q in range(8)]
+    # Balanced already: nothing is cut (a cut repeats the prefix).
+    four = [image(g, 9) for g in range(4)]
+    assert sorted(len(share) for share in share_groups(four, 4)) == [1, 1, 1, 1]
 
 
 def test_by_image_groups_records_of_one_image_across_splits_in_order_of_first_appearance():

@@ -23,7 +23,7 @@ from typing import Callable
 from vlft.jobs import distributed
 from vlft.data.prompts import PromptBuilder
 from vlft.training.batching import collate, token_budget_batches
-from vlft.training.image_groups import ImageGroup, group_rows
+from vlft.training.image_groups import ImageGroup, group_rows, share_groups
 from vlft.training.packing import pack_groups
 
 
@@ -41,9 +41,15 @@ class HostBatcher:
 
     def __call__(self, groups: list[ImageGroup]) -> list[dict]:
         """This process's micro-batches of a step's groups."""
-        if self.group.size > 1:  # this process's share of the step: whole groups, balanced by tokens
-            groups = distributed.share_by_tokens(groups, self.group.size, length=lambda g: g.tokens)[self.group.rank]
+        if self.group.size > 1:  # this process's share of the step, balanced by tokens
+            groups = share_groups(groups, self.group.size)[self.group.rank]
         return [self.lay_out(row) for row in self.rows(groups)]
+
+    def work_spread(self, groups: list[ImageGroup]) -> dict:
+        """For the step's log line: each process's tokens in the step (the busiest sets its time)."""
+        if self.group.size == 1:
+            return {}
+        return {"rank_tokens": [sum(g.tokens for g in share) for share in share_groups(groups, self.group.size)]}
 
     def rows(self, groups: list[ImageGroup]) -> list[list[ImageGroup]]:
         alone = all(len(g.samples) == 1 for g in groups)

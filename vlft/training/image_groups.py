@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vlft.data.prompts import Sample
+from vlft.jobs.distributed import share_by_tokens
 
 
 @dataclass
@@ -138,3 +139,38 @@ def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: in
         rows[row].append(part)
         room[row] = (room[row][0] - size[0], room[row][1] - size[1])
     return rows
+
+
+def share_groups(groups: list[ImageGroup], parts: int) -> list[list[ImageGroup]]:
+    """A step's groups shared out among `parts` data-parallel processes, balanced by tokens.
+
+    Whole groups where that balances the work. A step of Kvasir's 16 samples holds two images of 9
+    questions: at 4 processes whole groups leave two idle. So groups longer than a fair share are
+    also tried cut into 2, 3, ... near-equal parts (between their units, each part with the prefix
+    of its own, as a token budget cuts them), and the sharing whose busiest process has the fewest
+    tokens (they set the step's time) is kept; a tie keeps fewer cuts, as a cut repeats the prefix.
+    Every sample is computed once with its own prefix either way: the same losses and gradients
+    as one process computes."""
+    fair = sum(g.tokens for g in groups) / parts
+    best, best_busiest = None, float("inf")
+    for cuts in range(1, parts + 1):
+        pieces = [piece for g in groups for piece in (cut_evenly(g, cuts) if g.tokens > fair else [g])]
+        shares = share_by_tokens(pieces, parts, length=lambda g: g.tokens)
+        busiest = max(sum(g.tokens for g in share) for share in shares)
+        if busiest < best_busiest:
+            best, best_busiest = shares, busiest
+    return best
+
+
+def cut_evenly(group: ImageGroup, parts: int) -> list[ImageGroup]:
+    """A group cut between its units into at most `parts` groups of near-equal own tokens, in order."""
+    units = [group.samples[i : i + group.unit] for i in range(0, len(group.samples), group.unit)]
+    own = [sum(len(s.input_ids) - group.shared for s in unit) for unit in units]
+    pieces: list[list[Sample]] = [[]]
+    done = 0
+    for unit, tokens in zip(units, own):
+        if pieces[-1] and done >= sum(own) * len(pieces) / parts:
+            pieces.append([])
+        pieces[-1] += unit
+        done += tokens
+    return [ImageGroup.of(piece, group.unit) for piece in pieces]

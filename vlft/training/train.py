@@ -133,7 +133,7 @@ def train_stage(
         for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
             fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
-            log.step(done, fields, lr, grad_norm, [s for g in groups for s in g.samples])
+            log.step(done, fields | batcher.work_spread(groups), lr, grad_norm, [s for g in groups for s in g.samples])
             if reason := _stop_reason(stop, done, len(steps), group, device):
                 _save_and_stop(run, trainer, reason, done, len(steps))
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
