@@ -3,6 +3,16 @@ through scripts/train.py and scripts/evaluate.py as the train and evaluate rules
 (`--processes N`: one process a GPU; training data-parallel, evaluation sharing out the split).
 
     python benchmarks/gpu_scaling.py --arch qwen3-vl-8b --processes 1 2 --out benchmarks/results
+    # Kvasir's shape: 9 questions an image, image groups on and off, runs side by side where GPUs allow
+    python benchmarks/gpu_scaling.py --arch qwen3-vl-8b --processes 1 2 4 --questions-per-image 9 \
+        --image-groups both --side-by-side --skip-evaluation --out benchmarks/results
+
+With `--side-by-side`, runs that together fit the GPUs run at once, each on GPUs of its own (two
+1-GPU runs, two 2-GPU runs on 4 GPUs): they share the host's CPUs and disk, not a GPU. With image
+groups a step's samples come in whole images; each process's tokens in each step (the per-step
+log's `rank_tokens`) give the spread of work between processes: the busiest over the mean.
+`--before PATH` also runs the largest image-grouped case with the code of another checkout (the
+sharing before groups could be cut between processes), for comparison.
 
 The workload, model and settings are train_speed.py's (random-weight Qwen3-VL, JPEGs of 720x576 to
 1920x1080, chain-of-thought answers of 20 to 400 tokens, 16 samples a step, vision cache, compiled
@@ -46,12 +56,12 @@ from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E4
 from vlft.data.records import prepare_split  # noqa: E402
 
 
-def prepare(work: Path, arch: str, images: int) -> Path:
+def prepare(work: Path, arch: str, images: int, questions_per_image: int) -> Path:
     """The workload, the model saved as a checkpoint directory, its pixel and vision caches."""
     from vlft.caches.vision_cache import build_vision_cache
 
     tokenizer = make_tokenizer()
-    raw = make_workload(work, images, tokenizer)
+    raw = make_workload(work, images * questions_per_image, tokenizer, 0, questions_per_image)
     prepare_split(raw, work / "images", work / "prepared.jsonl")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: to try it on a tiny model
     model = build_model(arch, tokenizer, device)
@@ -70,10 +80,12 @@ def prepare(work: Path, arch: str, images: int) -> Path:
     return work / "model"
 
 
-def run(work: Path, model_dir: Path, settings: dict, processes: int, warmup: int) -> dict:
-    out = work / f"gpus-{processes}"
+def run(
+    work: Path, model_dir: Path, settings: dict, processes: int, warmup: int, gpus: list[int], label: str, code=REPO
+) -> dict:
+    out = work / label
     cache = work / ("vision" if settings["vision_cache"] else "pixels")
-    command = [sys.executable, str(REPO / "scripts/train.py"), "--model", str(model_dir)]
+    command = [sys.executable, str(code / "scripts/train.py"), "--model", str(model_dir)]
     command += ["--prepared", str(work / "prepared.jsonl"), "--caches", str(cache)]
     command += ["--settings", json.dumps(settings), "--checkpoints", str(out / "ckpt"), "--checkpoint-every", "100000"]
     command += [
@@ -85,29 +97,64 @@ def run(work: Path, model_dir: Path, settings: dict, processes: int, warmup: int
         str(out / "summary.json"),
     ]
     command += ["--threads", str(8 * processes), "--processes", str(processes)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(processes))))
+    command += [] if torch.cuda.is_available() else ["--cpu-fallback", "1"]  # a trial run on the CPU
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), PYTHONPATH=str(code))
     started = time.time()
-    with open(work / f"gpus-{processes}.log", "w") as log:
+    with open(work / f"{label}.log", "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        return {"error": f"exit {done.returncode}; see {work}/gpus-{processes}.log"}
+        return {"error": f"exit {done.returncode}; see {work}/{label}.log"}
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
-    seconds = sum(SAMPLES_PER_STEP / row["samples_per_s"] for row in rows)
-    tokens = sum(row["tokens_per_s"] * SAMPLES_PER_STEP / row["samples_per_s"] for row in rows)
+    seconds = sum(row["samples"] / row["samples_per_s"] for row in rows)
+    tokens = sum(row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in rows)
+    spreads = [
+        max(row["rank_tokens"]) / (sum(row["rank_tokens"]) / len(row["rank_tokens"]))
+        for row in rows
+        if "rank_tokens" in row
+    ]
     return {
-        "samples_per_s": SAMPLES_PER_STEP * len(rows) / seconds,
+        "samples_per_s": sum(row["samples"] for row in rows) / seconds,
         "tokens_per_s": tokens / seconds,
         "steps_measured": len(rows),
+        "samples_per_step": sum(row["samples"] for row in rows) / len(rows),
+        "busiest_over_mean_tokens": sum(spreads) / len(spreads) if spreads else None,
         "peak_gib_main_process": json.loads((out / "summary.json").read_text())["peak_memory_gb"],
         "job_wall_s": time.time() - started,
+        "gpus": gpus,
         "final_loss": rows[-1]["loss"],
     }
 
 
-def evaluate(work: Path, model_dir: Path, settings: dict, processes: int) -> dict:
+def run_all(planned: list[tuple], total_gpus: int, side_by_side: bool, deadline: float, **common) -> dict:
+    """Each (label, settings, processes, code) run; side by side, those that fit the GPUs at once
+    (a wave of equal GPU counts). A run not started by the deadline is reported as skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    results, waves = {}, []
+    for item in planned:
+        wave = waves[-1] if waves else None
+        fits = wave and side_by_side and wave[0][2] == item[2] and sum(i[2] for i in wave) + item[2] <= total_gpus
+        (wave.append(item) if fits else waves.append([item]))
+    for wave in waves:
+        if time.time() > deadline:
+            results.update({label: {"skipped": "out of time"} for label, *_ in wave})
+            continue
+        with ThreadPoolExecutor(len(wave)) as pool:
+            futures, first = {}, 0
+            for label, settings, processes, code in wave:
+                gpus = list(range(first, first + processes))
+                first += processes
+                futures[label] = pool.submit(
+                    run, settings=settings, processes=processes, gpus=gpus, label=label, code=code, **common
+                )
+            results.update({label: future.result() for label, future in futures.items()})
+    return results
+
+
+def evaluate(work: Path, model_dir: Path, settings: dict, processes: int, adapter: Path) -> dict:
     out = work / f"eval-gpus-{processes}"
     command = [sys.executable, str(REPO / "scripts/evaluate.py"), "--model", str(model_dir)]
-    command += ["--adapter", str(work / "gpus-1/adapter"), "--prepared", str(work / "prepared.jsonl")]
+    command += ["--adapter", str(adapter), "--prepared", str(work / "prepared.jsonl")]
     command += ["--cache", str(work / "pixels"), "--settings", json.dumps(settings)]
     command += ["--predictions", str(out / "predictions.jsonl"), "--metrics", str(out / "metrics.json")]
     command += ["--threads", str(8 * processes), "--processes", str(processes)]
@@ -139,40 +186,59 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-scaling"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
     parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--questions-per-image", type=int, default=1, help="records on each image (Kvasir: about 9)")
+    parser.add_argument("--image-groups", choices=["off", "on", "both"], default="off")
+    parser.add_argument("--side-by-side", action="store_true", help="runs that fit the GPUs together run at once")
+    parser.add_argument("--before", type=Path, help="a checkout whose code also runs the largest grouped case")
+    parser.add_argument("--deadline", type=float, default=1e9, help="seconds after which no further run starts")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="of the evaluation's answers")
+    parser.add_argument("--skip-evaluation", action="store_true")
     parser.add_argument(
         "--pixels", action="store_true", help="train from the pixel cache, the vision tower run every step"
     )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
     args = parser.parse_args()
+    began = time.time()
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    model_dir = prepare(work, args.arch, args.images)
-    prepare_s = time.time() - started
+    model_dir = prepare(work, args.arch, args.images, args.questions_per_image)
+    prepare_s = time.time() - began
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
     settings = our_settings(args.steps) | {"vision_cache": not args.pixels, "max_batch_tokens": args.max_batch_tokens}
-    runs = {n: run(work, model_dir, settings, n, args.warmup) for n in args.processes}
-    eval_settings = {
-        "answer_format": "cot",
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": 32,
-        "max_seq_len": 8192,
-    }
-    evaluations = {n: evaluate(work, model_dir, eval_settings, n) for n in args.processes}
-    for results in (runs, evaluations):
-        base = results.get(1, {}).get("samples_per_s")
-        for n, result in results.items():
+    groupings = {"off": [False], "on": [True], "both": [False, True]}[args.image_groups]
+    planned = [
+        (f"groups-{'on' if grouped else 'off'}-gpus-{n}", settings | {"image_groups": grouped}, n, REPO)
+        for n in args.processes
+        for grouped in groupings
+    ]
+    if args.before:
+        largest = max(args.processes)
+        planned.append((f"groups-on-gpus-{largest}-before", settings | {"image_groups": True}, largest, args.before))
+    common = dict(work=work, model_dir=model_dir, warmup=args.warmup)
+    runs = run_all(planned, torch.cuda.device_count() or 1, args.side_by_side, began + args.deadline, **common)
+    for label, result in runs.items():
+        base = runs.get(label.split("-gpus-")[0] + "-gpus-1", {}).get("samples_per_s")
+        if base and "samples_per_s" in result:
+            result["efficiency"] = result["samples_per_s"] / (len(result["gpus"]) * base)
+
+    evaluations = {}
+    if not args.skip_evaluation:
+        eval_settings = {"answer_format": "cot", "max_new_tokens": args.max_new_tokens, "batch_size": 32}
+        adapter = work / f"{planned[0][0]}/adapter"
+        evaluations = {
+            n: evaluate(work, model_dir, eval_settings | {"max_seq_len": 8192}, n, adapter) for n in args.processes
+        }
+        base = evaluations.get(1, {}).get("samples_per_s")
+        for n, result in evaluations.items():
             if base and "samples_per_s" in result:
                 result["efficiency"] = result["samples_per_s"] / (n * base)
-    for n, result in evaluations.items():
-        if "error" not in result and "error" not in evaluations.get(1, {"error": 1}):
-            result["same_predictions_as_1_gpu"] = same_predictions(work, n)
+            if "error" not in result and "error" not in evaluations.get(1, {"error": 1}):
+                result["same_predictions_as_1_gpu"] = same_predictions(work, n)
 
     commit = commit_of(args.commit)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -183,36 +249,46 @@ def main():
         "commit": commit or "unknown",
         "command": " ".join(sys.argv),
         "images": args.images,
+        "questions_per_image": args.questions_per_image,
         "samples_per_step": SAMPLES_PER_STEP,
         "max_batch_tokens": args.max_batch_tokens,
         "vision_cache": not args.pixels,
+        "side_by_side": args.side_by_side,
         "prepare_s": prepare_s,
-        "runs": {str(n): r for n, r in runs.items()},
+        "runs": runs,
         "evaluation": {"max_new_tokens": args.max_new_tokens, **{str(n): r for n, r in evaluations.items()}},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"gpu_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
-    print(f"\n{args.arch} on {report['device']}, {SAMPLES_PER_STEP} samples a step, budget {args.max_batch_tokens}")
-    print(f"{'GPUs':>5} {'samples/s':>10} {'tokens/s':>10} {'efficiency':>10} {'peak GiB':>9} {'job s':>7}")
-    for n, r in runs.items():
-        if "error" in r:
-            print(f"{n:>5} {r['error']}")
+    print(
+        f"\n{args.arch} on {report['device']}, {args.questions_per_image} questions an image, budget {args.max_batch_tokens}"
+    )
+    print(
+        f"{'run':<26} {'samples/step':>12} {'samples/s':>10} {'tokens/s':>10} {'efficiency':>10}"
+        f" {'busiest/mean':>12} {'peak GiB':>9} {'job s':>7}"
+    )
+    for label, r in runs.items():
+        if "samples_per_s" not in r:
+            print(f"{label:<26} {r}")
             continue
+        spread = r["busiest_over_mean_tokens"]
         print(
-            f"{n:>5} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {r.get('efficiency', float('nan')):>10.3f}"
+            f"{label:<26} {r['samples_per_step']:>12.1f} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f}"
+            f" {r.get('efficiency', float('nan')):>10.3f} {spread if spread else float('nan'):>12.3f}"
             f" {r['peak_gib_main_process']:>9.1f} {r['job_wall_s']:>7.0f}"
         )
-    print(f"evaluation, {args.images} samples, {args.max_new_tokens} new tokens at most, whole jobs")
-    print(f"{'GPUs':>5} {'samples/s':>10} {'efficiency':>10} {'job s':>7} {'same answers':>12}")
-    for n, r in evaluations.items():
-        if "error" in r:
-            print(f"{n:>5} {r['error']}")
-            continue
-        print(
-            f"{n:>5} {r['samples_per_s']:>10.2f} {r.get('efficiency', float('nan')):>10.3f} {r['job_wall_s']:>7.0f}"
-            f" {r.get('same_predictions_as_1_gpu', float('nan')):>12.1%}"
-        )
+    if evaluations:
+        print(f"evaluation, {args.images} images, {args.max_new_tokens} new tokens at most, whole jobs")
+        print(f"{'GPUs':>5} {'samples/s':>10} {'efficiency':>10} {'job s':>7} {'same answers':>12}")
+        for n, r in evaluations.items():
+            if "error" in r:
+                print(f"{n:>5} {r['error']}")
+                continue
+            print(
+                f"{n:>5} {r['samples_per_s']:>10.2f} {r.get('efficiency', float('nan')):>10.3f} {r['job_wall_s']:>7.0f}"
+                f" {r.get('same_predictions_as_1_gpu', float('nan')):>12.1%}"
+            )
 
 
 if __name__ == "__main__":

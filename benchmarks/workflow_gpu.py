@@ -9,6 +9,15 @@ evaluate, report) and prints each rule's wall time from the jobs' own logs (firs
 started; last write: when it ended), and the report's job table.
 
     python benchmarks/workflow_gpu.py --arch qwen3-vl-2b --out benchmarks/results
+
+`--study kvasir` runs config/examples/kvasir-vqa-qwen3-vl-8b.yaml itself (its five experiments and
+eight stages, every setting as written) on data of Kvasir's shape, scaled down: Kvasir-VQA's 9 short
+questions an image with their `category`, Kvasir-VQA-x1's 25 composed questions an image with their
+`difficulty` 1-3, `--kvasir-images` images for training in each (and a sixth of that for validation);
+the evaluations answer in at most --max-new-tokens. With several GPUs it also samples each GPU's
+utilization once a second (nvidia-smi) for the busy fraction.
+
+    python benchmarks/workflow_gpu.py --study kvasir --arch qwen3-vl-8b --gpus 4 --cores 64 --kvasir-images 48
 """
 
 from __future__ import annotations
@@ -96,6 +105,63 @@ def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: 
     return path
 
 
+KVASIR_CATEGORIES = ["yes/no", "single choice", "multiple choice", "color", "location", "count"]
+
+
+def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int) -> Path:
+    """The Kvasir example's config on data of its two datasets' shapes, `images` training images each."""
+    tokenizer = make_tokenizer()
+    val_images = max(1, images // 6)
+    datasets = {}
+    for name, per_image in (("kvasir", 9), ("kvasir-x1", 25)):
+        raw = make_workload(work / name, (images + val_images) * per_image, tokenizer, 0, per_image, short_answers=True)
+        rows = [json.loads(line) for line in raw.read_text().splitlines()]
+        for i, row in enumerate(rows):
+            question = i % per_image
+            row |= {"category": KVASIR_CATEGORIES[question % 6]} if name == "kvasir" else {}
+            row |= {"difficulty": question % 3 + 1, "question_class": ["abnormality"]} if name == "kvasir-x1" else {}
+        cut = images * per_image
+        splits = {"train": rows[:cut], "val": rows[cut:], "test": rows[cut:]}
+        for split, part in splits.items():
+            (work / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        datasets[name] = {
+            "image_root": str(work / name / "images"),
+            "splits": {split: str(work / name / f"{split}.jsonl") for split in splits},
+        }
+    import torch
+
+    model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor_for(model).save_pretrained(model_dir)
+    del model
+
+    config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-qwen3-vl-8b.yaml").read_text())
+    config |= {"results": "results", "model": {"path": str(model_dir)}, "datasets": datasets}
+    config["evaluation"]["max_new_tokens"] = max_new_tokens
+    path = work / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def gpu_busy(samples: Path) -> dict:
+    """Each GPU's share of the sampled seconds with a job's memory on it, and its mean utilization."""
+    per_gpu: dict[str, list[tuple[float, float]]] = {}
+    for line in samples.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[1].isdigit():
+            per_gpu.setdefault(parts[0], []).append((float(parts[1]), float(parts[2])))
+    return {
+        gpu: {
+            "seconds": len(rows),
+            "with_a_job": sum(memory > 2000 for _, memory in rows) / len(rows),
+            "mean_utilization": sum(util for util, _ in rows) / len(rows) / 100,
+        }
+        for gpu, rows in per_gpu.items()
+    }
+
+
 def rule_times(workdir: Path) -> list[dict]:
     """Each job's rule, target and wall time, from its log: started (first line) to last write."""
     rows = []
@@ -140,6 +206,8 @@ def snakemake_timeline(log: Path) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
+    parser.add_argument("--study", choices=["two-experiments", "kvasir"], default="two-experiments")
+    parser.add_argument("--kvasir-images", type=int, default=48, help="training images in each dataset")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-workflow"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
     parser.add_argument("--train", type=int, default=512)
@@ -162,7 +230,10 @@ def main():
     for part in WORKFLOW_PARTS:
         subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
     started = time.time()
-    config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
+    if args.study == "kvasir":
+        config = make_kvasir_study(work, args.arch, args.kvasir_images, args.max_new_tokens)
+    else:
+        config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
     build_s = time.time() - started
 
     command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
@@ -171,7 +242,12 @@ def main():
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
     env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
     started = time.time()
-    snakemake_log = args.out / f"workflow_gpu-{args.arch}.log"
+    snakemake_log = args.out / f"workflow_gpu-{args.study}-{args.arch}.log"
+    busy_samples = work / "gpu-samples.csv"
+    query = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-l", "1"]
+    sampler = (
+        subprocess.Popen(query, stdout=busy_samples.open("w"), stderr=subprocess.DEVNULL) if args.gpus > 1 else None
+    )
     with open(snakemake_log, "w") as log:
         try:
             status = subprocess.run(
@@ -181,6 +257,8 @@ def main():
         except subprocess.TimeoutExpired:
             returncode = "timeout"
     run_s = time.time() - started
+    if sampler:
+        sampler.terminate()
 
     times = rule_times(workdir)
     timeline = snakemake_timeline(snakemake_log)
@@ -222,7 +300,12 @@ def main():
     jobs_csv = workdir / "results/report/jobs.csv"
     result = {
         "arch": args.arch,
+        "study": args.study,
+        "scale": (
+            {"kvasir_images": args.kvasir_images} if args.study == "kvasir" else {"train": args.train, "val": args.val}
+        ),
         "command": " ".join(command[1:]),
+        "gpu_busy": gpu_busy(busy_samples) if sampler else None,
         "build_data_and_model_s": round(build_s, 1),
         "snakemake_s": round(run_s, 1),
         "snakemake_exit": returncode,
@@ -234,9 +317,9 @@ def main():
         "evaluate": evaluations,
         "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
     }
-    (args.out / f"workflow_gpu-{args.arch}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
     # The jobs' own logs and per-step training logs beside it, for where each job's time went.
-    logs = args.out / f"workflow_gpu-{args.arch}-logs"
+    logs = args.out / f"workflow_gpu-{args.study}-{args.arch}-logs"
     subprocess.run(["cp", "-r", str(workdir / "results/logs"), str(logs)], check=False)
     for path in (workdir / "results/train").rglob("log.jsonl"):
         target = logs / "train-steps" / path.parent.relative_to(workdir / "results/train")
@@ -258,6 +341,8 @@ def main():
         print(f"train {name}: {summary}")
     for name, metrics in evaluations.items():
         print(f"evaluate {name}: {metrics}")
+    if result["gpu_busy"]:
+        print(f"GPU busy (share of seconds with a job; mean utilization): {result['gpu_busy']}")
 
 
 if __name__ == "__main__":
