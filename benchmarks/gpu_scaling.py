@@ -98,7 +98,11 @@ def run(
     ]
     command += ["--threads", str(8 * processes), "--processes", str(processes)]
     command += [] if torch.cuda.is_available() else ["--cpu-fallback", "1"]  # a trial run on the CPU
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), PYTHONPATH=str(code))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
+    )
     started = time.time()
     with open(work / f"{label}.log", "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
