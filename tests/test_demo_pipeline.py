@@ -123,7 +123,8 @@ DEMO_ACCURACY_NOISE = 0.07
 
 def test_the_preference_stage_learns_its_pairs_and_keeps_its_answers(demo_workdir):
     """exp7, DPO from exp1's adapter: the share of its steps' pairs whose chosen answer gains on the
-    rejected one rises over its steps; its accuracy stays within the demo's noise of exp1's."""
+    rejected one rises over its steps, and held-out pairs are preferred after them; its accuracy
+    stays within the demo's noise of exp1's."""
     log = [json.loads(line) for line in (demo_workdir / "results/train/exp7/main/log.jsonl").open()]
     tenth = max(1, len(log) // 10)
     first = sum(r["rewards/accuracies"] for r in log[:tenth]) / tenth
@@ -137,9 +138,16 @@ def test_the_preference_stage_learns_its_pairs_and_keeps_its_answers(demo_workdi
     assert {"train/rewards/accuracies", "train/rewards/margins"} <= set(events.Tags()["scalars"])
     summary = json.loads((demo_workdir / "results/train/exp7/main/summary.json").read_text())
     assert summary["preference_accuracy_end"] > summary["preference_accuracy_start"]
+    # Its held-out pairs, the val split's (the first of its eval_splits), judged after its last step:
+    # preferred as the training pairs are by then (they are made alike), above chance.
+    val_pairs = sum(1 for line in (demo_workdir / "results/prepared/shapes/val.jsonl").open() if '"rejected"' in line)
+    assert summary["held_out_pairs"] == val_pairs > 0
+    assert summary["held_out_preference_accuracy"] > 0.6 and summary["held_out_reward_margin"] > 0, summary
+    assert {"eval/rewards/accuracies", "eval/rewards/margins"} <= set(events.Tags()["scalars"])
     page = (demo_workdir / "results/report/index.html").read_text()
     section = page.split("<h2>Preference stages</h2>")[1].split("<h2>")[0]
     assert "<td>exp7</td>" in section and "<td>exp1/main</td>" in section and "<td>exp1</td>" not in section
+    assert "held_out_preference_accuracy" in section
 
 
 def test_chain_of_thought_stage_generates_reasoning_then_answer(demo_workdir):

@@ -1,11 +1,13 @@
 """Preference stages (`method: dpo`): pairs validated as answers are, the loss TRL's, a pair's prompt
 computed once with the loss and gradients of separate sequences, the reference the starting
-weights' own log-probabilities, computed once and kept for a resumed stage."""
+weights' own log-probabilities, computed once and kept for a resumed stage, held-out pairs judged
+after the last step."""
 
 from __future__ import annotations
 
 import json
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -100,19 +102,23 @@ def pairs_setup(request, tmp_path_factory):
     return tiny_family_data(root, request.param, with_pairs(root / "raw.jsonl", root / "train.jsonl", IMAGE_OF_RECORD))
 
 
-def stage_data(root, answer_format="cot"):
+def stage_data(root, answer_format="cot", split=None):
+    """The pairs of root's prepared split (or of `split`, a directory with its prepared.jsonl and
+    pixels made with root's model)."""
     tokenizer = load_tokenizer(root / "model")
     config = load_base_model(root / "model", CPU, torch.float32).config
     builder = PromptBuilder(tokenizer, config.image_token_id)
+    split = split or root
     data = load_stage_data(
-        [str(root / "prepared.jsonl")],
-        [str(root / "pixels")],
+        [str(split / "prepared.jsonl")],
+        [str(split / "pixels")],
         builder,
         {},
         answer_format,
         1024,
         clicks.convention_for(answer_format, config),
         pairs=True,
+        only_pairs=True,
     )
     return data, builder, tokenizer
 
@@ -201,8 +207,9 @@ def test_pairs_computed_with_their_prompt_and_image_once_give_the_loss_and_gradi
         ), f"{name}: error {error:.2e} > {SHARED_BY_EIGHT_RTOL:.0e} x {parts:.2e}"
 
 
-def sft_then_dpo(root, out, stop=None, **dpo):
-    """An SFT stage on the pairs' chosen answers, then a DPO stage from its adapter (float64)."""
+def sft_then_dpo(root, out, stop=None, held_out=None, **dpo):
+    """An SFT stage on the pairs' chosen answers, then a DPO stage from its adapter (float64),
+    judging the pairs of the `held_out` split directory where given."""
     from vlft.training.train import train_stage
 
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
@@ -220,6 +227,10 @@ def sft_then_dpo(root, out, stop=None, **dpo):
             dtype=FLOAT64,
         )
     dpo_inputs = StageInputs(inputs.model_dir, inputs.prepared, inputs.caches, str(sft / "adapter"))
+    if held_out:
+        dpo_inputs = replace(
+            dpo_inputs, eval_prepared=str(held_out / "prepared.jsonl"), eval_cache=str(held_out / "pixels")
+        )
     settings = tiny_stage_settings(
         answer_format="cot", micro_batch=4, lora_dropout=0.0, method="dpo", epochs=2, learning_rate=1e-2, **dpo
     )
@@ -283,6 +294,49 @@ def test_the_kept_reference_is_the_starting_weights_and_a_resumed_stage_reads_it
     )
     # Trained on its own pairs, the policy prefers the chosen answers by its last step.
     assert log[-1]["rewards/margins"] > 0 and log[-1]["rewards/accuracies"] > 0.5
+    assert "held_out_pairs" not in summary  # no eval split given: nothing held out to judge
+
+
+def test_held_out_pairs_are_judged_by_the_trained_weights_against_the_starting_weights(trained_pairs, tmp_path, capfd):
+    """A split of 6 pairs and a record without a rejected answer, held out: after the last step the
+    stage's summary, log and curves carry TRL's eval figures for the 6 pairs, equal to the DPO loss
+    of fresh forwards of the trained adapter against the starting weights (the SFT adapter)."""
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
+    from vlft.data.records import prepare_split
+    from vlft.modeling import load_image_processor
+
+    root, held = trained_pairs, tmp_path / "held"
+    make_dataset({"val": held / "raw.jsonl"}, held / "images", {"val": 7}, seed=11)
+    records = read_jsonl(with_pairs(held / "raw.jsonl", held / "pairs.jsonl"))
+    del records[-1]["rejected"]
+    write_jsonl(held / "val.jsonl", records)
+    prepare_split(held / "val.jsonl", held / "images", held / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(root / "model"), 4096, 16384)
+    build_image_cache(held / "prepared.jsonl", held / "images", held / "pixels", pixels)
+
+    sft, stage = sft_then_dpo(root, tmp_path, held_out=held, image_groups=True, beta=0.1)
+    summary = json.loads((stage / "summary.json").read_text())
+
+    data, builder, tokenizer = stage_data(root, split=held)
+    keys = [r["key"] for r in data.records]
+    assert len(keys) == 6
+
+    def logps(adapter):
+        model = with_adapter(load_base_model(root / "model", CPU, FLOAT64), adapter, trainable=False)
+        return [
+            plain_logps(model, [answers[k] for k in keys], data.images, builder, tokenizer.pad_token_id).detach()
+            for answers in (data.samples, data.rejected)
+        ]
+
+    losses, chosen_rewards, rejected_rewards = dpo_losses(*logps(stage / "adapter"), *logps(sft / "adapter"), 0.1)
+    assert summary["held_out_pairs"] == 6
+    assert summary["held_out_preference_accuracy"] == (chosen_rewards > rejected_rewards).double().mean().item()
+    margin = (chosen_rewards - rejected_rewards).mean().item()
+    assert summary["held_out_reward_margin"] == pytest.approx(margin, rel=FLOAT64_RTOL)
+    assert summary["held_out_loss"] == pytest.approx(losses.mean().item(), rel=FLOAT64_RTOL)
+    assert abs(summary["held_out_loss"] - 0.6931471805599453) > 1e-3  # moved off the start's log 2
+    said = capfd.readouterr().err
+    assert f"held-out pairs (6 of {held / 'prepared.jsonl'}): preference accuracy" in said
 
 
 def test_a_preference_pair_is_validated_like_any_answer(tmp_path):

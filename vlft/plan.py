@@ -64,10 +64,11 @@ class Stage:
 
     @property
     def eval_split(self) -> str | None:
-        """The split its evaluations during training draw from, where it has them."""
-        if not self.settings["eval_every"]:
+        """The split its evaluations during training draw from, where it has them; a preference
+        stage's held-out pairs come from it too (vlft.training.held_out_pairs)."""
+        if not self.settings["eval_every"] and self.settings["method"] != "dpo":
             return None
-        return self.settings["eval_split"] or self.settings["eval_splits"][0]
+        return self.settings["eval_split"] or (self.settings["eval_splits"] or [None])[0]
 
     def pixels(self) -> str:
         return pixels_tag(self.settings["min_pixels"], self.settings["max_pixels"])

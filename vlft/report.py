@@ -415,6 +415,7 @@ def inert_for_spreadsheets(table: pd.DataFrame) -> pd.DataFrame:
 
 
 PREFERENCE_COLUMNS = ["preference_accuracy_start", "preference_accuracy_end", "reward_margin_end"]
+HELD_OUT_COLUMNS = ["held_out_pairs", "held_out_preference_accuracy", "held_out_reward_margin"]
 
 
 def preference_stages(jobs: pd.DataFrame, results: pd.DataFrame) -> str:
@@ -422,7 +423,8 @@ def preference_stages(jobs: pd.DataFrame, results: pd.DataFrame) -> str:
     preferred the chosen answer, early and late, and its accuracy beside the stage it started from."""
     if "preference_accuracy_end" not in jobs:
         return ""
-    tuned = jobs[jobs.preference_accuracy_end.notna()][["experiment", "stage", *PREFERENCE_COLUMNS]]
+    columns = PREFERENCE_COLUMNS + [c for c in HELD_OUT_COLUMNS if c in jobs]
+    tuned = jobs[jobs.preference_accuracy_end.notna()][["experiment", "stage", *columns]]
     shown = tuned.merge(
         results[["experiment", "stage", "split", "accuracy", "started_from", "gain_over_start"]],
         on=["experiment", "stage"],
@@ -430,7 +432,8 @@ def preference_stages(jobs: pd.DataFrame, results: pd.DataFrame) -> str:
     return (
         "<h2>Preference stages</h2><p><code>preference_accuracy</code>: the share of a step's pairs whose chosen "
         "answer gained more on the starting weights than its rejected one, over the first and the last tenth of "
-        "the steps; <code>reward_margin_end</code>: the mean margin (β times the log-ratio difference) at the end. "
+        "the steps; <code>reward_margin_end</code>: the mean margin (β times the log-ratio difference) at the end; "
+        "<code>held_out_…</code>: the same for the pairs of the stage's eval split, after its last step. "
         "Accuracy: answers, as every stage is judged, beside the stage it started from.</p>" + table_html(shown)
     )
 

@@ -47,15 +47,19 @@ def load_stage_data(
     max_seq_len: int,
     convention: clicks.Convention | None = None,
     pairs: bool = False,
+    only_pairs: bool = False,
 ) -> StageData:
     """The records of the prepared splits that pass `filters`, each encoded as a sample in
     `answer_format` of at most `max_seq_len` tokens, with the cache holding its image. Click answers
     are written in the model family's coordinates (`convention`). With `pairs` (a preference stage)
-    every record must be a pair, and its rejected answer is encoded too."""
+    every record must be a pair, and its rejected answer is encoded too; with `only_pairs` (held-out
+    pairs of an eval split) the records without one are left out instead."""
     records, images = [], {}
     for split_path, cache_dir in zip(prepared, cache_dirs):
         cache = open_cache(cache_dir)
         split_records = select_records(read_jsonl(split_path), filters)  # some splits may have none
+        if only_pairs:
+            split_records = [r for r in split_records if "rejected" in r]
         for record in split_records:
             if record["id"] not in cache.records:
                 raise InputError(cache_dir, f"record {record['id']} of {split_path} is not in the image cache")

@@ -41,6 +41,10 @@ class Curves:
         for name in self.names:
             self.writer.add_scalar(f"train/{name}", record[name], self.offset + record["step"])
 
+    def add_scalars(self, scalars: dict, step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, self.offset + step)
+
     def add_evaluation(self, record: dict) -> None:
         """An evaluation during training (vlft.training.step_evals): accuracy, by category, validation loss."""
         step = self.offset + record["step"]

@@ -44,6 +44,8 @@ class TrainingMethod(Protocol):
 
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]: ...
 
+    def after_last_step(self, model, log) -> None: ...
+
     def summary(self, log: list[dict]) -> dict: ...
 
 
@@ -65,6 +67,9 @@ class SupervisedFineTuning:
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         loss_sum, _ = answer_loss_sum(model, batch)
         return (loss_sum,)
+
+    def after_last_step(self, model, log) -> None:
+        pass
 
     def summary(self, log: list[dict]) -> dict:
         return {}
@@ -97,7 +102,8 @@ class PreferenceOptimization:
     all pairs on one image share the image. A group is cut to fit a token budget between pairs only.
     The reference log-probabilities (vlft.training.reference) are computed once, before the first
     step. The loss is a mean per pair of the step; `rpo_alpha` adds that times the chosen answers'
-    cross-entropy, a mean per chosen token of the step (RPO, as TRL and ms-swift add it)."""
+    cross-entropy, a mean per chosen token of the step (RPO, as TRL and ms-swift add it). Held-out
+    pairs, where the eval split has them, are judged after the last step (vlft.training.held_out_pairs)."""
 
     name = "dpo"
     METRICS = (
@@ -110,10 +116,11 @@ class PreferenceOptimization:
         "logps/rejected",
     )
 
-    def __init__(self, data: StageData, settings, reference: dict[str, tuple[float, float]]):
-        self.data, self.reference = data, reference
+    def __init__(self, data: StageData, settings, reference: dict[str, tuple[float, float]], held_out=None):
+        self.data, self.reference, self.held_out = data, reference, held_out
         self.beta, self.label_smoothing, self.rpo_alpha = settings.beta, settings.label_smoothing, settings.rpo_alpha
         self.chosen_token_weight = 0.0
+        self.held_out_result: dict = {}
 
     def step_groups(self, step: Step) -> list[ImageGroup]:
         return [pair_group(self.data, keys) for keys in step]
@@ -148,9 +155,27 @@ class PreferenceOptimization:
             rejected.detach().sum(),
         )
 
+    def after_last_step(self, model, log) -> None:
+        """The held-out pairs judged by the trained weights, in the job's log and the curves."""
+        if self.held_out is None:
+            log.note("held-out pairs: the stage's eval split has none (records with a rejected answer)", {})
+            return
+        self.held_out_result = self.held_out.judge(model, self.beta, self.label_smoothing)
+        result = self.held_out_result
+        log.note(
+            f"held-out pairs ({result['held_out_pairs']} of {self.held_out.split}): preference accuracy"
+            f" {result['held_out_preference_accuracy']:.4f}, reward margin {result['held_out_reward_margin']:.4f},"
+            f" loss {result['held_out_loss']:.4f}",
+            {
+                "eval/rewards/accuracies": result["held_out_preference_accuracy"],
+                "eval/rewards/margins": result["held_out_reward_margin"],
+                "eval/dpo_loss": result["held_out_loss"],
+            },
+        )
+
     def summary(self, log: list[dict]) -> dict:
         """For the summary and the report: the share of pairs preferred, and the reward margin,
-        over the first and the last tenth of the stage's steps."""
+        over the first and the last tenth of the stage's steps; on held-out pairs after the last."""
         tenth = max(1, len(log) // 10)
 
         def mean(rows, field):
@@ -160,6 +185,7 @@ class PreferenceOptimization:
             "preference_accuracy_start": mean(log[:tenth], "rewards/accuracies"),
             "preference_accuracy_end": mean(log[-tenth:], "rewards/accuracies"),
             "reward_margin_end": mean(log[-tenth:], "rewards/margins"),
+            **self.held_out_result,
         }
 
 

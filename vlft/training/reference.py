@@ -28,18 +28,29 @@ REFERENCE_FILE = "reference_logps.json"
 
 
 def reference_logps(
-    model, data: StageData, image_groups: bool, batcher, run_dir: Path, forward_context, device, dtype, group
+    model, data: StageData, image_groups: bool, batcher, path: Path, forward_context, device, dtype, group
 ) -> dict[str, tuple[float, float]]:
-    """By record key: the starting weights' log-probabilities of its chosen and rejected answers."""
-    path = Path(run_dir) / REFERENCE_FILE
+    """By record key: the starting weights' log-probabilities of its chosen and rejected answers,
+    read from `path` where a run computed them for these very records, else computed and kept there."""
     if path.exists():
         kept = json.loads(path.read_text())
         if set(kept) == {r["key"] for r in data.records}:
             return {key: tuple(pair) for key, pair in kept.items()}
+    computed = pair_logps(model, data, image_groups, batcher, forward_context, device, dtype, group)
+    if group.is_main:
+        write_json(path, computed)
+    return computed
+
+
+def pair_logps(
+    model, data: StageData, image_groups: bool, batcher, forward_context, device, dtype, group
+) -> dict[str, tuple[float, float]]:
+    """By record key: the model's log-probabilities of its chosen and rejected answers, as it stands
+    (no dropout), laid out as training lays pairs out; every process gets all of them."""
     by_group = image_of(data.images) if image_groups else (lambda record: record["key"])
     groups = [pair_group(data, [r["key"] for r in records]) for records in groups_in_order(data.records, by_group)]
     computed = {}
-    model.eval()  # no dropout: the reference is the starting weights themselves
+    model.eval()
     try:
         with torch.no_grad(), forward_context:
             for host_batch in batcher(groups):
@@ -50,6 +61,4 @@ def reference_logps(
         model.train()
     if group.size > 1:
         computed = {key: pair for share in distributed.gathered(computed) for key, pair in share.items()}
-    if group.is_main:
-        write_json(path, computed)
     return computed

@@ -83,6 +83,13 @@ class StepLog:
         if self.curves:
             self.curves.add_evaluation(record)
 
+    def note(self, line: str, scalars: dict, step: int | None = None) -> None:
+        """A measurement beside the steps (a preference stage's held-out pairs): its line above the
+        bar, its curves at `step` (default: the last step logged)."""
+        self.progress.write(line, file=sys.stderr)
+        if self.curves:
+            self.curves.add_scalars(scalars, self.progress.n if step is None else step)
+
     def restart_clock(self) -> None:
         """The next step's time starts now: what came between (an evaluation, a checkpoint) is left out."""
         self.clock = time.time()

@@ -60,7 +60,8 @@ from vlft.training import step_evals, token_budget
 from vlft.training.batching import prefetched, to_device
 from vlft.training.host_batches import HostBatcher
 from vlft.training.methods import PreferenceOptimization, SupervisedFineTuning, TrainingMethod
-from vlft.training.reference import reference_logps
+from vlft.training.held_out_pairs import HeldOutPairs
+from vlft.training.reference import REFERENCE_FILE, reference_logps
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
@@ -114,7 +115,7 @@ def train_stage(
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference is the stage's starting weights.
-    method = _setup_method(settings, data, model, tokenizer, builder, run, device, dtype, group)
+    method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group)
     first_step = run.resume(model, optimizer, scheduler, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
@@ -139,6 +140,7 @@ def train_stage(
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
                 run.save_checkpoint(done, model, optimizer, scheduler)
             during.after(model, done, len(steps), log)
+        method.after_last_step(model, log)
     if not group.is_main:
         distributed.barrier()  # until the main process has written the outputs
         return run.kept.read_summary()
@@ -275,17 +277,26 @@ def _setup_optimizer(model, settings: StageSettings, n_steps: int, n_records: in
     return optimizer, scheduler
 
 
-def _setup_method(settings: StageSettings, data: StageData, model, tokenizer, builder, run, device, dtype, group):
+def _setup_method(
+    settings: StageSettings, inputs: StageInputs, data: StageData, model, tokenizer, builder, run, device, dtype, group
+):
     """The stage's training method (vlft.training.methods), with what it computes once before the
-    first step: for dpo, the reference log-probabilities (vlft.training.reference)."""
+    first step: for dpo, the reference log-probabilities (vlft.training.reference) of the training
+    pairs and of the eval split's held-out pairs (vlft.training.held_out_pairs)."""
     if settings.method == "sft":
         return SupervisedFineTuning(data)
-    batcher = replace(
-        _host_batcher(settings, tokenizer, builder, data, model, device, group), budget=settings.max_batch_tokens
+
+    def batcher_of(pairs: StageData):
+        batcher = _host_batcher(settings, tokenizer, builder, pairs, model, device, group)
+        return replace(batcher, budget=settings.max_batch_tokens)
+
+    forward = (adapter_autocast(model, device, dtype), device, dtype, group)
+    path = Path(run.path) / REFERENCE_FILE
+    reference = reference_logps(model, data, settings.image_groups, batcher_of(data), path, *forward)
+    held_out = HeldOutPairs.of_split(
+        inputs.eval_prepared, inputs.eval_cache, settings, builder, model, batcher_of, forward, run.path
     )
-    context = adapter_autocast(model, device, dtype)
-    reference = reference_logps(model, data, settings.image_groups, batcher, run.path, context, device, dtype, group)
-    return PreferenceOptimization(data, settings, reference)
+    return PreferenceOptimization(data, settings, reference, held_out)
 
 
 def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, model, device, group) -> HostBatcher:

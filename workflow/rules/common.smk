@@ -167,17 +167,18 @@ def get_train_inputs(wildcards):
 
 def get_train_eval_arg(wildcards, input):
     """The evaluation during training: its split and cache, and how it generates (the config's
-    `evaluation`); nothing where the stage has none."""
+    `evaluation`); a preference stage's held-out pairs: the split and cache alone; nothing where
+    the stage has neither."""
     stage = get_stage(wildcards)
     if not stage.eval_split:
         return ""
+    split = ["--eval-prepared", shlex.quote(input.eval_prepared), "--eval-cache", shlex.quote(input.eval_cache)]
+    if not stage.settings["eval_every"]:
+        return " ".join(split)
     settings = json.dumps(
         PLAN.eval_settings(wildcards.experiment, wildcards.stage, config["evaluation"]), sort_keys=True
     )
-    return " ".join(
-        ["--eval-prepared", shlex.quote(input.eval_prepared), "--eval-cache", shlex.quote(input.eval_cache)]
-        + ["--eval-settings", shlex.quote(settings)]
-    )
+    return " ".join(split + ["--eval-settings", shlex.quote(settings)])
 
 
 def get_train_settings(wildcards):
