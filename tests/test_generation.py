@@ -15,7 +15,7 @@ from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
 from vlft.generation.evaluate import prompt_request
 from vlft.training.image_groups import ImageGroup
-from vlft.generation.engine import greedy_answers
+from vlft.generation.engine import answer_requests
 from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
 from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
@@ -84,7 +84,7 @@ def stage_data(root, model):
 
 
 @pytest.mark.parametrize("adapter", ["none", "untrained", "trained"])
-def test_greedy_answers_are_generates_token_for_token(family, adapter):
+def test_answer_requests_are_generates_token_for_token(family, adapter):
     name, root = family
     model = model_with(root, adapter)
     tokenizer, builder, data = stage_data(root, model)
@@ -127,7 +127,7 @@ def test_greedy_answers_are_generates_token_for_token(family, adapter):
         with torch.no_grad():
             # 4 rows for 14 samples; prefills of up to 3 prompts, or scored, up to the largest image group
             # (its samples' whole lengths: the budget does not cut it).
-            greedy_answers(
+            answer_requests(
                 model,
                 requests(scored),
                 slots=4,
@@ -172,7 +172,7 @@ def test_a_stage_evaluating_as_it_trains_runs_its_layers_as_an_evaluate_job(fami
             for i, s in enumerate(samples)
         )
         with torch.no_grad():
-            greedy_answers(
+            answer_requests(
                 model,
                 requests,
                 slots=4,
@@ -323,3 +323,74 @@ def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path):
     # 1/n = 4e-3; measured 2e-8 to 6e-8).
     assert metrics["loss"] == pytest.approx(plain.item(), rel=answer_tokens * torch.finfo(FLOAT32).eps), name
     assert answer_tokens > 100
+
+
+def test_sampled_answers_are_generates_with_the_same_draws_in_any_rows(family):
+    """Sampled answers (temperature 1.2, top-k 20, top-p 0.95), each prompt with its own seed: the
+    engine's are `generate`'s token for token where generate draws each token as the engine's
+    sampler does (draw_tokens with the prompt's seed at the token's position), prompt by prompt; the
+    same with 4 rows as with 3 and the prompts in reverse order (a draw depends on its prompt and
+    position alone); top-k 1 through the seeded path gives the greedy answers."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from vlft.generation.sampling import Sampling, draw_tokens
+
+    name, root = family
+    model = model_with(root, "none")  # untrained: near-flat next-token distributions, draws that vary
+    tokenizer, builder, data = stage_data(root, model)
+    samples = [data.samples[r["key"]] for r in data.records]
+    pad_id, limit = tokenizer.pad_token_id, 12
+    settings = Sampling(temperature=1.2, top_p=0.95, top_k=20)
+
+    class SameDraws(LogitsProcessor):
+        def __init__(self, seed: int, prompt_length: int):
+            self.seed, self.prompt_length = seed, prompt_length
+
+        def __call__(self, input_ids, scores):
+            index = torch.tensor([input_ids.shape[1] - self.prompt_length])
+            token = draw_tokens(scores, torch.tensor([self.seed]), index, settings)
+            return torch.full_like(scores, float("-inf")).scatter(1, token[:, None], 0.0)
+
+    expected = {}
+    with torch.no_grad():
+        for index, sample in enumerate(samples):
+            prompt = collate([sample], data.images, builder, pad_id, prompt_only=True)
+            prompt = {k: v for k, v in to_device(prompt, CPU, FLOAT32).items() if k not in NOT_MODEL_INPUTS}
+            length = prompt["input_ids"].shape[1]
+            out = model.generate(
+                **prompt,
+                max_new_tokens=limit,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([SameDraws(1000 + index, length)]),
+                eos_token_id=builder.end_of_turn,
+                pad_token_id=pad_id,
+            )
+            expected[index] = out[0, length:].tolist()
+
+    def answers(slots: int, order: list[int], sampling: Sampling | None) -> dict:
+        def requests():
+            for index in order:
+                request = prompt_request(index, samples[index], data, builder, pad_id, model, CPU, FLOAT32, limit)
+                request.seed = 1000 + index
+                yield request
+
+        found = {}
+        with torch.no_grad():
+            answer_requests(
+                model,
+                requests(),
+                slots=slots,
+                end_id=builder.end_of_turn,
+                max_length=max(s.prompt_length for s in samples) + limit,
+                on_answer=found.__setitem__,
+                sampling=sampling,
+            )
+        return found
+
+    in_order = list(range(len(samples)))
+    sampled = answers(4, in_order, settings)
+    assert sampled == expected, name
+    assert answers(3, in_order[::-1], settings) == sampled, name
+    greedy = answers(4, in_order, None)
+    assert sampled != greedy  # the draws are not the greedy tokens
+    assert answers(4, in_order, Sampling(temperature=1.0, top_k=1)) == greedy, name

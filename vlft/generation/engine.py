@@ -1,4 +1,4 @@
-"""Greedy generation for evaluation: continuous batching over a KV cache allocated once.
+"""Generation, greedy for evaluation or sampled: continuous batching over a KV cache allocated once.
 
 `model.generate` pads a batch to its longest prompt, grows its KV cache by concatenation at every
 step, and keeps the batch together until its longest answer ends, so that short answers wait for
@@ -24,8 +24,8 @@ where the step runs transformers' own attention; tests/test_generation.py). Its 
   prefilled together, given rows, moved down);
 - vlft.generation.runner: the model runner (the packed prefill, the decode step and its graphs);
 - vlft.generation.kv_cache: the cache allocated once, its windows and live blocks;
-- vlft.generation.sampling: how a next token is chosen (greedy here);
-- this module: `greedy_answers`, the entry point, and `Generation`, the loop that applies the
+- vlft.generation.sampling: how a next token is chosen (greedy, or drawn with each prompt's seed);
+- this module: `answer_requests`, the entry point, and `Generation`, the loop that applies the
   scheduler's choices to the device's state one step at a time.
 """
 
@@ -39,12 +39,13 @@ import torch
 from vlft.generation.kv_cache import SlotCache, language_model
 from vlft.generation.requests import Request
 from vlft.generation.runner import PACKED_ROW_TOKENS, DecodeStep, layer_calls, prefill
+from vlft.generation.sampling import Sampling, sampler_for
 from vlft.generation.scheduler import Row, Scheduler
 from vlft.modeling import unwrapped
 from vlft.training.packing import use_packed_attention
 
 
-def greedy_answers(
+def answer_requests(
     model,
     requests: Iterable[Request],
     slots: int,
@@ -54,8 +55,9 @@ def greedy_answers(
     prefill_tokens: int = PACKED_ROW_TOKENS,
     stats: dict | None = None,
     on_loss: Callable[[int, float, int], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> None:
-    """Answer every request greedily, `slots` at a time; `on_answer(key, token_ids)` as each ends
+    """Answer every request, greedily (`sampling` None) or drawn with its seed, `slots` at a time; `on_answer(key, token_ids)` as each ends
     (its ids end with `end_id` where the model said it, else at the request's token limit), and
     `on_loss(key, loss sum, answer tokens)` for each scored request, from its prefill.
 
@@ -85,6 +87,7 @@ def greedy_answers(
         with layer_calls(text.layers, [None] * len(text.layers)):
             # Compiled on a GPU (13 s for an 8B on a fresh machine, once a job), where it halves a step.
             step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
+            step.sampler = sampler_for(sampling, slots, step.positions)
             timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
             timer.add("max_length", max_length)
             scheduler = Scheduler(iter(requests), slots, prefill_tokens)
@@ -130,7 +133,7 @@ class Generation:
 
     def start(self, group: list[Request], free: list[int]) -> None:
         """Prefill `group` and give each prompt a free row, unless its first token answered it."""
-        prefilled = prefill(self.model, group)
+        prefilled = prefill(self.model, group, self.step.sampler)
         rows, slots_of = self.scheduler.rows, []  # each prompt's row, None where its first token answered it
         for request, first, loss in zip(group, prefilled.firsts, prefilled.losses):
             if loss is not None and self.on_loss is not None:
@@ -145,6 +148,7 @@ class Generation:
             slots_of.append(slot)
             self.step.tokens[slot] = first
             self.step.positions[slot] = request.positions[..., : request.prompt].max() + 1
+            self.step.sampler.start(slot, request, self.step.positions[slot])
             self.active[slot] = 1
         for slot, length in zip([s for s in slots_of if s is not None], self.cache.fill(slots_of, prefilled)):
             rows[slot].written = length
@@ -186,6 +190,7 @@ class Generation:
         self.cache.move(source, target)
         for state in (self.step.tokens, self.step.positions, self.active):
             state[target] = state[source]
+        self.step.sampler.move(source, target)
         self.active[source], self.cache.write_at[source] = 0, 0
 
 

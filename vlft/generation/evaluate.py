@@ -18,7 +18,7 @@ from vlft.jobs import distributed
 from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
-from vlft.generation.engine import greedy_answers
+from vlft.generation.engine import answer_requests
 from vlft.generation.requests import Request
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.data.prompts import PromptBuilder
@@ -142,7 +142,7 @@ def answer_records(
 
     if indices:
         longest = max(data.samples[data.records[i]["key"]].prompt_length for i in indices) + max_new_tokens
-        greedy_answers(
+        answer_requests(
             model,
             requests(),
             slots=min(settings["batch_size"], len(indices)),

@@ -22,6 +22,7 @@ class Request:
     # `inputs` whose next token is a reference answer token, and those tokens.
     loss_positions: torch.Tensor | None = None
     loss_targets: torch.Tensor | None = None
+    seed: int = 0  # what a sampled answer is drawn with (vlft.generation.sampling); greedy ones need none
 
     @property
     def prompt(self) -> int:

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 
 from vlft.generation.kv_cache import SlotCache, language_model, live_blocks, refresh_live_blocks
 from vlft.generation.requests import Request
-from vlft.generation.sampling import Sampler, greedy
+from vlft.generation.sampling import Greedy
 from vlft.modeling import unwrapped
 from vlft.training.image_groups import RowLayout, common_prefix
 from vlft.training.loss import linear_cross_entropy_sums
@@ -90,9 +90,9 @@ class DecodeStep:
         cache: SlotCache,
         compile: bool = False,
         attention: str | None = None,
-        sampler: Sampler = greedy,
+        sampler=None,
     ):
-        self.model, self.cache, self.sampler = model, cache, sampler
+        self.model, self.cache, self.sampler = model, cache, sampler or Greedy()
         self.text = language_model(model)
         device = cache.rows.device
         slots, length = cache.keys[0].shape[0], cache.keys[0].shape[2]
@@ -152,7 +152,7 @@ class DecodeStep:
             return self._logits(rows or self.tokens.shape[0], length or self.columns.shape[0])
 
     def _next_tokens(self, rows: int, length: int) -> torch.Tensor:
-        return self.sampler(self._logits(rows, length))
+        return self.sampler.next(self._logits(rows, length))
 
     def _logits(self, rows: int, length: int) -> torch.Tensor:
         window = self.cache.window(rows, length)
@@ -206,7 +206,7 @@ class DecodeStep:
 PACKED_ROW_TOKENS = 16384
 
 
-def prefill(model, group: list[Request], sampler: Sampler = greedy) -> Prefilled:
+def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     """The requests of `group` in one forward, packed end to end with no padding: consecutive ones
     on one image share its prefix, laid out once (vlft.training.image_groups), each attending to the prefix
     and to itself alone. A scored request's reference answer follows its prompt, so that its loss
@@ -248,7 +248,7 @@ def prefill(model, group: list[Request], sampler: Sampler = greedy) -> Prefilled
     )
     hidden = output.last_hidden_state[0]
     # Each prompt's last token predicts its first answer token.
-    firsts = sampler(outer.lm_head(hidden[torch.tensor(lasts, device=device)])).tolist()
+    firsts = (sampler or Greedy()).first(outer.lm_head(hidden[torch.tensor(lasts, device=device)]), group).tolist()
     losses: list[tuple[float, int] | None] = [None] * len(group)
     if scored:
         owners = torch.cat(owners)

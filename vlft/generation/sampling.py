@@ -1,22 +1,152 @@
-"""How the generation engine chooses each next token from its logits.
+"""How the generation engine chooses each next token from its logits: greedily (evaluation), or drawn
+from the softmax (sampled answers, as reward-driven stages need them).
 
-A sampler takes the logits of the rows a step computes (rows x vocabulary) and gives each row's
-next token. It runs inside the decode step, which a GPU captures as a CUDA graph: it must keep to
-tensor operations on the device, with any per-row state (a sampled answer's seed and position, so
-that a resumed run draws what an uninterrupted one would) held in tensors the engine updates in
-place, as it does the rows' tokens and positions. Evaluation answers greedily; sampled answers
-(temperature, top-p, top-k) for reward-driven stages go here beside it.
+A sampler chooses the first answer token of each prompt a prefill computes (`first`) and the next
+token of each row a decode step computes (`next`). The decode step runs inside a CUDA graph on a GPU,
+so `next` keeps to tensor operations on the device, and any per-row state lives in tensors the
+engine updates in place (`start`, `move`), as it does the rows' tokens and positions.
+
+A sampled token's randomness is a hash of (its prompt's seed, its position in the answer, the
+token), not a generator's state (vlft.generation.sampling.draw_tokens): a prompt draws the same
+answer in any batch, row or order, and a resumed run draws what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
-
-Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row: the answers `generate` gives with do_sample=False."""
     return logits.argmax(-1)
+
+
+class Greedy:
+    """Evaluation's sampler: the most likely token, no state."""
+
+    def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
+        return greedy(logits)
+
+    def next(self, logits: torch.Tensor) -> torch.Tensor:
+        return greedy(logits)
+
+    def start(self, slot: int, request, position: int) -> None:
+        pass
+
+    def move(self, source: int, target: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How sampled answers are drawn, under the names transformers, TRL and ms-swift give them:
+    `temperature` (0: greedy), `top_k` (0: every token), `top_p` (1.0: every token)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class Seeded:
+    """Sampled answers, each prompt with its own seed (`Request.seed`). A row's seed and the text
+    position of its answer's first token are set when it gets a prompt; a decode step reads how far
+    each answer has come from the step's own text positions (`positions`, bound by the engine), so
+    a step changes no state of the sampler's (a CUDA graph's warm-up runs the step three times)."""
+
+    def __init__(self, settings: Sampling, slots: int, positions: torch.Tensor):
+        self.settings, self.positions = settings, positions
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=positions.device)
+        self.first_positions = torch.zeros(slots, dtype=torch.long, device=positions.device)
+
+    def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
+        return draw_tokens(logits, seeds, torch.zeros_like(seeds), self.settings)
+
+    def next(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        # The step's input is the row's latest token, at answer index positions - first_positions:
+        # it predicts the token one further.
+        index = self.positions[:rows] - self.first_positions[:rows] + 1
+        return draw_tokens(logits, self.seeds[:rows], index, self.settings)
+
+    def start(self, slot: int, request, position: int) -> None:
+        """Row `slot` answers `request`, its first answer token (already drawn) at text `position`."""
+        self.seeds[slot], self.first_positions[slot] = request.seed, position
+
+    def move(self, source: int, target: int) -> None:
+        for state in (self.seeds, self.first_positions):
+            state[target] = state[source]
+
+
+def sampler_for(sampling: Sampling | None, slots: int, positions: torch.Tensor):
+    """Greedy where `sampling` is None or at temperature 0, else seeded draws."""
+    if sampling is None or sampling.temperature == 0:
+        return Greedy()
+    return Seeded(sampling, slots, positions)
+
+    """How sampled answers are drawn, under the names transformers, TRL and ms-swift give them:
+    `temperature` (0: greedy), `top_k` (0: every token), `top_p` (1.0: every token)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def warped_logits(logits: torch.Tensor, settings: Sampling) -> torch.Tensor:
+    """The logits sampled from: divided by the temperature, then all but the `top_k` largest and
+    then all outside the nucleus of `top_p` set to -inf (the order and the ties transformers'
+    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper give; tests/test_sampling.py)."""
+    scaled = logits / settings.temperature
+    if settings.top_k:
+        kth = torch.topk(scaled, min(settings.top_k, scaled.shape[-1])).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        ascending, order = torch.sort(scaled, descending=False)
+        outside = ascending.softmax(-1).cumsum(-1) <= 1 - settings.top_p
+        outside[..., -1] = False  # the most likely token stays
+        scaled = scaled.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return scaled
+
+
+def sampling_probabilities(logits: torch.Tensor, settings: Sampling) -> torch.Tensor:
+    """The distribution each token is drawn from."""
+    return warped_logits(logits, settings).softmax(-1)
+
+
+def draw_tokens(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, settings: Sampling) -> torch.Tensor:
+    """Each row's next token drawn from its warped softmax, by the Gumbel-max trick: the argmax of
+    the warped logits plus Gumbel noise is a draw from their softmax. The noise of a row's token v
+    is a hash of (the row's seed, the answer's position, v), not a generator's state, so a draw
+    depends on its prompt's seed and position alone: the same in any batch, row or order, in a
+    CUDA graph (tensor operations only) and after a restart. At temperature 0, the greedy token."""
+    if settings.temperature == 0:
+        return greedy(logits)
+    warped = warped_logits(logits.double(), settings)
+    vocabulary = torch.arange(logits.shape[-1], device=logits.device)
+    gumbel = -torch.log(-torch.log(uniform(seeds, positions, vocabulary)))
+    return (warped + gumbel).argmax(-1)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, vocabulary: torch.Tensor) -> torch.Tensor:
+    """rows x vocabulary numbers in (0, 1), each of 53 random bits: two 32-bit hashes of (seed,
+    position, token) (lowbias32, a bijective integer hash), in int64 arithmetic on any device."""
+    base = _mix32(_mix32(seeds & MASK32) ^ ((seeds >> 32) & MASK32))
+    base = _mix32(base ^ (positions & MASK32))[:, None]
+    high = _mix32(base ^ vocabulary[None, :])
+    low = _mix32(high ^ 0x9E3779B9)
+    return ((high & 0x1FFFFF) * 2.0**32 + low.double() + 0.5) / 2.0**53
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Chris Wellons' integer hash) on int64 tensors holding 32-bit values: a product may
+    wrap past 2^63, which keeps its low 32 bits, all that the mask keeps."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
