@@ -2,6 +2,8 @@
 bandwidth bound, and where a step's GPU time goes.
 
     python benchmarks/decode_step.py --arch qwen3-vl-8b
+    # the same steps drawing sampled tokens (vlft.generation.sampling), against greedy ones
+    python benchmarks/decode_step.py --arch qwen3-vl-8b --rows 128 --live 1408 --temperature 1.0 --top-p 0.95 --top-k 50
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from train_speed import build_model, print_kernel_time  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.generation.kv_cache import SlotCache  # noqa: E402
 from vlft.generation.runner import DecodeStep  # noqa: E402
+from vlft.generation.sampling import Sampling, sampler_for  # noqa: E402
 
 
 def main():
@@ -36,7 +39,11 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-decode"))
     parser.add_argument("--no-compile", action="store_true", help="a CUDA graph of the eager step")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--temperature", type=float, help="sampled tokens (with --top-p, --top-k): also timed")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args()
+    samplings = [None] + ([Sampling(args.temperature, args.top_p, args.top_k)] if args.temperature else [])
     bandwidth = copy_bandwidth()
     model = build_model(args.arch, make_tokenizer(), "cuda").eval()
     weights, per_token = step_weight_bytes(model), SlotCache.bytes_per_token(model)
@@ -45,10 +52,14 @@ def main():
     print(f"{'rows':>5} {'live':>7} {'step ms':>8} {'bound ms':>8} {'x bound':>7}")
     length = args.cache_length
     with torch.no_grad():
-        for rows in args.rows:
+        for rows, sampling in ((rows, sampling) for rows in args.rows for sampling in samplings):
             cache = SlotCache(model, rows, length)
             began = time.perf_counter()
             step = DecodeStep(model, cache, compile=not args.no_compile, attention=args.attention)
+            step.sampler = sampler_for(sampling, rows, step.positions)
+            if sampling:
+                step.sampler.seeds.copy_(torch.arange(rows))
+                print(f"sampled: {sampling}")
             for live in args.live:
                 cache.write_at.fill_(live - 1)  # every row attends to its first `live` positions
                 for _ in range(3):
@@ -56,8 +67,12 @@ def main():
                 torch.cuda.synchronize()
                 made, began = time.perf_counter() - began, time.perf_counter()
                 for _ in range(20):
-                    step(rows, length)
+                    chosen = step(rows, length)
                 torch.cuda.synchronize()
+                if sampling:  # a replay with the same state draws the same tokens
+                    again = chosen.clone()
+                    assert torch.equal(step(rows, length), again)
+                    print(f"      distinct tokens drawn over {rows} rows: {len(set(again.tolist()))}")
                 seconds = (time.perf_counter() - began) / 20
                 bound = (weights + rows * live * per_token) / bandwidth
                 print(
@@ -65,7 +80,7 @@ def main():
                     f"   (compiled and captured in {made:.0f} s)"
                 )
                 began = time.perf_counter()
-            if args.no_profile or rows != max(args.rows):
+            if args.no_profile or rows != max(args.rows) or sampling:
                 del step, cache
                 torch.cuda.empty_cache()
                 continue
