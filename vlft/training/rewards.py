@@ -1,0 +1,146 @@
+"""Rewards of a reward stage: each sampled answer scored against its record by the evaluation's own
+rules, the named rewards combined with the config's weights (TRL's `reward_funcs` and
+`reward_weights`: a weighted sum).
+
+Built in, by the name a stage's `rewards` gives them:
+
+- `click_in_box`: 1 where the answered point lands in the target's box, 0 elsewhere or where the
+  answer gives no point (vlft.data.clicks.score, as the evaluation judges a click);
+- `click_gaussian`: GUI-G²'s Gaussian point reward, exp(-((dx / σx)² + (dy / σy)²) / 2) for the
+  point's distance to the box's centre, σ half the box's width and height (their alpha 0.5), so
+  that a small target asks for a closer click; 0 where the answer gives no point;
+- `answer_match`: 1 where the final answer equals the reference by the evaluation's rule
+  (vlft.data.answers.is_correct), and for clicks where the point is in the box;
+- `format`: 1 where the answer parses in the stage's answer format: a point for clicks, a
+  "Final answer:" for chains of thought, a non-empty answer otherwise.
+
+A user's own reward is named `module:function` (importable where the job runs) and called once
+for a rollout's answers as `function(records=[...], answers=[...])`, the records as the prepared
+split holds them; it returns one number an answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from vlft.data import clicks
+from vlft.data.answers import FINAL_ANSWER, AnswerFormat, final_answer, is_correct
+from vlft.errors import ConfigError, InputError
+
+# GUI-G²'s point reward: σ = alpha x the target box's width (height).
+GAUSSIAN_ALPHA = 0.5
+
+
+@dataclass
+class Answer:
+    """A sampled answer to judge: its record, its text, and for clicks the image's frame."""
+
+    record: dict
+    text: str
+    frame: clicks.Frame | None = None
+
+
+def click_in_box(answer: Answer, answer_format: str) -> float:
+    return float(bool(_click(answer)["correct"]))
+
+
+def click_gaussian(answer: Answer, answer_format: str) -> float:
+    point = _click(answer)["point"]
+    if point is None:
+        return 0.0
+    box = answer.record.get("box")
+    if not box:
+        raise InputError(
+            answer.record["source_split"], f"record {answer.record['id']} has no box: click_gaussian needs its size"
+        )
+    x1, y1, x2, y2 = box
+    sigma_x, sigma_y = GAUSSIAN_ALPHA * (x2 - x1), GAUSSIAN_ALPHA * (y2 - y1)
+    dx, dy = point[0] - (x1 + x2) / 2, point[1] - (y1 + y2) / 2
+    return math.exp(-0.5 * ((dx / sigma_x) ** 2 + (dy / sigma_y) ** 2))
+
+
+def answer_match(answer: Answer, answer_format: str) -> float:
+    if answer_format == AnswerFormat.CLICK:
+        return click_in_box(answer, answer_format)
+    return float(is_correct(answer.text, answer.record["answer"]))
+
+
+def format_reward(answer: Answer, answer_format: str) -> float:
+    if answer_format == AnswerFormat.CLICK:
+        return float(clicks.parse_point(answer.text) is not None)
+    if answer_format == AnswerFormat.COT:
+        return float(FINAL_ANSWER.search(answer.text) is not None and final_answer(answer.text) != "")
+    return float(final_answer(answer.text) != "")
+
+
+def _click(answer: Answer) -> dict:
+    record = answer.record
+    return clicks.score(record, answer.text, answer.frame, record["source_split"])
+
+
+BUILT_IN: dict[str, Callable[[Answer, str], float]] = {
+    "click_in_box": click_in_box,
+    "click_gaussian": click_gaussian,
+    "answer_match": answer_match,
+    "format": format_reward,
+}
+CLICKS_ONLY = ("click_in_box", "click_gaussian")
+
+
+class Rewards:
+    """A stage's rewards (`rewards`: name -> weight) for its answer format."""
+
+    def __init__(self, weights: dict[str, float], answer_format: str, key: str = "rewards"):
+        if not weights:
+            raise ConfigError(f"{key}: a reward stage needs at least one reward (built in: {', '.join(BUILT_IN)})")
+        self.weights, self.answer_format = dict(weights), answer_format
+        self.functions = {name: reward_function(name, answer_format, f"{key}.{name}") for name in weights}
+
+    def score(self, answers: list[Answer]) -> dict[str, list[float]]:
+        """Each reward of each answer, and their weighted sum (`total`), by name."""
+        scored = {}
+        for name, function in self.functions.items():
+            if name in BUILT_IN:
+                scored[name] = [function(answer, self.answer_format) for answer in answers]
+            else:
+                scored[name] = checked(name, function([a.record for a in answers], [a.text for a in answers]), answers)
+        # A reward that does not apply to an answer (None, NaN) adds nothing to it: TRL's nansum.
+        scored["total"] = [
+            sum(self.weights[name] * scored[name][i] for name in self.functions if not math.isnan(scored[name][i]))
+            for i in range(len(answers))
+        ]
+        return scored
+
+
+def reward_function(name: str, answer_format: str, key: str) -> Callable:
+    """A built-in reward, or a user's `module:function`, refused in one sentence where it cannot serve."""
+    if name in BUILT_IN:
+        if name in CLICKS_ONLY and answer_format != AnswerFormat.CLICK:
+            raise ConfigError(f"{key}: judges clicks, and this stage answers in '{answer_format}'")
+        return BUILT_IN[name]
+    module_name, _, function_name = name.partition(":")
+    if not module_name or not function_name:
+        raise ConfigError(f"{key}: not a built-in reward ({', '.join(BUILT_IN)}) nor a 'module:function' of your own")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{key}: module '{module_name}' cannot be imported here ({err})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigError(f"{key}: module '{module_name}' has no function '{function_name}'")
+    return lambda records, answers: function(records=records, answers=answers)
+
+
+def checked(name: str, values, answers: list[Answer]) -> list[float]:
+    """A user's rewards: one number an answer (None where it does not apply, as TRL allows), or one
+    sentence saying what came back instead."""
+    values = list(values) if values is not None else []
+    if len(values) != len(answers):
+        raise ValueError(f"reward '{name}' returned {len(values)} values for {len(answers)} answers")
+    for value, answer in zip(values, answers):
+        if value is not None and (not isinstance(value, (int, float)) or math.isinf(value)):
+            raise ValueError(f"reward '{name}' returned {value!r} for record {answer.record['id']}: not a number")
+    return [math.nan if v is None else float(v) for v in values]
