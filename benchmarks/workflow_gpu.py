@@ -46,6 +46,17 @@ STARTED = re.compile(r"; started (\S+ \S+)")
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
 
 
+def save_checkpoint(model_dir: Path, arch: str, tokenizer) -> Path:
+    """A random-weight model of `arch` saved as a local checkpoint directory, as a downloaded one is."""
+    import torch
+
+    model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor_for(model).save_pretrained(model_dir)
+    return model_dir
+
+
 def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: int, eval_every: int = 0) -> Path:
     tokenizer = make_tokenizer()
     raw = make_workload(work / "data", n_train + n_val, tokenizer)
@@ -53,14 +64,7 @@ def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: 
     (work / "data/train.jsonl").write_text("\n".join(rows[:n_train]) + "\n")
     (work / "data/val.jsonl").write_text("\n".join(rows[n_train:]) + "\n")
 
-    import torch
-
-    model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
-    model_dir = work / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    image_processor_for(model).save_pretrained(model_dir)
-    del model
+    model_dir = save_checkpoint(work / "model", arch, tokenizer)
 
     config = {
         "results": "results",
@@ -128,14 +132,7 @@ def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int) -
             "image_root": str(work / name / "images"),
             "splits": {split: str(work / name / f"{split}.jsonl") for split in splits},
         }
-    import torch
-
-    model = build_model(arch, tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
-    model_dir = work / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    image_processor_for(model).save_pretrained(model_dir)
-    del model
+    model_dir = save_checkpoint(work / "model", arch, tokenizer)
 
     config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-qwen3-vl-8b.yaml").read_text())
     config |= {"results": "results", "model": {"path": str(model_dir)}, "datasets": datasets}
