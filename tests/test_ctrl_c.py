@@ -26,6 +26,8 @@ def test_ctrl_c_to_a_job_is_one_line_and_its_end_by_sigint_with_nothing_written(
         "scripts/cache_images.py",
         "--records",
         str(records),
+        "--image-root",
+        str(tmp_path),
         "--model",
         str(tiny_model_dir),
     ]
