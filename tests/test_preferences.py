@@ -337,6 +337,7 @@ def test_held_out_pairs_are_judged_by_the_trained_weights_against_the_starting_w
     assert abs(summary["held_out_loss"] - 0.6931471805599453) > 1e-3  # moved off the start's log 2
     said = capfd.readouterr().err
     assert f"held-out pairs (6 of {held / 'prepared.jsonl'}): preference accuracy" in said
+    assert "; left out, without a rejected answer: 1 records" in said
 
 
 def test_a_preference_pair_is_validated_like_any_answer(tmp_path):

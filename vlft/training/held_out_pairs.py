@@ -31,6 +31,7 @@ class HeldOutPairs:
     image_groups: bool
     batcher: object
     forward: tuple  # (forward_context, device, dtype, group) as pair_logps takes them
+    left_out: int = 0  # the split's records without a rejected answer: not pairs, named in the log
 
     @classmethod
     def of_split(
@@ -38,7 +39,9 @@ class HeldOutPairs:
     ):
         """The held-out pairs of the eval split `prepared`, their reference computed or read; None
         where the stage has no eval split or the split no pair."""
-        if not prepared or not any("rejected" in r for r in read_jsonl(prepared)):
+        records = read_jsonl(prepared) if prepared else []
+        pairs = sum("rejected" in r for r in records)
+        if not pairs:
             return None
         data = load_stage_data(
             [prepared], [cache], builder, {}, settings.answer_format, settings.max_seq_len, pairs=True, only_pairs=True
@@ -46,7 +49,7 @@ class HeldOutPairs:
         batcher = make_batcher(data)
         path = Path(run_dir) / HELD_OUT_REFERENCE_FILE
         reference = reference_logps(model, data, settings.image_groups, batcher, path, *forward)
-        return cls(prepared, data, reference, settings.image_groups, batcher, forward)
+        return cls(prepared, data, reference, settings.image_groups, batcher, forward, len(records) - pairs)
 
     def judge(self, model, beta: float, label_smoothing: float) -> dict:
         """The trained weights on the held-out pairs: their count, preference accuracy, reward margin, loss."""

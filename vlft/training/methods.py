@@ -165,7 +165,12 @@ class PreferenceOptimization:
         log.note(
             f"held-out pairs ({result['held_out_pairs']} of {self.held_out.split}): preference accuracy"
             f" {result['held_out_preference_accuracy']:.4f}, reward margin {result['held_out_reward_margin']:.4f},"
-            f" loss {result['held_out_loss']:.4f}",
+            f" loss {result['held_out_loss']:.4f}"
+            + (
+                f"; {self.held_out.left_out} records without a rejected answer left out"
+                if self.held_out.left_out
+                else ""
+            ),
             {
                 "eval/rewards/accuracies": result["held_out_preference_accuracy"],
                 "eval/rewards/margins": result["held_out_reward_margin"],
