@@ -167,7 +167,7 @@ class PreferenceOptimization:
             f" {result['held_out_preference_accuracy']:.4f}, reward margin {result['held_out_reward_margin']:.4f},"
             f" loss {result['held_out_loss']:.4f}"
             + (
-                f"; {self.held_out.left_out} records without a rejected answer left out"
+                f"; left out, without a rejected answer: {self.held_out.left_out} records"
                 if self.held_out.left_out
                 else ""
             ),
