@@ -40,14 +40,19 @@ from vlft.files import read_jsonl, write_jsonl  # noqa: E402
 STEP_IMAGES = 16
 
 
-def pairs_and_answers(work: Path, images: int, tokenizer) -> tuple[Path, Path]:
-    """The same images, questions and answers two ways: P pair records, and 2P answer records."""
-    raw = make_workload(work, 2 * images, tokenizer, 0, 2)
-    rows = read_jsonl(raw)
+def paired(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The workload's records taken two by two (two on each image): as pair records (the first's
+    question, its answer chosen, the second's rejected), and as the same two answers to that question."""
     pairs, answers = [], []
     for first, second in zip(rows[0::2], rows[1::2]):
         pairs.append(dict(first, rejected=second["answer"]))
         answers += [first, dict(second, question=first["question"])]
+    return pairs, answers
+
+
+def pairs_and_answers(work: Path, images: int, tokenizer) -> tuple[Path, Path]:
+    """The same images, questions and answers two ways: P pair records, and 2P answer records."""
+    pairs, answers = paired(read_jsonl(make_workload(work, 2 * images, tokenizer, 0, 2)))
     for name, records in (("pairs", pairs), ("answers", answers)):
         (work / name).mkdir(parents=True, exist_ok=True)
         write_jsonl(work / name / "raw.jsonl", records)

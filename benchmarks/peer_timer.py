@@ -1,6 +1,7 @@
 """Run a peer's training command with a step timer on its Trainer (used by benchmarks/peers.py).
 
     python benchmarks/peer_timer.py RESULT.json swift --model ... (ms-swift's `swift sft` arguments)
+    python benchmarks/peer_timer.py RESULT.json swift-rlhf --rlhf_type dpo ... (`swift rlhf`'s)
     python benchmarks/peer_timer.py RESULT.json llamafactory train CONFIG.yaml
 
 Both peers train with a transformers Trainer. This wraps that class, whichever subclass the peer
@@ -76,16 +77,17 @@ def install(result_path: str, vision_start_id: int, pad_id: int) -> None:
 def main() -> None:
     result_path, peer, *args = sys.argv[1:]
     install(result_path, int(os.environ["PEER_VISION_START_ID"]), int(os.environ["PEER_PAD_ID"]))
-    if peer == "swift":  # what `swift sft` runs on one GPU
-        sys.argv = ["swift-sft", *args]
-        runpy.run_module("swift.cli.sft", run_name="__main__")
+    if peer in ("swift", "swift-rlhf"):  # what `swift sft` (or `swift rlhf`) runs on one GPU
+        command = "rlhf" if peer == "swift-rlhf" else "sft"
+        sys.argv = [f"swift-{command}", *args]
+        runpy.run_module(f"swift.cli.{command}", run_name="__main__")
     elif peer == "llamafactory":  # what `llamafactory-cli` runs
         sys.argv = ["llamafactory-cli", *args]
         from llamafactory.cli import main as cli
 
         cli()
     else:
-        raise SystemExit(f"unknown peer {peer!r}: swift or llamafactory")
+        raise SystemExit(f"unknown peer {peer!r}: swift, swift-rlhf or llamafactory")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ is reported with the error's last line; nothing is reported that did not run.
 
 Each run's samples/s is over the same measured steps (the first --warmup steps left out). Packed
 rows carry a varying number of samples a step: samples/s counts those the batches held.
+
+`--method dpo` runs each peer's DPO instead (ms-swift's `swift rlhf --rlhf_type dpo`, LLaMA-Factory's
+`stage: dpo`) and ours with `method: dpo`, on pairs made from the same workload (benchmarks/dpo_speed.py's
+`paired`: two records on each image, the first's answer chosen, the second's rejected), β 0.1, the
+sigmoid loss, no SFT term, 16 pairs a step. A peer lays out a pair as two sequences, so its pairs are
+half the `<|vision_start|>` tokens its batches held; its reference (the model with the adapter off)
+runs inside its steps. Ours computes its reference once before the first step: its pairs/s is given
+over the steps alone and over the steps plus that pass's share (the pass over all pairs, charged
+per pair), and the ratio uses the latter.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
+from dpo_speed import paired  # noqa: E402
 from train_speed import (  # noqa: E402
     MAX_PIXELS,
     MIN_PIXELS,
@@ -70,6 +80,18 @@ SWIFT_SETTINGS = {
     # Beyond its documentation: twice the micro-batch (half the accumulation), the same 16 samples a step.
     "sdpa, padded, micro-batch 8": dict(attn_impl="sdpa", packing="false", padding_free="false", batch=8, accum=2),
 }
+# DPO: neither peer packs pairs here (ms-swift's padding_free/packing for dpo needs flash-attn, which
+# cannot be installed on the GPU machine; LLaMA-Factory packs for sft only). Pairs a micro-batch:
+# LLaMA-Factory's DPO examples give 1 (x accumulation 8); 2 pairs are 4 sequences, as their SFT's 4.
+SWIFT_DPO_SETTINGS = {
+    "dpo, sdpa, padded, 2 pairs": dict(attn_impl="sdpa", packing="false", padding_free="false", batch=2, accum=8),
+    "dpo, sdpa, padded, 1 pair": dict(attn_impl="sdpa", packing="false", padding_free="false", batch=1, accum=16),
+}
+LLAMAFACTORY_DPO_SETTINGS = {
+    "dpo, sdpa, padded, 2 pairs": dict(flash_attn="sdpa", neat_packing=False, batch=2, accum=8),
+    "dpo, sdpa, padded, 1 pair": dict(flash_attn="sdpa", neat_packing=False, batch=1, accum=16),
+}
+DPO_BETA = 0.1
 LLAMAFACTORY_SETTINGS = {
     "fa2, neat_packing": dict(flash_attn="fa2", neat_packing=True, batch=1),
     "sdpa, neat_packing": dict(flash_attn="sdpa", neat_packing=True, batch=1),
@@ -143,41 +165,40 @@ def save_checkpoint(arch: str, tokenizer, model_dir: Path):
     return image_processor
 
 
-def write_peer_data(raw: Path, images: Path, work: Path) -> tuple[Path, Path]:
+def write_peer_data(records: list[dict], images: Path, work: Path) -> tuple[Path, Path]:
     """The workload's records in each peer's documented multimodal format: ms-swift's `messages` +
-    `images` JSONL, and LLaMA-Factory's sharegpt-style file with its dataset_info.json entry."""
-    rows = []
-    for line in raw.read_text().splitlines():
-        record = json.loads(line)
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": "<image>" + record["question"]},
-                    {"role": "assistant", "content": record["answer"]},
-                ],
-                "images": [str(images / record["image"])],
-            }
-        )
+    `images` JSONL (a pair's rejected answer as `rejected_response`), and LLaMA-Factory's
+    sharegpt-style file with its dataset_info.json entry (pairs as `chosen`/`rejected`, `ranking: true`)."""
+    pairs = "rejected" in records[0]
+    swift_rows, lf_rows = [], []
+    for record in records:
+        user = {"role": "user", "content": "<image>" + record["question"]}
+        answer = {"role": "assistant", "content": record["answer"]}
+        image = {"images": [str(images / record["image"])]}
+        if pairs:
+            swift_rows.append({"messages": [user, answer], "rejected_response": record["rejected"], **image})
+            rejected = {"role": "assistant", "content": record["rejected"]}
+            lf_rows.append({"messages": [user], "chosen": answer, "rejected": rejected, **image})
+        else:
+            swift_rows.append({"messages": [user, answer], **image})
+            lf_rows.append(swift_rows[-1])
     swift = work / "swift.jsonl"
-    swift.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    swift.write_text("".join(json.dumps(r) + "\n" for r in swift_rows))
     lf_dir = work / "llamafactory-data"
     lf_dir.mkdir(exist_ok=True)
-    (lf_dir / "bench.json").write_text(json.dumps(rows))
+    (lf_dir / "bench.json").write_text(json.dumps(lf_rows))
     tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
-    info = {
-        "bench": {
-            "file_name": "bench.json",
-            "formatting": "sharegpt",
-            "columns": {"messages": "messages", "images": "images"},
-            "tags": tags,
-        }
-    }
-    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+    columns = {"messages": "messages", "images": "images"}
+    if pairs:
+        columns.update(chosen="chosen", rejected="rejected")
+    entry = {"file_name": "bench.json", "formatting": "sharegpt", "columns": columns, "tags": tags}
+    (lf_dir / "dataset_info.json").write_text(json.dumps({"bench": dict(entry, ranking=True) if pairs else entry}))
     return swift, lf_dir
 
 
-def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int) -> list[str]:
+def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int, method: str) -> list[str]:
     args = {
+        **({"rlhf_type": "dpo", "beta": DPO_BETA, "loss_type": "sigmoid"} if method == "dpo" else {}),
         "model": model_dir,
         "model_type": "qwen3_vl",
         "check_model": "false",
@@ -217,12 +238,13 @@ def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: 
     return [word for key, value in args.items() for word in (f"--{key}", str(value))]
 
 
-def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Path, steps: int) -> Path:
+def llamafactory_config(setting: dict, model_dir: Path, data_dir: Path, out: Path, steps: int, method: str) -> Path:
     config = {
         "model_name_or_path": str(model_dir),
         "image_max_pixels": MAX_PIXELS,
         "image_min_pixels": MIN_PIXELS,
-        "stage": "sft",
+        "stage": method,
+        **({"pref_beta": DPO_BETA, "pref_loss": "sigmoid", "pref_ftx": 0.0} if method == "dpo" else {}),
         "do_train": True,
         "finetuning_type": "lora",
         "lora_rank": LORA["rank"],
@@ -318,9 +340,14 @@ def run_peer(peer: str, site: str, argv: list[str], out: Path, tokenizer, warmup
     }
 
 
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
+    parser.add_argument("--method", choices=("sft", "dpo"), default="sft", help="dpo: each side's DPO on pairs")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-peers"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
     parser.add_argument("--swift-site", help="folder ms-swift and its pinned libraries are installed in")
@@ -352,17 +379,27 @@ def main() -> None:
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = qwen_numbered_tokenizer()
-    raw = make_workload(
-        work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
-    )
+    dpo = args.method == "dpo"
+    if dpo:  # --images pairs, each on an image of its own
+        raw = make_workload(work, 2 * args.images, tokenizer, 0, 2, args.short_answers)
+        raw.write_text("".join(json.dumps(r) + "\n" for r in paired(read_rows(raw))[0]))
+    else:
+        raw = make_workload(
+            work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
+        )
     model_dir = work / "model"
     image_processor = save_checkpoint(args.arch, tokenizer, model_dir)
-    swift_data, lf_data = write_peer_data(raw, work / "images", work)
+    swift_data, lf_data = write_peer_data(read_rows(raw), work / "images", work)
     results = {}
 
     peers = [
-        ("ms-swift", "swift", args.swift_site, SWIFT_SETTINGS),
-        ("LLaMA-Factory", "llamafactory", args.llamafactory_site, LLAMAFACTORY_SETTINGS),
+        ("ms-swift", "swift", args.swift_site, SWIFT_DPO_SETTINGS if dpo else SWIFT_SETTINGS),
+        (
+            "LLaMA-Factory",
+            "llamafactory",
+            args.llamafactory_site,
+            LLAMAFACTORY_DPO_SETTINGS if dpo else LLAMAFACTORY_SETTINGS,
+        ),
     ]
     for name, peer, site, settings in peers:
         if not site:
@@ -372,12 +409,15 @@ def main() -> None:
                 continue
             out = work / f"{peer}-{label.replace(', ', '-')}"
             if peer == "swift":
-                argv = swift_command(setting, model_dir, swift_data, out, args.steps)
+                argv = swift_command(setting, model_dir, swift_data, out, args.steps, args.method)
                 env = {"MAX_PIXELS": str(MAX_PIXELS), "MIN_PIXELS": str(MIN_PIXELS)}
             else:
-                argv = ["train", str(llamafactory_config(setting, model_dir, lf_data, out, args.steps))]
+                argv = ["train", str(llamafactory_config(setting, model_dir, lf_data, out, args.steps, args.method))]
                 env = {}
-            result = run_peer(peer, site, argv, out, tokenizer, args.warmup, env)
+            runner = "swift-rlhf" if peer == "swift" and dpo else peer
+            result = run_peer(runner, site, argv, out, tokenizer, args.warmup, env)
+            if dpo and "error" not in result:  # a pair: two sequences, each with its image
+                result["pairs_per_s"] = result["samples_per_s"] / 2
             results[f"{name} ({label})"] = result
             print(f"{name} ({label}): {json.dumps(result)[:400]}", flush=True)
             if args.settings == "best" and "error" not in result:
@@ -394,6 +434,8 @@ def main() -> None:
         ours = [("ours (vision cache)", work / "vision", {})]
         if not args.no_pixels:
             ours.append(("ours (from pixels)", work / "pixels", {}))
+        if dpo:  # β and the loss as the peers'; each pair is one step's record
+            ours = [(label, cache, dict(method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, _ in ours]
         if args.questions_per_image > 1:
             ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
         for label, cache, options in ours:
@@ -422,6 +464,13 @@ def main() -> None:
                     "pixel_cache_s": pixel_cache_s,
                     "vision_cache_s": vision_cache_s,
                 }
+                if dpo:  # the reference pass over all pairs, charged per pair
+                    pairs, reference_s = sum(run["samples"]) / 2, run["summary"]["reference_s"]
+                    results[label].update(
+                        pairs_per_s=pairs / seconds,
+                        reference_s=reference_s,
+                        pairs_per_s_with_reference=pairs / (seconds + reference_s * pairs / args.images),
+                    )
             except Exception as error:  # a run that fails is reported as such, as a peer's is
                 results[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
             print(f"{label}: {json.dumps(results[label])[:400]}", flush=True)
@@ -434,6 +483,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "commit": commit_of(args.commit) or "unknown",
         "command": " ".join(sys.argv),
+        "method": args.method,
         "images": args.images,
         "questions_per_image": args.questions_per_image,
         "answers": "1-16 tokens" if args.short_answers else "20-400 tokens",
@@ -442,20 +492,22 @@ def main() -> None:
         "torch": torch.__version__,
         **results,
     }
+    # What a side trains a second: samples, or with dpo pairs (ours charged its reference pass).
+    rate = "pairs_per_s" if dpo else "samples_per_s"
+
+    def rate_of(label: str, r: dict) -> float:
+        return r["pairs_per_s_with_reference"] if dpo and label.startswith("ours") else r[rate]
+
     best_ours = max(
-        (r["samples_per_s"] for k, r in results.items() if k.startswith("ours") and "error" not in r), default=None
+        (rate_of(k, r) for k, r in results.items() if k.startswith("ours") and "error" not in r), default=None
     )
     report["ratios"] = {
-        k: {
-            o: results[o]["samples_per_s"] / r["samples_per_s"]
-            for o in results
-            if o.startswith("ours") and "error" not in results[o]
-        }
+        k: {o: rate_of(o, results[o]) / r[rate] for o in results if o.startswith("ours") and "error" not in results[o]}
         for k, r in results.items()
         if not k.startswith("ours") and "error" not in r
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    kind = "kvasir" if args.questions_per_image > 1 else "benchmark"
+    kind = "dpo" if dpo else "kvasir" if args.questions_per_image > 1 else "benchmark"
     answers = "short" if args.short_answers else "long"
     gpu = re.search(r"[A-Z]\d{3}", report["device"])  # H200, H100, A100
     name = f"peers-{kind}-{answers}-{args.arch}-{gpu.group() if gpu else 'gpu'}-{report['date']}.json"
@@ -472,11 +524,12 @@ def main() -> None:
             continue
         for line in r.get("fell_back", []):
             print(f"{label:44} ran otherwise than set: {line[-120:]}")
-        ratio = best_ours / r["samples_per_s"] if best_ours and not label.startswith("ours") else float("nan")
+        ratio = best_ours / r[rate] if best_ours and not label.startswith("ours") else float("nan")
         loss = r["losses"][-1] if r["losses"] else float("nan")
         print(
             f"{label:44} {r['samples_per_s']:9.2f} {r['tokens_per_sample']:10.0f} {r['samples_per_step']:12.1f}"
             f" {r.get('padding', 0):7.1%} {r['peak_gib']:8.1f} {loss:9.3f} {ratio:7.2f}"
+            + (f"  pairs/s {rate_of(label, r):.2f}" if dpo else "")
         )
     print(f"results: {args.out / name}")
 

@@ -298,13 +298,15 @@ def run_ours(
     if profile:
         print_kernel_time(prof, work)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
+    summary = json.loads((out / "summary.json").read_text())
     return {
         "step_s": [row["samples"] / row["samples_per_s"] for row in log],
         "samples": [row["samples"] for row in log],
         "tokens": [row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in log],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "losses": [row["loss"] for row in log],
-        "auto": json.loads((out / "summary.json").read_text()).get("max_batch_tokens_auto"),
+        "auto": summary.get("max_batch_tokens_auto"),
+        "summary": summary,
     }
 
 

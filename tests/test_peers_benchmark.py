@@ -105,7 +105,7 @@ def test_the_peers_tokenizer_loads_back_as_a_checkpoints_does(tmp_path):
 def test_peer_data_files_hold_every_record_in_each_peers_format(tmp_path):
     raw = peers.make_workload(tmp_path, 6, make_tokenizer(), 0, 3, True)
     records = [json.loads(line) for line in raw.read_text().splitlines()]
-    swift, lf_dir = peers.write_peer_data(raw, tmp_path / "images", tmp_path)
+    swift, lf_dir = peers.write_peer_data(records, tmp_path / "images", tmp_path)
 
     swift_rows = [json.loads(line) for line in swift.read_text().splitlines()]
     lf_rows = json.loads((lf_dir / "bench.json").read_text())
@@ -120,6 +120,30 @@ def test_peer_data_files_hold_every_record_in_each_peers_format(tmp_path):
     assert entry["file_name"] == "bench.json" and entry["formatting"] == "sharegpt"
     assert entry["columns"] == {"messages": "messages", "images": "images"}
     assert entry["tags"]["user_tag"] == "user" and entry["tags"]["assistant_tag"] == "assistant"
+
+
+def test_peer_pair_files_hold_every_pair_in_each_peers_preference_format(tmp_path):
+    """--method dpo: ms-swift's `rejected_response` rows and LLaMA-Factory's `ranking` sharegpt rows,
+    the first record of each image chosen and the second's answer rejected (dpo_speed.paired)."""
+    raw = peers.make_workload(tmp_path, 4, make_tokenizer(), 0, 2, True)
+    pairs, _ = peers.paired(peers.read_rows(raw))
+    swift, lf_dir = peers.write_peer_data(pairs, tmp_path / "images", tmp_path)
+
+    swift_rows = [json.loads(line) for line in swift.read_text().splitlines()]
+    lf_rows = json.loads((lf_dir / "bench.json").read_text())
+    assert len(swift_rows) == len(lf_rows) == len(pairs) == 2
+    for swift_row, lf_row, pair in zip(swift_rows, lf_rows, pairs):
+        user = {"role": "user", "content": "<image>" + pair["question"]}
+        assert pair["rejected"] != pair["answer"]
+        assert swift_row["messages"] == [user, {"role": "assistant", "content": pair["answer"]}]
+        assert swift_row["rejected_response"] == pair["rejected"]
+        assert lf_row["messages"] == [user]
+        assert lf_row["chosen"] == {"role": "assistant", "content": pair["answer"]}
+        assert lf_row["rejected"] == {"role": "assistant", "content": pair["rejected"]}
+        assert swift_row["images"] == lf_row["images"] == [str(tmp_path / "images" / pair["image"])]
+    entry = json.loads((lf_dir / "dataset_info.json").read_text())["bench"]
+    assert entry["ranking"] is True
+    assert entry["columns"] == {"messages": "messages", "images": "images", "chosen": "chosen", "rejected": "rejected"}
 
 
 def test_the_benchmarks_caches_hold_every_record_of_the_workload(tmp_path):

@@ -116,8 +116,11 @@ class PreferenceOptimization:
         "logps/rejected",
     )
 
-    def __init__(self, data: StageData, settings, reference: dict[str, tuple[float, float]], held_out=None):
+    def __init__(
+        self, data: StageData, settings, reference: dict[str, tuple[float, float]], held_out=None, reference_s=0.0
+    ):
         self.data, self.reference, self.held_out = data, reference, held_out
+        self.reference_s = reference_s  # seconds the reference took (read back on a resume)
         self.beta, self.label_smoothing, self.rpo_alpha = settings.beta, settings.label_smoothing, settings.rpo_alpha
         self.chosen_token_weight = 0.0
         self.held_out_result: dict = {}
@@ -190,6 +193,7 @@ class PreferenceOptimization:
             "preference_accuracy_start": mean(log[:tenth], "rewards/accuracies"),
             "preference_accuracy_end": mean(log[-tenth:], "rewards/accuracies"),
             "reward_margin_end": mean(log[-tenth:], "rewards/margins"),
+            "reference_s": round(self.reference_s, 3),
             **self.held_out_result,
         }
 

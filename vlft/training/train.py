@@ -291,12 +291,13 @@ def _setup_method(
         return replace(batcher, budget=settings.max_batch_tokens)
 
     forward = (adapter_autocast(model, device, dtype), device, dtype, group)
-    path = Path(run.path) / REFERENCE_FILE
+    path, started = Path(run.path) / REFERENCE_FILE, time.perf_counter()
     reference = reference_logps(model, data, settings.image_groups, batcher_of(data), path, *forward)
+    reference_s = time.perf_counter() - started
     held_out = HeldOutPairs.of_split(
         inputs.eval_prepared, inputs.eval_cache, settings, builder, model, batcher_of, forward, run.path
     )
-    return PreferenceOptimization(data, settings, reference, held_out)
+    return PreferenceOptimization(data, settings, reference, held_out, reference_s)
 
 
 def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, model, device, group) -> HostBatcher:
