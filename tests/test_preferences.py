@@ -20,18 +20,18 @@ from vlft.demo.tiny_model import FAMILIES
 from vlft.errors import ConfigError, InputError
 from vlft.files import read_jsonl, write_jsonl
 from vlft.job_settings import StageSettings
-from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_adapter
+from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_adapter, with_new_adapter
 from vlft.training.batching import collate, to_device
 from vlft.training.image_groups import group_rows
 from vlft.training.methods import PreferenceOptimization, dpo_losses, pair_group
 from vlft.training.packing import pack_groups, use_packed_attention
-from vlft.training.reference import REFERENCE_FILE
+from vlft.training.reference import REFERENCE_FILE, without_dropout, has_dropout
 from vlft.training.runs import StageInputs
 from vlft.training.steps import groups_in_order, image_of
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, use_vision_cache
 from vlft.training.train import Preempted
 from conftest import FLOAT64_RTOL, StopAfter, tiny_family_data, tiny_stage_settings
-from test_fast_path import lora_model
+from test_fast_path import LORA, lora_model
 
 FLOAT64 = torch.float64
 CPU = torch.device("cpu")
@@ -295,6 +295,20 @@ def test_the_kept_reference_is_the_starting_weights_and_a_resumed_stage_reads_it
     # Trained on its own pairs, the policy prefers the chosen answers by its last step.
     assert log[-1]["rewards/margins"] > 0 and log[-1]["rewards/accuracies"] > 0.5
     assert "held_out_pairs" not in summary  # no eval split given: nothing held out to judge
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_reference_pass_runswithout_dropout_and_in_trainings_own_modes_where_there_is_none(trained_pairs, dropout):
+    """With no dropout anywhere, the reference pass keeps training's module and grad modes (so a
+    compiled layer is not compiled a second time); with LoRA dropout it runs in eval mode without
+    gradients, and training's mode comes back after."""
+    base = load_base_model(trained_pairs / "model", CPU, FLOAT64)
+    model = with_new_adapter(base, dict(LORA, lora_dropout=dropout))
+    model.train()
+    assert has_dropout(model) == (dropout > 0)
+    with without_dropout(model):
+        assert model.training == torch.is_grad_enabled() == (dropout == 0)
+    assert model.training and torch.is_grad_enabled()
 
 
 def test_held_out_pairs_are_judged_by_the_trained_weights_against_the_starting_weights(trained_pairs, tmp_path, capfd):
