@@ -22,7 +22,8 @@ rows carry a varying number of samples a step: samples/s counts those the batche
 
 `--method dpo` runs each peer's DPO instead (ms-swift's `swift rlhf --rlhf_type dpo`, LLaMA-Factory's
 `stage: dpo`) and ours with `method: dpo`, on pairs made from the same workload (benchmarks/dpo_speed.py's
-`paired`: two records on each image, the first's answer chosen, the second's rejected), β 0.1, the
+`paired`: two records on each image, the first's answer chosen, the second's rejected; with
+--questions-per-image, that many pairs on each image), β 0.1, the
 sigmoid loss, no SFT term, 16 pairs a step. A peer lays out a pair as two sequences, so its pairs are
 half the `<|vision_start|>` tokens its batches held; its reference (the model with the adapter off)
 runs inside its steps. Ours computes its reference once before the first step: its pairs/s is given
@@ -380,8 +381,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = qwen_numbered_tokenizer()
     dpo = args.method == "dpo"
-    if dpo:  # --images pairs, each on an image of its own
-        raw = make_workload(work, 2 * args.images, tokenizer, 0, 2, args.short_answers)
+    pairs_in_split = args.images * args.questions_per_image
+    if dpo:  # --questions-per-image pairs on each of --images images
+        raw = make_workload(work, 2 * pairs_in_split, tokenizer, 0, 2 * args.questions_per_image, args.short_answers)
         raw.write_text("".join(json.dumps(r) + "\n" for r in paired(read_rows(raw))[0]))
     else:
         raw = make_workload(
@@ -435,7 +437,7 @@ def main() -> None:
         if not args.no_pixels:
             ours.append(("ours (from pixels)", work / "pixels", {}))
         if dpo:  # β and the loss as the peers'; each pair is one step's record
-            ours = [(label, cache, dict(method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, _ in ours]
+            ours = [(label, cache, dict(o, method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, o in ours]
         if args.questions_per_image > 1:
             ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
         for label, cache, options in ours:
@@ -469,7 +471,7 @@ def main() -> None:
                     results[label].update(
                         pairs_per_s=pairs / seconds,
                         reference_s=reference_s,
-                        pairs_per_s_with_reference=pairs / (seconds + reference_s * pairs / args.images),
+                        pairs_per_s_with_reference=pairs / (seconds + reference_s * pairs / pairs_in_split),
                     )
             except Exception as error:  # a run that fails is reported as such, as a peer's is
                 results[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
@@ -507,7 +509,8 @@ def main() -> None:
         if not k.startswith("ours") and "error" not in r
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    kind = "dpo" if dpo else "kvasir" if args.questions_per_image > 1 else "benchmark"
+    kind = "kvasir" if args.questions_per_image > 1 else "benchmark"
+    kind = f"dpo-{kind}" if dpo else kind
     answers = "short" if args.short_answers else "long"
     gpu = re.search(r"[A-Z]\d{3}", report["device"])  # H200, H100, A100
     name = f"peers-{kind}-{answers}-{args.arch}-{gpu.group() if gpu else 'gpu'}-{report['date']}.json"

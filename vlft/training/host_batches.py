@@ -18,7 +18,7 @@ the prefix): an image's questions are computed with their image once wherever th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from vlft.jobs import distributed
 from vlft.data.prompts import PromptBuilder
@@ -41,9 +41,14 @@ class HostBatcher:
 
     def __call__(self, groups: list[ImageGroup]) -> list[dict]:
         """This process's micro-batches of a step's groups."""
+        return list(self.each(groups))
+
+    def each(self, groups: list[ImageGroup]) -> Iterator[dict]:
+        """This process's micro-batches of the groups, each laid out when asked for: a pass over a
+        whole split (a preference stage's reference) holds one micro-batch's images at a time."""
         if self.group.size > 1:  # this process's share of the step, balanced by tokens
             groups = share_groups(groups, self.group.size)[self.group.rank]
-        return [self.lay_out(row) for row in self.rows(groups)]
+        return (self.lay_out(row) for row in self.rows(groups))
 
     def work_spread(self, groups: list[ImageGroup]) -> dict:
         """For the step's log line: each process's tokens in the step (the busiest sets its time)."""

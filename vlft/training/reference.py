@@ -20,7 +20,7 @@ import torch
 from vlft.data.stage_data import StageData
 from vlft.files import write_json
 from vlft.jobs import distributed
-from vlft.training.batching import to_device
+from vlft.training.batching import prefetched, to_device
 from vlft.training.loss import answer_logps
 from vlft.training.methods import pair_group
 from vlft.training.steps import groups_in_order, image_of
@@ -50,12 +50,15 @@ def pair_logps(
     (no dropout), laid out as training lays pairs out; every process gets all of them."""
     by_group = image_of(data.images) if image_groups else (lambda record: record["key"])
     groups = [pair_group(data, [r["key"] for r in records]) for records in groups_in_order(data.records, by_group)]
-    computed = {}
+    keys, logps = [], []
     with without_dropout(model), forward_context:
-        for host_batch in batcher(groups):
-            logps = answer_logps(model, to_device(host_batch, device, dtype)).detach().tolist()
-            for n, key in enumerate(host_batch["sample_ids"][0::2]):
-                computed[key] = (logps[2 * n], logps[2 * n + 1])
+        # Each micro-batch laid out in a background thread while the GPU computes the one before;
+        # the values are read back once at the end, so the GPU never waits for the host to read them.
+        for host_batch in prefetched(batcher.each(groups)):
+            logps.append(answer_logps(model, to_device(host_batch, device, dtype)).detach())
+            keys += host_batch["sample_ids"][0::2]
+    values = torch.cat(logps).tolist() if logps else []
+    computed = {key: (values[2 * n], values[2 * n + 1]) for n, key in enumerate(keys)}
     if group.size > 1:
         computed = {key: pair for share in distributed.gathered(computed) for key, pair in share.items()}
     return computed
