@@ -436,10 +436,10 @@ def main() -> None:
         ours = [("ours (vision cache)", work / "vision", {})]
         if not args.no_pixels:
             ours.append(("ours (from pixels)", work / "pixels", {}))
-        if dpo:  # β and the loss as the peers'; each pair is one step's record
-            ours = [(label, cache, dict(o, method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, o in ours]
         if args.questions_per_image > 1:
             ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
+        if dpo:  # β and the loss as the peers'; each pair is one step's record
+            ours = [(label, cache, dict(o, method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, o in ours]
         for label, cache, options in ours:
             settings = dict(
                 our_settings(args.steps),
