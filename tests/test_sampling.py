@@ -87,3 +87,16 @@ def test_the_warped_softmax_is_transformers_own():
         theirs = torch.softmax(warpers(None, logits.clone()), dim=-1)
         ours = sampling_probabilities(logits, Sampling(temperature=temperature, top_k=top_k, top_p=top_p))
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-15)
+
+
+def test_tokens_never_drawn_are_not_drawn_however_likely_and_the_rest_keep_their_odds():
+    """`never` (a GRPO rollout's image markers): those tokens get no probability, whatever their
+    logits; the others' odds are unchanged."""
+    logits = torch.tensor([[5.0, 0.0, 1.0, 4.0]], dtype=torch.float64)
+    settings = Sampling(temperature=1.0, never=(0, 3))
+    probabilities = sampling_probabilities(logits, settings)
+    assert probabilities[0, 0] == 0 and probabilities[0, 3] == 0
+    assert probabilities[0, 2] / probabilities[0, 1] == pytest.approx(math.e)
+    seeds = torch.arange(500)
+    drawn = draw_tokens(logits.expand(500, -1), seeds, torch.zeros_like(seeds), settings)
+    assert set(drawn.tolist()) == {1, 2}

@@ -75,6 +75,11 @@ def check_config_files(paths: list[str | Path]) -> None:
             )
 
 
+# What a training method's shared keys mean where a stage leaves them null (TRL's defaults for each
+# trainer): resolved by the plan, and again by a job given params without them.
+METHOD_DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
+
+
 def stage_defaults() -> dict:
     """What every stage starts from before the config's `defaults` and the stage's own keys."""
     return _defaults_of(load_schema()["$defs"]["stage_settings"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from vlft.config import stage_defaults
+from vlft.config import METHOD_DEFAULTS, stage_defaults
 from vlft.errors import ConfigError
 from vlft.plan import RUN_ONLY_KEYS
 
@@ -50,11 +50,20 @@ class StageSettings:
     packing: bool
     compile: bool
     image_groups: bool
-    method: str  # sft or dpo (vlft.training.methods)
-    beta: float
-    loss_type: str
+    method: str  # sft, dpo or grpo (vlft.training.methods)
+    beta: float | None  # None only where the method is sft (vlft.plan.METHOD_DEFAULTS)
+    loss_type: str | None
     label_smoothing: float
     rpo_alpha: float | None
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    top_k: int
+    epsilon: float
+    epsilon_high: float | None
+    scale_rewards: str
+    rewards: dict
     quantization_bit: int | None
     eval_every: int
     eval_samples: int
@@ -72,6 +81,8 @@ class StageSettings:
         if unknown:
             raise ConfigError(f"unknown stage setting(s) {', '.join(unknown)} in this job's settings")
         values = {k: v for k, v in ({"dataset": None} | stage_defaults() | params).items() if k in names}
+        for key, value in METHOD_DEFAULTS.get(values["method"], {}).items():
+            values[key] = value if values[key] is None else values[key]
         return cls(**values, params=dict(params))
 
     def __getitem__(self, key: str):

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlft.config import stage_defaults
+from vlft.config import METHOD_DEFAULTS, stage_defaults
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, model_dir_problem
 from vlft.data.answers import AnswerFormat
@@ -27,9 +27,15 @@ RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 # schema's defaults, once, at its entry (vlft.job_settings).
 LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None, "method": "sft"}
 # Options that mean something only while another is on: left out with it.
-LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")} | {
-    key: "method" for key in ("beta", "loss_type", "label_smoothing", "rpo_alpha")
+LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
+# Each training method's own settings: left out of a stage's params unless it uses that method.
+GRPO_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon")
+GRPO_KEYS += ("epsilon_high", "scale_rewards", "rewards")
+METHOD_KEYS = {
+    "dpo": ("beta", "loss_type", "label_smoothing", "rpo_alpha"),
+    "grpo": ("beta", "loss_type") + GRPO_KEYS,
 }
+LOSS_TYPES = {"dpo": ("sigmoid",), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
 
 # Settings that must match between a stage and the stage it starts from (the adapter's shape).
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
@@ -59,6 +65,9 @@ class Stage:
         return {k: v for k, v in self.settings.items() if k not in RUN_ONLY_KEYS and not self._off(k)}
 
     def _off(self, key: str) -> bool:
+        methods = [method for method, keys in METHOD_KEYS.items() if key in keys]
+        if methods:
+            return self.settings["method"] not in methods
         key = LEFT_OUT_WITH.get(key, key)
         return key in LEFT_OUT_WHEN_OFF and self.settings[key] == LEFT_OUT_WHEN_OFF[key]
 
@@ -180,6 +189,7 @@ def build_plan(config: dict) -> Plan:
                 raise ConfigError(f"{key}.name: stage '{name}' appears twice in experiment '{experiment}'")
             names.add(name)
             settings = _merge(defaults, {k: v for k, v in stage_spec.items() if k != "name"})
+            _resolve_method_defaults(settings, key)
             _check_data(settings, datasets, key, made_here=set(config.get("demo", {}).get("datasets", {})))
             _check_schedule(settings, key)
             init_from = settings.pop("init_from")
@@ -194,6 +204,36 @@ def build_plan(config: dict) -> Plan:
     _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
     _check_runtimes(config, plan)
     return plan
+
+
+def _check_rewards(settings: dict, key: str) -> None:
+    """A grpo stage's rewards, and what sampling needs, before any job is queued."""
+    from vlft.training.rewards import Rewards
+
+    if not settings["packing"]:
+        raise ConfigError(
+            f"{key}.method: grpo needs packing: true (a question's answers share their prompt in one packed row)"
+        )
+    if settings["max_batch_tokens"] == "auto":
+        raise ConfigError(
+            f"{key}.max_batch_tokens: auto is measured on the records' answers, not on sampled ones: give a number (or null) for a grpo stage"
+        )
+    Rewards(settings["rewards"], settings["answer_format"], f"{key}.rewards")
+
+
+def _resolve_method_defaults(settings: dict, key: str) -> None:
+    """A method's shared keys (beta, loss_type) where the stage leaves them null, and a value that
+    belongs to another method refused in one sentence."""
+    method = settings["method"]
+    for name, value in METHOD_DEFAULTS.get(method, {}).items():
+        if settings[name] is None:
+            settings[name] = value
+    if method in LOSS_TYPES and settings["loss_type"] not in LOSS_TYPES[method]:
+        raise ConfigError(
+            f"{key}.loss_type: '{settings['loss_type']}' is not a {method} loss (one of {', '.join(LOSS_TYPES[method])})"
+        )
+    if method == "dpo" and settings["beta"] <= 0:
+        raise ConfigError(f"{key}.beta: dpo's β must be above 0 (its loss divides nothing without it)")
 
 
 def _checkpoint_pixels(defaults: dict, model_dir: str) -> None:
@@ -311,6 +351,8 @@ def _check_data(settings: dict, datasets: dict, key: str, made_here: set[str] = 
         raise ConfigError(
             f"{key}.method: dpo needs packing: true (a pair's two answers share their prompt in one packed row)"
         )
+    if settings["method"] == "grpo":
+        _check_rewards(settings, key)
     if settings["method"] == "dpo" and settings["max_batch_tokens"] == "auto":
         raise ConfigError(
             f"{key}.max_batch_tokens: auto is measured on single answers, not on preference pairs: give a number (or null) for a dpo stage"

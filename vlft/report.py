@@ -438,6 +438,37 @@ def preference_stages(jobs: pd.DataFrame, results: pd.DataFrame) -> str:
     )
 
 
+def reward_stages(stages: list[TrainedStage], jobs: pd.DataFrame, results: pd.DataFrame, path: Path) -> str:
+    """The section on reward (grpo) stages, where the study has any: each step's mean reward, its
+    rewards early and late, and its accuracy beside the stage it started from."""
+    if "reward_end" not in jobs:
+        return ""
+    tuned = jobs[jobs.reward_end.notna()][["experiment", "stage", "reward_start", "reward_end"]]
+    shown = tuned.merge(
+        results[["experiment", "stage", "split", "accuracy", "started_from", "gain_over_start"]],
+        on=["experiment", "stage"],
+    )
+    rewarded = [t for t in stages if f"{t.experiment}/{t.stage}" in set(tuned.experiment + "/" + tuned.stage)]
+    fig, axes = _panels([t.label for t in rewarded])
+    for ax, trained in zip(axes.flat, rewarded):
+        log = read_jsonl(trained.log)
+        steps = [r["step"] for r in log]
+        mean = [r["reward"] for r in log]
+        spread = [r["reward_std"] for r in log]
+        ax.plot(steps, mean, linewidth=1.2, label="reward")
+        ax.fill_between(steps, [m - d for m, d in zip(mean, spread)], [m + d for m, d in zip(mean, spread)], alpha=0.2)
+    _label_panels(fig, axes, [t.label for t in rewarded], "mean reward of the step's answers (± their groups' spread)")
+    png = _save_png(fig, path)
+    return (
+        "<h2>Reward stages</h2><p>The mean reward of each step's sampled answers (the weighted sum of the "
+        "stage's <code>rewards</code>), over the first (<code>reward_start</code>) and the last tenth "
+        "(<code>reward_end</code>) of the steps, and per step below; accuracy: answers, as every stage is "
+        "judged, beside the stage it started from.</p>"
+        + table_html(shown)
+        + f'<img alt="mean reward per step, one panel per reward stage" src="data:image/png;base64,{png}">'
+    )
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
@@ -463,6 +494,7 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
         )
     job_columns = [c for c in JOB_COLUMNS if c in jobs]
     preferences = preference_stages(jobs, results)
+    rewards = reward_stages(stages, jobs, results, output_dir / "reward_curves.png")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 {STYLE}</head><body>
@@ -481,6 +513,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 <img alt="training loss curves, one panel per experiment" src="data:image/png;base64,{losses}">
 {accuracy_over_steps}
 {preferences}
+{rewards}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 <h2>Example answers</h2>
 <p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>

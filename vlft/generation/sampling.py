@@ -47,6 +47,9 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Tokens never drawn: an image's placeholders and markers, which no answer can hold (a sampled
+    # one would ask the next forward for an image that is not there).
+    never: tuple[int, ...] = ()
 
 
 class Seeded:
@@ -86,19 +89,14 @@ def sampler_for(sampling: Sampling | None, slots: int, positions: torch.Tensor):
         return Greedy()
     return Seeded(sampling, slots, positions)
 
-    """How sampled answers are drawn, under the names transformers, TRL and ms-swift give them:
-    `temperature` (0: greedy), `top_k` (0: every token), `top_p` (1.0: every token)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
 
 def warped_logits(logits: torch.Tensor, settings: Sampling) -> torch.Tensor:
     """The logits sampled from: divided by the temperature, then all but the `top_k` largest and
     then all outside the nucleus of `top_p` set to -inf (the order and the ties transformers'
     TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper give; tests/test_sampling.py)."""
     scaled = logits / settings.temperature
+    for token in settings.never:  # a fill of one column each: tensor operations a CUDA graph replays
+        scaled[..., token] = float("-inf")
     if settings.top_k:
         kth = torch.topk(scaled, min(settings.top_k, scaled.shape[-1])).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

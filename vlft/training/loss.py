@@ -101,19 +101,30 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     return torch.nn.functional.cross_entropy(logits.to(_loss_dtype(logits.dtype)), targets, reduction="none")
 
 
-def answer_logps(model, batch: dict) -> torch.Tensor:
-    """Each sample's log-probability of its answer (the sum over its answer tokens), in the order
-    of `batch["sample_ids"]`, with gradients: what a preference loss compares. The head is applied
-    to answer positions only, a chunk of rows at a time, recomputed in the backward pass (liger's
-    fused kernel returns only a total, not one sum a sample)."""
+def answer_token_logps(model, batch: dict) -> torch.Tensor:
+    """The log-probability of each answer token of the batch (in the order of its answer positions,
+    `batch["answer_owners"]` saying whose), with gradients: what a policy-gradient loss weighs. The
+    head is applied to answer positions only, a chunk of rows at a time, recomputed in the backward
+    pass (liger's fused kernel returns only a total, not one value a token)."""
     outer = unwrapped(model)
     answer_hidden = answer_hidden_states(model, batch)
-    targets, owners = batch["answer_targets"], batch["answer_owners"]
-    sums = answer_hidden.new_zeros(len(batch["sample_ids"]), dtype=_loss_dtype(answer_hidden.dtype))
-    for start in range(0, answer_hidden.shape[0], CHUNK_ROWS):
-        rows = slice(start, start + CHUNK_ROWS)
-        losses = checkpoint(
-            _chunk_losses, answer_hidden[rows], outer.lm_head.weight, targets[rows], use_reentrant=False
+    targets = batch["answer_targets"]
+    chunks = [
+        checkpoint(
+            _chunk_losses,
+            answer_hidden[start : start + CHUNK_ROWS],
+            outer.lm_head.weight,
+            targets[start : start + CHUNK_ROWS],
+            use_reentrant=False,
         )
-        sums = sums.index_add(0, owners[rows], losses)
-    return -sums
+        for start in range(0, answer_hidden.shape[0], CHUNK_ROWS)
+    ]
+    return -torch.cat(chunks) if chunks else answer_hidden.new_zeros(0, dtype=_loss_dtype(answer_hidden.dtype))
+
+
+def answer_logps(model, batch: dict) -> torch.Tensor:
+    """Each sample's log-probability of its answer (the sum over its answer tokens), in the order
+    of `batch["sample_ids"]`, with gradients: what a preference loss compares."""
+    token_logps = answer_token_logps(model, batch)
+    sums = token_logps.new_zeros(len(batch["sample_ids"]))
+    return sums.index_add(0, batch["answer_owners"], token_logps)

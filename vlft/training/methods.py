@@ -13,6 +13,9 @@ are the loop's; a method is asked three things:
 - `loss_sums(model, batch)`: a micro-batch's summed loss, and any metrics the log carries, each a
   sum over the micro-batch (the loop adds them up over micro-batches and processes and divides
   them by the step's weight). `METRICS` names them, "loss" first.
+- `step_fields()`: what the step's log line adds beyond the loss sums (a rollout's rewards, for
+  grpo), `logged` naming everything the curves draw; `on_policy`: the step's samples come from the
+  adapter as it stands, so the loop lays them out at the step, not one step ahead.
 - `summary(log)`: what the stage's summary adds from its step log.
 
 What a method needs computed once before the first step (DPO's reference log-probabilities,
@@ -37,6 +40,10 @@ from vlft.training.steps import Step
 class TrainingMethod(Protocol):
     name: str
     METRICS: tuple[str, ...]
+    logged: tuple[str, ...]  # what the curves draw: METRICS and what step_fields adds
+    on_policy: bool  # its step's samples come from the adapter as it stands (laid out at the step)
+
+    def step_fields(self) -> dict: ...
 
     def step_groups(self, step: Step) -> list[ImageGroup]: ...
 
@@ -53,7 +60,8 @@ class SupervisedFineTuning:
     """`method: sft`: the answers learned token by token (next-token cross-entropy on answer tokens)."""
 
     name = "sft"
-    METRICS = ("loss",)
+    METRICS = logged = ("loss",)
+    on_policy = False
 
     def __init__(self, data: StageData):
         self.data = data
@@ -67,6 +75,9 @@ class SupervisedFineTuning:
     def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
         loss_sum, _ = answer_loss_sum(model, batch)
         return (loss_sum,)
+
+    def step_fields(self) -> dict:
+        return {}
 
     def after_last_step(self, model, log) -> None:
         pass
@@ -115,6 +126,8 @@ class PreferenceOptimization:
         "logps/chosen",
         "logps/rejected",
     )
+    logged = METRICS
+    on_policy = False
 
     def __init__(
         self, data: StageData, settings, reference: dict[str, tuple[float, float]], held_out=None, reference_s=0.0
@@ -157,6 +170,9 @@ class PreferenceOptimization:
             chosen.detach().sum(),
             rejected.detach().sum(),
         )
+
+    def step_fields(self) -> dict:
+        return {}
 
     def after_last_step(self, model, log) -> None:
         """The held-out pairs judged by the trained weights, in the job's log and the curves."""

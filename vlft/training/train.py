@@ -62,6 +62,8 @@ from vlft.training.host_batches import HostBatcher
 from vlft.training.methods import PreferenceOptimization, SupervisedFineTuning, TrainingMethod
 from vlft.training.held_out_pairs import HeldOutPairs
 from vlft.training.reference import REFERENCE_FILE, reference_logps
+from vlft.training.grpo import GroupRelativePolicyOptimization
+from vlft.training.rewards import Rewards
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
@@ -125,16 +127,16 @@ def train_stage(
     # The loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
     todo = range(first_step, len(steps))
-    step_groups = (method.step_groups(steps[step]) for step in todo)
     name = outputs.adapter.parent.name
     with StepLog(
-        run.running_log, len(steps), first_step, name, curves_dir, steps_before, device, group.is_main, method.METRICS
+        run.running_log, len(steps), first_step, name, curves_dir, steps_before, device, group.is_main, method.logged
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
-        for step, (groups, micro_batches) in zip(todo, prefetched((g, batcher(g)) for g in step_groups)):
+        for step, (groups, micro_batches) in zip(todo, _step_batches(method, steps, todo, batcher)):
             fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
-            log.step(done, fields | batcher.work_spread(groups), lr, grad_norm, [s for g in groups for s in g.samples])
+            fields |= method.step_fields() | batcher.work_spread(groups)
+            log.step(done, fields, lr, grad_norm, [s for g in groups for s in g.samples])
             if reason := _stop_reason(stop, done, len(steps), group, device):
                 _save_and_stop(run, trainer, reason, done, len(steps))
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
@@ -153,6 +155,15 @@ def train_stage(
     result = run.publish(outputs)
     distributed.barrier()
     return result
+
+
+def _step_batches(method, steps: list, todo: range, batcher):
+    """Each step's groups and micro-batches: laid out one step ahead in a background thread, or
+    where the method samples its answers (grpo: on-policy), at the step itself, after the step
+    before has updated the adapter (the generator runs as the loop asks for the next step)."""
+    if method.on_policy:
+        return ((g, batcher(g)) for g in (method.step_groups(steps[step], step) for step in todo))
+    return prefetched((g, batcher(g)) for g in (method.step_groups(steps[step]) for step in todo))
 
 
 @dataclass
@@ -285,6 +296,9 @@ def _setup_method(
     pairs and of the eval split's held-out pairs (vlft.training.held_out_pairs)."""
     if settings.method == "sft":
         return SupervisedFineTuning(data)
+    if settings.method == "grpo":
+        rewards = Rewards(settings.rewards, settings.answer_format)
+        return GroupRelativePolicyOptimization(data, settings, rewards, builder, tokenizer, model, device, dtype)
 
     def batcher_of(pairs: StageData):
         batcher = _host_batcher(settings, tokenizer, builder, pairs, model, device, group)

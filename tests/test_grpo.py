@@ -1,0 +1,269 @@
+"""Reward stages (`method: grpo`) on the CPU with a tiny real Qwen3-VL: a stage samples answers with
+the adapter as it stands, scores them and learns them; each step's loss and LoRA gradients equal
+TRL's GRPO loss computed over the same answers as separate sequences; a stage stopped and resumed
+draws and trains what an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlft.data import clicks
+from vlft.data.prompts import PromptBuilder
+from vlft.data.stage_data import load_stage_data
+from vlft.demo.screens import make_dataset
+from vlft.errors import ConfigError
+from vlft.files import read_jsonl
+from vlft.job_settings import StageSettings
+from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
+from vlft.training.batching import to_device
+from vlft.training.grpo import GroupRelativePolicyOptimization, answer_seed
+from vlft.training.loss import answer_token_logps
+from vlft.training.methods import group_advantages
+from vlft.training.packing import pack, pack_groups, use_packed_attention
+from vlft.modeling import rope_index
+from vlft.training.rewards import Rewards
+from vlft.training.runs import StageInputs
+from vlft.training.train import Preempted, train_stage
+from conftest import FLOAT64_RTOL, StopAfter, questions_on_shared_images, tiny_family_data, tiny_stage_settings
+from test_fast_path import LORA
+from test_preferences import SHARED_BY_EIGHT_RTOL
+
+CPU, FLOAT64 = torch.device("cpu"), torch.float64
+GRPO = dict(
+    method="grpo",
+    answer_format="click",
+    num_generations=4,
+    max_completion_length=12,
+    rewards={"click_in_box": 1.0, "format": 0.1},
+    micro_batch=2,
+    max_steps=3,
+    learning_rate=5e-3,
+    lora_dropout=0.0,
+    temperature=1.0,
+    beta=0.0,
+    loss_type="dapo",
+)
+
+
+def answer_length_reward(records, answers):
+    """A reward of one's own (`module:function`): one that tells a random tiny model's answers apart."""
+    assert len(records) == len(answers) and all("question" in r for r in records)
+    return [float(len(answer) % 5) for answer in answers]
+
+
+@pytest.fixture(scope="module")
+def screens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": 6}, seed=2)
+    return tiny_family_data(root, "qwen3_vl", root / "raw.jsonl")
+
+
+def train(root, out, stop=None, **overrides):
+    inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
+    settings = tiny_stage_settings(**(GRPO | overrides))
+    train_stage(
+        inputs,
+        settings,
+        out / "adapter",
+        out / "log.jsonl",
+        out / "summary.json",
+        out / "ckpt",
+        1000,
+        stop=stop,
+        dtype=FLOAT64,
+    )
+    return read_jsonl(out / "log.jsonl")
+
+
+def test_a_grpo_stage_samples_scores_and_learns_its_answers_and_logs_what_researchers_watch(screens, tmp_path):
+    log = train(screens, tmp_path / "run")
+    assert [row["step"] for row in log] == [1, 2, 3]
+    for row in log:
+        for name in ("reward", "reward_std", "advantage_std", "completions/mean_length", "kl"):
+            assert name in row and row[name] == row[name]  # present, not NaN
+        assert 0 <= row["rewards/click_in_box/mean"] <= 1 and 0 <= row["rewards/format/mean"] <= 1
+        assert 1 <= row["completions/mean_length"] <= GRPO["max_completion_length"]
+        assert row["samples"] == GRPO["micro_batch"] * GRPO["num_generations"]
+        assert row["kl"] == 0.0  # beta 0: no KL computed
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert "reward_start" in summary and "reward_end" in summary
+    # The adapter moved.
+    adapter = load_file(tmp_path / "run/adapter/adapter_model.safetensors")
+    assert any(float(t.abs().max()) > 0 for k, t in adapter.items() if "lora_B" in k)
+
+
+def test_a_resumed_grpo_stage_draws_and_trains_what_an_uninterrupted_one_does(screens, tmp_path):
+    whole = train(screens, tmp_path / "whole", beta=0.04)
+    with pytest.raises(Preempted, match="after step 2"):
+        train(screens, tmp_path / "cut", stop=StopAfter(2), beta=0.04)
+    resumed = train(screens, tmp_path / "cut", beta=0.04)
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in whole]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+    assert whole[-1]["kl"] > 0  # beta above 0: the KL to the starting weights, after it has moved
+    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
+    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_answer_seeds_depend_on_stage_step_record_and_answer_alone():
+    seeds = {answer_seed(s, step, key, n) for s in (0, 1) for step in (0, 1) for key in ("a", "b") for n in (0, 1)}
+    assert len(seeds) == 16 and all(0 <= seed < 2**63 for seed in seeds)
+    assert answer_seed(0, 3, "train#7", 2) == answer_seed(0, 3, "train#7", 2)
+
+
+@pytest.fixture(scope="module")
+def shared_images(tmp_path_factory):
+    """Two images with two questions each (answers in words)."""
+    root = tmp_path_factory.mktemp("grpo-shared")
+    return tiny_family_data(root, "qwen3_vl", questions_on_shared_images(root, images=2, per_image=2))
+
+
+@pytest.mark.parametrize(
+    "loss_type, layout",
+    [
+        ("grpo", "a question an image"),
+        ("dapo", "a question an image"),
+        ("dr_grpo", "a question an image"),
+        ("dapo", "two questions an image, image groups"),
+    ],
+)
+def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separate_sequences(
+    screens, shared_images, loss_type, layout
+):
+    """Family (b) and (a): the loss and LoRA gradients of a step whose answers share their
+    question's prompt in one packed row (with image groups, the answers to all questions on one
+    image sharing the image) equal TRL's GRPO loss (its formulas, as tests/test_rewards.py checks
+    them against TRL's own code) over each answer computed as a sequence of its own."""
+    grouped = layout.endswith("image groups")
+    root, answer_format = (shared_images, "final") if grouped else (screens, "click")
+    tokenizer = load_tokenizer(root / "model")
+    model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
+    use_packed_attention(model)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    data = load_stage_data(
+        [str(root / "prepared.jsonl")],
+        [str(root / "pixels")],
+        builder,
+        filters={},
+        answer_format=answer_format,
+        max_seq_len=4096,
+        convention=clicks.convention_for(answer_format, model.config),
+    )
+    rewards = {"test_grpo:answer_length_reward": 1.0}
+    overrides = {"loss_type": loss_type, "rewards": rewards, "answer_format": answer_format}
+    settings = StageSettings.resolve(tiny_stage_settings(**(GRPO | overrides)))
+    method = GroupRelativePolicyOptimization(
+        data, settings, Rewards(rewards, answer_format), builder, tokenizer, model, CPU, FLOAT64
+    )
+    keys = [r["key"] for r in data.records[: 4 if grouped else 2]]
+    step = [keys[:2], keys[2:]] if grouped else [[k] for k in keys]
+    groups = method.step_groups(step, 0)
+    # Each group's answers share their prompt (with image groups: the header and the image).
+    assert [len(g.samples) for g in groups] == [8, 8] if grouped else [4, 4]
+    assert all(g.shared > 0 for g in groups)
+    weight = method.step_weight(groups)
+    batch = to_device(pack_groups(groups, data.images, builder, rope_index(model)), CPU, FLOAT64)
+    loss = method.loss_sums(model, batch)[0] / weight
+    shared = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    # TRL's way: every answer a padded sequence of its own, its per-token log-probabilities, the
+    # loss of _compute_loss with old = current (num_iterations 1) and beta 0.
+    samples = [s for g in groups for s in g.samples]
+    token_logps, lengths = [], []
+    for sample in samples:
+        alone = to_device(pack([sample], data.images, builder, rope_index(model)), CPU, FLOAT64)
+        token_logps.append(answer_token_logps(model, alone))
+        lengths.append(len(sample.input_ids) - sample.prompt_length)
+    width = max(lengths)
+    per_token = torch.zeros(len(samples), width, dtype=FLOAT64)
+    mask = torch.zeros(len(samples), width, dtype=FLOAT64)
+    for i, logps in enumerate(token_logps):
+        per_token[i, : len(logps)], mask[i, : len(logps)] = logps, 1
+    advantages = torch.tensor([method.rollout[s.record_id][0] for s in samples], dtype=FLOAT64)
+
+    def trl_loss(advantages):
+        ratio = torch.exp(per_token - per_token.detach())
+        clipped = torch.clamp(ratio, 0.8, 1.2)
+        token_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+        if loss_type == "grpo":
+            return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        if loss_type == "dr_grpo":
+            return (token_loss * mask).sum() / (len(samples) * GRPO["max_completion_length"])
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1)
+
+    expected = trl_loss(advantages)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    separate = torch.autograd.grad(expected, trainable, retain_graph=True)
+    # The gradient is a difference: what the answers above their group's mean pull, less what the
+    # ones below push (advantages sum to 0 in a group). Its rounding is relative to those parts.
+    pulled = torch.autograd.grad(trl_loss(advantages.clamp(min=0)), trainable, retain_graph=True)
+    pushed = torch.autograd.grad(trl_loss(advantages.clamp(max=0)), trainable)
+    assert torch.allclose(loss, expected, rtol=FLOAT64_RTOL, atol=1e-15)
+    assert any(float(g.abs().max()) > 0 for g in separate)  # some answers' rewards differ: a real gradient
+    for a, b, up, down in zip(shared, separate, pulled, pushed):
+        # A question's prompt serves its answers in one copy: tests/test_preferences.py's bound for a
+        # prefix shared by up to 8 answers (measured here: 4.0e-8 of the parts, with 4 answers).
+        assert (a - b).norm() <= SHARED_BY_EIGHT_RTOL * (up.norm() + down.norm())
+    # Each question's advantages are its answers' rewards against their group's mean: they sum to 0.
+    assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "stage, said",
+    [
+        ({"method": "grpo", "answer_format": "click"}, "rewards: a reward stage needs at least one reward"),
+        ({"method": "grpo", "answer_format": "final", "rewards": {"click_in_box": 1}}, "judges clicks"),
+        ({"method": "grpo", "rewards": {"format": 1}, "loss_type": "sigmoid"}, "'sigmoid' is not a grpo loss"),
+        ({"method": "grpo", "rewards": {"format": 1}, "packing": False}, "grpo needs packing: true"),
+        ({"method": "grpo", "rewards": {"no_such_module_here:f": 1}, "answer_format": "final"}, "cannot be imported"),
+        ({"method": "dpo", "beta": 0}, "dpo's β must be above 0"),
+    ],
+)
+def test_a_grpo_stage_that_cannot_train_is_one_sentence_before_any_job(tmp_path, stage, said):
+    from vlft.config import resolve_config
+    from vlft.plan import build_plan
+
+    make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
+    config = {
+        "model": {"path": str(tmp_path / "model")},
+        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
+        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
+        "experiments": {"e": {"stages": [{"name": "s", **stage}]}},
+    }
+    with pytest.raises(ConfigError, match=said):
+        build_plan(resolve_config(config))
+
+
+def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tmp_path):
+    """Adding grpo's settings reruns no sft or dpo stage: each method's keys are left out of other
+    stages' params, and a dpo stage's resolved beta and loss_type are what they were (0.1, sigmoid)."""
+    from vlft.config import resolve_config
+    from vlft.plan import build_plan
+
+    from vlft.demo.shapes import make_dataset as make_shapes  # records with a rejected answer too
+
+    make_shapes({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
+    stages = [
+        {"name": "sft"},
+        {"name": "dpo", "method": "dpo"},
+        {"name": "grpo", "method": "grpo", "rewards": {"answer_match": 1.0}},
+    ]
+    config = {
+        "model": {"path": str(tmp_path / "model")},
+        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
+        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
+        "experiments": {"e": {"stages": stages}},
+    }
+    plan = build_plan(resolve_config(config))
+    sft, dpo, grpo = (plan.stages[f"e/{name}"].train_params() for name in ("sft", "dpo", "grpo"))
+    assert not {"beta", "loss_type", "num_generations", "rewards", "temperature"} & set(sft)
+    assert dpo["beta"] == 0.1 and dpo["loss_type"] == "sigmoid" and "num_generations" not in dpo
+    assert grpo["beta"] == 0.0 and grpo["loss_type"] == "dapo" and grpo["num_generations"] == 8
+    assert "rpo_alpha" not in grpo and grpo["rewards"] == {"answer_match": 1.0}

@@ -1,0 +1,262 @@
+"""`method: grpo`: Group Relative Policy Optimization, as TRL's GRPOTrainer computes it, with each
+question's prompt and image computed once for its answers.
+
+At every step, before its update, the adapter as it stands samples `num_generations` answers to
+each of the step's questions (vlft.generation.engine with vlft.generation.sampling's seeded draws:
+a question's answers share its prompt's prefill). The answers are scored by the stage's rewards
+(vlft.training.rewards), each answer's advantage is its reward against its group's
+(`group_advantages`), and the step learns them under PPO's clipped objective (`grpo_token_losses`,
+`grpo_loss_sum`, `grpo_step_weight`, in vlft.training.methods, each tested against TRL's). A
+question's answers are one image group: its prompt laid out once, each answer at the positions it
+has alone, so each token's log-probability and gradient are the ones it gets alone.
+
+An answer's seed is a hash of (the stage's seed, the step, the record, the answer's number): a
+resumed stage draws at each step what an uninterrupted one would. With one update per rollout (as
+TRL's `num_iterations: 1`) the rollout's log-probabilities are the update's own, detached: no pass
+computes them. With `beta` above 0 the KL is to the stage's starting weights: the starting
+adapter's weights are kept (a copy of the adapter, not of the model) and swapped in for a pass over
+the rollout's answers without gradients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from contextlib import contextmanager
+
+import torch
+
+from vlft.data.prompts import Sample
+from vlft.data.stage_data import StageData
+from vlft.generation.engine import answer_requests
+from vlft.generation.evaluate import prompt_request
+from vlft.generation.sampling import Sampling
+from vlft.modeling import adapter_autocast, rope_index, unwrapped
+from vlft.training.batching import to_device
+from vlft.training.image_groups import ImageGroup
+from vlft.training.loss import answer_token_logps
+from vlft.training.packing import pack_groups
+from vlft.training.methods import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
+from vlft.training.rewards import Answer, Rewards
+from vlft.training.step_evals import adapter_in_model_dtype
+from vlft.training.steps import Step
+
+
+def answer_seed(stage_seed: int, step: int, key: str, number: int) -> int:
+    """The seed of a sampled answer: the same for the same stage, step, record and answer, in any
+    process, order or attempt (a hash, not a generator's state)."""
+    digest = hashlib.sha256(f"{stage_seed}:{step}:{key}:{number}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+# What a step's rollout adds to its log line, besides each reward's mean and spread (TRL's names).
+ROLLOUT_FIELDS = (
+    "reward",
+    "reward_std",
+    "advantage_std",
+    "completions/mean_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+)
+
+
+def image_markers(config) -> tuple[int, ...]:
+    """The ids of the tokens that stand for or around an image or a video in a Qwen-VL prompt."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return tuple(sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None}))
+
+
+class GroupRelativePolicyOptimization:
+    name = "grpo"
+    METRICS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean")
+    on_policy = True
+
+    def __init__(self, data: StageData, settings, rewards: Rewards, builder, tokenizer, model, device, dtype):
+        self.data, self.settings, self.rewards = data, settings, rewards
+        self.builder, self.tokenizer, self.model, self.device, self.dtype = builder, tokenizer, model, device, dtype
+        self.generations = settings.num_generations
+        self.records = {r["key"]: r for r in data.records}
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        # The starting weights, for the KL: the adapter's own tensors, a few MB (beta 0: not needed).
+        self.start = [p.detach().clone() for p in self.trainable] if settings.beta else None
+        each_reward = tuple(f"rewards/{name}/{part}" for name in rewards.weights for part in ("mean", "std"))
+        self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward
+        self.rollout: dict[str, tuple[float, torch.Tensor | None]] = {}  # answer id -> advantage, reference
+        self.fields: dict = {}
+        self.step_index = 0
+        self.token_weight = 0.0
+
+    # The loop asks for a step's groups lazily, after the step before has updated the adapter.
+    def step_groups(self, step: Step, index: int) -> list[ImageGroup]:
+        """The step's questions answered by the adapter as it stands (`index`: the step's number)."""
+        keys = [key for group in step for key in group]
+        answers = self._sample(keys, index)
+        samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
+        judged = [
+            Answer(self.records[key], text, self.data.frames.get(key))
+            for key, text in zip([k for k in keys for _ in range(self.generations)], texts)
+        ]
+        scored = self.rewards.score(judged)
+        total = torch.tensor(scored["total"], dtype=torch.float64)
+        advantages = group_advantages(total, self.generations, self.settings.scale_rewards)
+        ids = [s.record_id for key in keys for s in samples[key]]
+        references = self._reference(samples, keys) if self.start is not None else {}
+        self.rollout = {i: (float(a), references.get(i)) for i, a in zip(ids, advantages)}
+        lengths = [len(a) for key in keys for a in answers[key]]
+        self.fields = {
+            "reward": float(total.mean()),
+            "reward_std": float(total.view(-1, self.generations).std(dim=1).mean()),
+            "advantage_std": float(advantages.std()),
+            "completions/mean_length": sum(lengths) / len(lengths),
+            "completions/max_length": max(lengths),
+            "completions/clipped_ratio": sum(a[-1:] != [self.builder.end_of_turn] for key in keys for a in answers[key])
+            / len(lengths),
+        }
+        for name in self.rewards.weights:
+            values = [v for v in scored[name] if v == v]  # NaN: the reward does not apply
+            self.fields[f"rewards/{name}/mean"] = statistics.fmean(values) if values else float("nan")
+            self.fields[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        # One group a step group: a question's answers, or with image groups all answers to the
+        # questions on one image, which then share the image too.
+        return [ImageGroup.of([s for key in group for s in samples[key]]) for group in step]
+
+    def step_fields(self) -> dict:
+        return self.fields
+
+    def step_weight(self, groups: list[ImageGroup]) -> int:
+        lengths = [len(s.input_ids) - s.prompt_length for g in groups for s in g.samples]
+        weight = grpo_step_weight(lengths, self.settings.loss_type, self.settings.max_completion_length)
+        # The KL and clip fractions are logged as means per answer token of the step.
+        self.token_weight = weight / max(1, sum(lengths))
+        return weight
+
+    def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        logps = answer_token_logps(model, batch)
+        owners = batch["answer_owners"]
+        ids = batch["sample_ids"]
+        advantages = torch.tensor([self.rollout[i][0] for i in ids], dtype=logps.dtype, device=logps.device)
+        reference = None
+        if self.start is not None:
+            reference = torch.cat([self.rollout[i][1] for i in ids]).to(logps.device, logps.dtype)
+        epsilon_high = self.settings.epsilon_high or self.settings.epsilon
+        # One update a rollout: the rollout's log-probabilities are these, detached (ratio 1).
+        losses, flags = grpo_token_losses(
+            logps,
+            logps.detach(),
+            reference,
+            advantages[owners],
+            self.settings.beta,
+            self.settings.epsilon,
+            epsilon_high,
+        )
+        lengths = torch.bincount(owners, minlength=len(ids))
+        loss = grpo_loss_sum(losses, owners, lengths, self.settings.loss_type)
+        w = self.token_weight
+        return (
+            loss,
+            flags["kl"].sum() * w,
+            flags["clipped_low"].sum().to(logps.dtype) * w,
+            flags["clipped_high"].sum().to(logps.dtype) * w,
+        )
+
+    def after_last_step(self, model, log) -> None:
+        pass
+
+    def summary(self, log: list[dict]) -> dict:
+        """The mean reward over the first and the last tenth of the stage's steps."""
+        tenth = max(1, len(log) // 10)
+        return {
+            "reward_start": statistics.fmean(r["reward"] for r in log[:tenth]),
+            "reward_end": statistics.fmean(r["reward"] for r in log[-tenth:]),
+        }
+
+    # ---------------------------------------------------------------- the rollout
+
+    def _sample(self, keys: list[str], step: int) -> dict[str, list[list[int]]]:
+        """`num_generations` answers to each record's question, each drawn with its own seed."""
+        settings, data = self.settings, self.data
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.builder.end_of_turn
+        asked = [(key, n) for key in keys for n in range(self.generations)]
+        answers: dict[str, list] = {key: [None] * self.generations for key in keys}
+
+        def requests():
+            for index, (key, n) in enumerate(asked):
+                request = prompt_request(
+                    index,
+                    data.samples[key],
+                    data,
+                    self.builder,
+                    pad_id,
+                    unwrapped(self.model),
+                    self.device,
+                    self.dtype,
+                    settings.max_completion_length,
+                )
+                request.seed = answer_seed(settings.seed, step, key, n)
+                yield request
+
+        def answered(index: int, ids: list[int]) -> None:
+            key, n = asked[index]
+            answers[key][n] = list(ids)
+
+        longest = max(data.samples[key].prompt_length for key in keys) + settings.max_completion_length
+        sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
+        with _answering(self.model, self.dtype):
+            answer_requests(
+                unwrapped(self.model),
+                requests(),
+                slots=len(asked),
+                end_id=self.builder.end_of_turn,
+                max_length=longest,
+                on_answer=answered,
+                sampling=sampling,
+            )
+        return answers
+
+    def _answer_sample(self, key: str, number: int, answer: list[int]) -> Sample:
+        """A sampled answer after its record's prompt, as a training sample of its own id; its
+        image is its record's."""
+        prompt = self.data.samples[key]
+        ids = prompt.input_ids[: prompt.prompt_length]
+        sample_id = f"{key}#{number}"
+        self.data.images.setdefault(sample_id, self.data.images[key])
+        return Sample(sample_id, ids + answer, [-100] * len(ids) + answer, len(ids))
+
+    def _reference(self, samples: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Each answer's token log-probabilities under the starting weights, one question's group at a time."""
+        references = {}
+        forward = adapter_autocast(self.model, self.device, self.dtype)
+        with _swapped(self.trainable, self.start), torch.no_grad(), forward:
+            for key in keys:
+                group = ImageGroup.of(samples[key])
+                batch = pack_groups([group], self.data.images, self.builder, rope_index(self.model))
+                logps = answer_token_logps(self.model, to_device(batch, self.device, self.dtype))
+                owners = batch["answer_owners"]
+                for n, sample_id in enumerate(batch["sample_ids"]):
+                    references[sample_id] = logps[owners.to(logps.device) == n].detach().cpu()
+        return references
+
+
+@contextmanager
+def _answering(model, dtype):
+    """The model as the evaluation answers: no dropout, no gradients, the adapter in the model's dtype."""
+    model.eval()
+    try:
+        with torch.no_grad(), adapter_in_model_dtype(model, dtype):
+            yield
+    finally:
+        model.train()
+
+
+@contextmanager
+def _swapped(parameters: list[torch.Tensor], values: list[torch.Tensor]):
+    """The parameters holding `values` for a while, their own data back after."""
+    kept = [p.data for p in parameters]
+    for p, v in zip(parameters, values):
+        p.data = v
+    try:
+        yield
+    finally:
+        for p, data in zip(parameters, kept):
+            p.data = data
