@@ -144,7 +144,22 @@ def tiny_stage_settings(**overrides) -> dict:
 PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo_run"}
 
 
-def train_float64(inputs, settings: dict, out: Path) -> None:
+def plan_of_stages(tmp_path: Path, train: Path, stages: list[dict]):
+    """The plan of one experiment `e` of `stages` on one dataset `d` whose train split is `train`
+    (images under tmp_path/images), as build_plan makes it from a user's config."""
+    from vlft.config import resolve_config
+    from vlft.plan import build_plan
+
+    config = {
+        "model": {"path": str(tmp_path / "model")},
+        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(train)}}},
+        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
+        "experiments": {"e": {"stages": stages}},
+    }
+    return build_plan(resolve_config(config))
+
+
+def train_float64(inputs, settings: dict, out: Path, stop=None) -> None:
     """A stage trained in float64 into `out` (adapter, log.jsonl, summary.json, ckpt), as the tests
     that compare two ways of taking the same steps train it."""
     import torch
@@ -159,6 +174,7 @@ def train_float64(inputs, settings: dict, out: Path) -> None:
         out / "summary.json",
         out / "ckpt",
         1000,
+        stop=stop,
         dtype=torch.float64,
     )
 

@@ -6,6 +6,7 @@ draws and trains what an uninterrupted one does."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -22,13 +23,20 @@ from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training.batching import to_device
 from vlft.training.grpo import GroupRelativePolicyOptimization, answer_seed
 from vlft.training.loss import answer_token_logps
-from vlft.training.methods import group_advantages
 from vlft.training.packing import pack, pack_groups, use_packed_attention
 from vlft.modeling import rope_index
 from vlft.training.rewards import Rewards
 from vlft.training.runs import StageInputs
-from vlft.training.train import Preempted, train_stage
-from conftest import FLOAT64_RTOL, StopAfter, questions_on_shared_images, tiny_family_data, tiny_stage_settings
+from vlft.training.train import Preempted
+from conftest import (
+    FLOAT64_RTOL,
+    StopAfter,
+    plan_of_stages,
+    questions_on_shared_images,
+    tiny_family_data,
+    tiny_stage_settings,
+    train_float64,
+)
 from test_fast_path import LORA
 from test_preferences import SHARED_BY_EIGHT_RTOL
 
@@ -64,18 +72,7 @@ def screens(tmp_path_factory):
 
 def train(root, out, stop=None, **overrides):
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
-    settings = tiny_stage_settings(**(GRPO | overrides))
-    train_stage(
-        inputs,
-        settings,
-        out / "adapter",
-        out / "log.jsonl",
-        out / "summary.json",
-        out / "ckpt",
-        1000,
-        stop=stop,
-        dtype=FLOAT64,
-    )
+    train_float64(inputs, tiny_stage_settings(**(GRPO | overrides)), out, stop)
     return read_jsonl(out / "log.jsonl")
 
 
@@ -97,7 +94,11 @@ def test_a_grpo_stage_samples_scores_and_learns_its_answers_and_logs_what_resear
 
 
 def test_a_resumed_grpo_stage_draws_and_trains_what_an_uninterrupted_one_does(screens, tmp_path):
+    """Stopped after step 2 and run again, or run on the same data moved elsewhere: the same draws,
+    losses and adapter as one uninterrupted run."""
     whole = train(screens, tmp_path / "whole", beta=0.04)
+    moved = train(shutil.copytree(screens, tmp_path / "moved"), tmp_path / "moved-run", beta=0.04)
+    assert [r["reward"] for r in moved] == [r["reward"] for r in whole]
     with pytest.raises(Preempted, match="after step 2"):
         train(screens, tmp_path / "cut", stop=StopAfter(2), beta=0.04)
     resumed = train(screens, tmp_path / "cut", beta=0.04)
@@ -227,26 +228,14 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     ],
 )
 def test_a_grpo_stage_that_cannot_train_is_one_sentence_before_any_job(tmp_path, stage, said):
-    from vlft.config import resolve_config
-    from vlft.plan import build_plan
-
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
-    config = {
-        "model": {"path": str(tmp_path / "model")},
-        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
-        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
-        "experiments": {"e": {"stages": [{"name": "s", **stage}]}},
-    }
     with pytest.raises(ConfigError, match=said):
-        build_plan(resolve_config(config))
+        plan_of_stages(tmp_path, tmp_path / "train.jsonl", [{"name": "s", **stage}])
 
 
 def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tmp_path):
     """Adding grpo's settings reruns no sft or dpo stage: each method's keys are left out of other
     stages' params, and a dpo stage's resolved beta and loss_type are what they were (0.1, sigmoid)."""
-    from vlft.config import resolve_config
-    from vlft.plan import build_plan
-
     from vlft.demo.shapes import make_dataset as make_shapes  # records with a rejected answer too
 
     make_shapes({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
@@ -255,13 +244,7 @@ def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tm
         {"name": "dpo", "method": "dpo"},
         {"name": "grpo", "method": "grpo", "rewards": {"answer_match": 1.0}},
     ]
-    config = {
-        "model": {"path": str(tmp_path / "model")},
-        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
-        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
-        "experiments": {"e": {"stages": stages}},
-    }
-    plan = build_plan(resolve_config(config))
+    plan = plan_of_stages(tmp_path, tmp_path / "train.jsonl", stages)
     sft, dpo, grpo = (plan.stages[f"e/{name}"].train_params() for name in ("sft", "dpo", "grpo"))
     assert not {"beta", "loss_type", "num_generations", "rewards", "temperature"} & set(sft)
     assert dpo["beta"] == 0.1 and dpo["loss_type"] == "sigmoid" and "num_generations" not in dpo

@@ -30,7 +30,7 @@ from vlft.training.runs import StageInputs
 from vlft.training.steps import groups_in_order, image_of
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, use_vision_cache
 from vlft.training.train import Preempted
-from conftest import FLOAT64_RTOL, StopAfter, tiny_family_data, tiny_stage_settings
+from conftest import FLOAT64_RTOL, StopAfter, plan_of_stages, tiny_family_data, tiny_stage_settings
 from test_fast_path import LORA, lora_model
 
 FLOAT64 = torch.float64
@@ -381,17 +381,8 @@ def test_a_preference_pair_is_validated_like_any_answer(tmp_path):
     ],
 )
 def test_a_dpo_stage_that_cannot_train_is_one_sentence_before_any_job(tmp_path, stage, said):
-    from vlft.config import resolve_config
-    from vlft.plan import build_plan
-
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 3}, seed=0)
     answers_alone = [{k: v for k, v in r.items() if k != "rejected"} for r in read_jsonl(tmp_path / "train.jsonl")]
     write_jsonl(tmp_path / "train.jsonl", answers_alone)
-    config = {
-        "model": {"path": str(tmp_path / "model")},
-        "datasets": {"d": {"image_root": str(tmp_path / "images"), "splits": {"train": str(tmp_path / "train.jsonl")}}},
-        "defaults": {"dataset": "d", "eval_splits": [], "min_pixels": 4096, "max_pixels": 16384},
-        "experiments": {"e": {"stages": [{"name": "s", **stage}]}},
-    }
     with pytest.raises(ConfigError, match=said):
-        build_plan(resolve_config(config))
+        plan_of_stages(tmp_path, tmp_path / "train.jsonl", [{"name": "s", **stage}])

@@ -10,8 +10,9 @@ a question's answers share its prompt's prefill). The answers are scored by the 
 question's answers are one image group: its prompt laid out once, each answer at the positions it
 has alone, so each token's log-probability and gradient are the ones it gets alone.
 
-An answer's seed is a hash of (the stage's seed, the step, the record, the answer's number): a
-resumed stage draws at each step what an uninterrupted one would. With one update per rollout (as
+An answer's seed is a hash of (the stage's seed, the step, the record (its split's file name and
+id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
+a study whose results were moved draws what it drew. With one update per rollout (as
 TRL's `num_iterations: 1`) the rollout's log-probabilities are the update's own, detached: no pass
 computes them. With `beta` above 0 the KL is to the stage's starting weights: the starting
 adapter's weights are kept (a copy of the adapter, not of the model) and swapped in for a pass over
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -76,6 +78,9 @@ class GroupRelativePolicyOptimization:
         self.builder, self.tokenizer, self.model, self.device, self.dtype = builder, tokenizer, model, device, dtype
         self.generations = settings.num_generations
         self.records = {r["key"]: r for r in data.records}
+        # What an answer's seed names its record by: its split's file name and its id, not where the
+        # results lie (a key holds the prepared split's path), so moved results draw the same.
+        self._seed_names = {r["key"]: f"{Path(r['source_split']).name}#{r['id']}" for r in data.records}
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # The starting weights, for the KL: the adapter's own tensors, a few MB (beta 0: not needed).
         self.start = [p.detach().clone() for p in self.trainable] if settings.beta else None
@@ -193,7 +198,7 @@ class GroupRelativePolicyOptimization:
                     self.dtype,
                     settings.max_completion_length,
                 )
-                request.seed = answer_seed(settings.seed, step, key, n)
+                request.seed = answer_seed(settings.seed, step, self._seed_names[key], n)
                 yield request
 
         def answered(index: int, ids: list[int]) -> None:
