@@ -1,0 +1,144 @@
+"""A GRPO step against an image-grouped SFT step over the same images with G answers each.
+
+The training benchmark's workload (benchmarks/train_speed.py: JPEGs of six sizes, 720x576 to
+1920x1080, the 8B with random weights) with short answers (1-16 tokens, as a click or a Kvasir
+answer is): GRPO on P questions a step, each an image of its own, G answers sampled to each (at
+most --max-completion-length tokens, temperature 1.0), rewarded by the `format` reward; SFT on the
+same images with G questions each and `image_groups` (each image's prompt once for its G
+answers), P images a step. Both from the vision cache, packed under one token budget, compiled.
+A GRPO step is its rollout (the engine's sampled answers), its rewards and its update; with
+random weights every answer runs to the length limit, so the rollout is at its longest. The step
+time of each comes from its step log; the first --warmup steps are left out. The rollout's share
+is estimated as GRPO's step less the SFT step (an update over as many answers on as many images).
+
+    python benchmarks/grpo_speed.py --arch qwen3-vl-8b --prompts 16 --generations 8 --out benchmarks/results/grpo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from train_speed import (  # noqa: E402
+    build_caches,
+    build_model,
+    commit_of,
+    image_processor_for,
+    make_tokenizer,
+    make_workload,
+    our_settings,
+    run_ours,
+)
+from vlft.data.records import prepare_split  # noqa: E402
+from vlft.files import read_jsonl, write_jsonl  # noqa: E402
+
+
+def questions(work: Path, images: int, generations: int, tokenizer) -> tuple[Path, Path]:
+    """The same images two ways: one question each (GRPO's prompts), and G questions each with
+    their answers (SFT's image groups)."""
+    rows = read_jsonl(make_workload(work, images * generations, tokenizer, 0, generations, short_answers=True))
+    for name, records in (("prompts", rows[::generations]), ("answers", rows)):
+        (work / name).mkdir(parents=True, exist_ok=True)
+        write_jsonl(work / name / "raw.jsonl", records)
+        prepare_split(work / name / "raw.jsonl", work / "images", work / name / "prepared.jsonl")
+    return work / "prompts", work / "answers"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-grpo-bench"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=16, help="questions (images) a step")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-batch-tokens", type=int, default=12288)
+    parser.add_argument("--commit")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = make_tokenizer()
+    images = args.prompts * args.steps
+    prompts, answers = questions(args.work, images, args.generations, tokenizer)
+    model = build_model(args.arch, tokenizer, "cuda")
+    image_processor = image_processor_for(model)
+    model_dir = args.work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor.save_pretrained(model_dir)
+    for directory in (prompts, answers):
+        (directory / "images").symlink_to(args.work / "images", target_is_directory=True)
+        build_caches(directory, image_processor, model)
+    del model
+    torch.cuda.empty_cache()
+
+    base = dict(our_settings(args.steps), answer_format="final", max_batch_tokens=args.max_batch_tokens)
+    grpo = dict(
+        base,
+        method="grpo",
+        micro_batch=args.prompts,
+        num_generations=args.generations,
+        max_completion_length=args.max_completion_length,
+        rewards={"format": 1.0},
+    )
+    runs = {
+        f"sft, image groups, {args.generations} answers an image": (
+            answers,
+            dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
+        ),
+        f"grpo, {args.generations} sampled answers a question": (prompts, grpo),
+    }
+    results = {}
+    for name, (directory, settings) in runs.items():
+        started = time.time()
+        run = run_ours(
+            model_dir,
+            directory / "prepared.jsonl",
+            directory / "vision",
+            args.steps,
+            args.warmup,
+            settings,
+            args.work / name.split(",")[0],
+        )
+        seconds = sum(run["step_s"])
+        results[name] = {
+            "s_per_step": seconds / len(run["step_s"]),
+            "answers_per_s": sum(run["samples"]) / seconds,
+            "peak_gib": run["peak_gib"],
+            "steps_measured": len(run["step_s"]),
+            "job_s": time.time() - started,
+        }
+        torch.cuda.empty_cache()
+        print(name, json.dumps(results[name]), flush=True)
+    sft, grpo_run = results.values()
+    report = {
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit_of(args.commit),
+        "command": " ".join(sys.argv),
+        "prompts": args.prompts,
+        "generations": args.generations,
+        "max_completion_length": args.max_completion_length,
+        "runs": results,
+        "grpo_over_sft_step": grpo_run["s_per_step"] / sft["s_per_step"],
+        "rollout_s_estimate": grpo_run["s_per_step"] - sft["s_per_step"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"grpo_speed_{args.arch}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
