@@ -17,6 +17,7 @@ is estimated as GRPO's step less the SFT step (an update over as many answers on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -119,6 +120,10 @@ def main() -> None:
             "steps_measured": len(run["step_s"]),
             "job_s": time.time() - started,
         }
+        # The run's model and optimizer may sit in reference cycles (compiled layers, PEFT): free
+        # them before the next run loads its own.
+        del run
+        gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
     sft, grpo_run = results.values()
