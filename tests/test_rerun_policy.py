@@ -125,7 +125,7 @@ def test_changed_dataset_content_reruns_that_split_and_everything_downstream(dem
 
 
 def test_remaking_one_demo_dataset_reruns_what_uses_it_alone(demo_workdir):
-    """More screens: the screens are made again, and the click stage and the base model's clicks
+    """More screens: the screens are made again, and the click stages and the base model's clicks
     follow; nothing that reads the shapes does."""
 
     def edit(config):
@@ -139,6 +139,10 @@ def test_remaking_one_demo_dataset_reruns_what_uses_it_alone(demo_workdir):
         *caches,
         f"{R}/train/click/main/adapter",
         f"{R}/eval/click/main/test/predictions.jsonl",
+        f"{R}/train/click_grpo/sft/adapter",
+        f"{R}/eval/click_grpo/sft/test/predictions.jsonl",
+        f"{R}/train/click_grpo/grpo/adapter",
+        f"{R}/eval/click_grpo/grpo/test/predictions.jsonl",
         f"{R}/eval/base/screens/test/predictions.jsonl",
         f"{R}/report/index.html",
         "rule:all",
