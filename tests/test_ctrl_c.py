@@ -34,7 +34,17 @@ def test_ctrl_c_to_a_job_is_one_line_and_its_end_by_sigint_with_nothing_written(
     command += ["--min-pixels", "3136", "--max-pixels", "50176", "--output", str(output)]
     (tmp_path / "tmp").mkdir()  # the warm process's own, as in tests/test_warm_start.py
     env = os.environ | {warm_start.ENABLE: warm, "TMPDIR": str(tmp_path / "tmp")}
-    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's job has it: a test run started in the background by a shell without
+    # job control inherits it ignored, and the job would never see the Ctrl-C this test sends.
+    job = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     first = job.stdout.readline()  # said before the script's main runs
     assert first.startswith("cache_images.py: host "), first
     assert ("run by a warm process" in first) == (warm == "1")
