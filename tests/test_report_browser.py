@@ -53,17 +53,18 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     page = demo_workdir / "results/report/index.html"
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
-    # Three charts (loss, accuracy by category, exp4's accuracy during training) and five tables (who
-    # won, results, categories, preference stages, jobs), then the examples: per evaluation (the base
-    # model and 10 stages on the shapes' val and test, the base model and the click stage on the
-    # screens' test: 24) a table of its first 3 right and 3 wrong answers, each with its image.
-    evaluations = 2 * (10 + 1) + 2
+    # Four charts (loss, accuracy by category, exp4's accuracy during training, click_grpo's rewards)
+    # and six tables (who won, results, categories, preference stages, reward stages, jobs), then the
+    # examples: per evaluation (the base model and 10 stages on the shapes' val and test, the base
+    # model and the 3 click stages on the screens' test: 26) a table of its first 3 right and 3 wrong
+    # answers, each with its image.
+    evaluations = 2 * (10 + 1) + 4
     sections = browser.find_elements("css selector", "details")
     assert len(sections) == evaluations
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
     assert evaluations * 3 <= len(example_rows) <= evaluations * 6
-    assert len(browser.find_elements("css selector", "img")) == 3 + len(example_rows)
-    assert len(browser.find_elements("css selector", "table")) == 5 + evaluations
+    assert len(browser.find_elements("css selector", "img")) == 4 + len(example_rows)
+    assert len(browser.find_elements("css selector", "table")) == 6 + evaluations
     # The click stage's examples say which colour is which on their drawings.
     click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
     assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
