@@ -76,8 +76,8 @@ def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workd
     local = sorted(p.relative_to(demo_workdir) for p in (demo_workdir / "results/eval").rglob("metrics.json"))
     through_slurm = sorted(p.relative_to(slurm_demo) for p in (slurm_demo / "results/eval").rglob("metrics.json"))
     # Val and test of the base model and 10 stages on the shapes; test of the base model and the
-    # click stage on the screens.
-    assert through_slurm == local and len(local) == 2 * (10 + 1) + 2
+    # 3 click stages on the screens.
+    assert through_slurm == local and len(local) == 2 * (10 + 1) + 4
     # The same jobs on the same machine with the same threads (site_profile): the same float
     # operations in the same order, so the same results to the last bit.
     for path in local:
@@ -103,9 +103,9 @@ def test_gpu_jobs_get_a_gpu_from_slurm_and_cpu_jobs_none(slurm_demo):
     cpu_jobs = (
         list(logs.glob("prepare_split/*/*.log")) + list(logs.glob("cache_images/*/*/*.log")) + [logs / "report.log"]
     )
-    # 11 stages; the evaluations of 10 of them and of the base model on val and test of the shapes,
-    # of the click stage and the base model on test of the screens. Shapes have 3 splits, screens 2.
-    assert len(gpu_jobs) == 11 + 2 * (10 + 1) + 2 and len(cpu_jobs) == 5 + 5 + 1
+    # 13 stages; the evaluations of 10 of them and of the base model on val and test of the shapes,
+    # of the 3 click stages and the base model on test of the screens. Shapes have 3 splits, screens 2.
+    assert len(gpu_jobs) == 13 + 2 * (10 + 1) + 4 and len(cpu_jobs) == 5 + 5 + 1
     placements = {log: placement(log) for log in gpu_jobs + cpu_jobs}
     for log in gpu_jobs:
         assert placements[log][1] in {"0", "1"}, f"{log}: a GPU job saw CUDA_VISIBLE_DEVICES={placements[log][1]}"
