@@ -163,6 +163,7 @@ REPORT_FILES = (
     "jobs.csv",
     "loss_curves.png",
     "accuracy_by_category.png",
+    "reward_curves.png",  # the demo has a reward stage (click_grpo)
 )
 
 
