@@ -41,7 +41,7 @@ from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack_groups
 from vlft.training.methods import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
 from vlft.training.rewards import Answer, Rewards
-from vlft.training.step_evals import adapter_in_model_dtype
+from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
 
 
@@ -89,7 +89,6 @@ class GroupRelativePolicyOptimization:
         self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward
         self.rollout: dict[str, tuple[float, torch.Tensor | None]] = {}  # answer id -> advantage, reference
         self.fields: dict = {}
-        self.step_index = 0
         self.token_weight = 0.0
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
@@ -99,10 +98,8 @@ class GroupRelativePolicyOptimization:
         answers = self._sample(keys, index)
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
-        judged = [
-            Answer(self.records[key], text, self.data.frames.get(key))
-            for key, text in zip([k for k in keys for _ in range(self.generations)], texts)
-        ]
+        asked = [key for key in keys for _ in range(self.generations)]  # each answer's record, in order
+        judged = [Answer(self.records[key], text, self.data.frames.get(key)) for key, text in zip(asked, texts)]
         scored = self.rewards.score(judged)
         total = torch.tensor(scored["total"], dtype=torch.float64)
         advantages = group_advantages(total, self.generations, self.settings.scale_rewards)
@@ -233,7 +230,7 @@ class GroupRelativePolicyOptimization:
         """Each answer's token log-probabilities under the starting weights, one question's group at a time."""
         references = {}
         forward = adapter_autocast(self.model, self.device, self.dtype)
-        with _swapped(self.trainable, self.start), torch.no_grad(), forward:
+        with swapped_data(self.trainable, self.start), torch.no_grad(), forward:
             for key in keys:
                 group = ImageGroup.of(samples[key])
                 batch = pack_groups([group], self.data.images, self.builder, rope_index(self.model))
@@ -264,16 +261,3 @@ def _released():
         yield
     finally:
         gc.collect()
-
-
-@contextmanager
-def _swapped(parameters: list[torch.Tensor], values: list[torch.Tensor]):
-    """The parameters holding `values` for a while, their own data back after."""
-    kept = [p.data for p in parameters]
-    for p, v in zip(parameters, values):
-        p.data = v
-    try:
-        yield
-    finally:
-        for p, data in zip(parameters, kept):
-            p.data = data

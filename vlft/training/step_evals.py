@@ -254,11 +254,18 @@ def adapter_in_model_dtype(model, dtype: torch.dtype):
         yield
         return
     trained = [p for p in model.parameters() if p.requires_grad]
-    kept = [p.data for p in trained]
-    for p in trained:
-        p.data = p.data.to(dtype)
+    with swapped_data(trained, [p.data.to(dtype) for p in trained]):
+        yield
+
+
+@contextmanager
+def swapped_data(parameters: list[torch.Tensor], values: list[torch.Tensor]):
+    """The parameters holding `values` for a while, their own data back after."""
+    kept = [p.data for p in parameters]
+    for p, value in zip(parameters, values):
+        p.data = value
     try:
         yield
     finally:
-        for p, data in zip(trained, kept):
+        for p, data in zip(parameters, kept):
             p.data = data
