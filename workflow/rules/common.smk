@@ -270,6 +270,14 @@ def report_jobs():
     return sorted(PLAN.evaluations()), sorted(PLAN.stages.values(), key=lambda s: s.id)
 
 
+def reward_chart_output():
+    """The report's chart of rewards per step, an output only where the study has a reward stage."""
+    if not any(s.settings["method"] == "grpo" for s in PLAN.stages.values()):
+        return {}
+    chart = report_path("reward_curves.png")
+    return {"reward_curves": report(chart, caption="../report/reward_curves.rst", category="Plots")}
+
+
 def get_report_inputs(wildcards):
     """Each evaluation's metrics, predictions and prepared split (for the examples' images), and each
     stage's summary and log, in the order of the labels below."""

@@ -4,6 +4,7 @@ rule report:
     input:
         unpack(get_report_inputs),
     output:
+        **reward_chart_output(),
         html=report(report_path("index.html"), caption="../report/index.rst", category="Report"),
         results=report(report_path("results.csv"), caption="../report/results.rst", category="Tables"),
         categories=report(
