@@ -110,6 +110,32 @@ def test_a_resumed_grpo_stage_draws_and_trains_what_an_uninterrupted_one_does(sc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_stage_learning_each_rollout_twice_resumed_within_a_rollout_trains_what_an_uninterrupted_one_does(
+    screens, tmp_path
+):
+    """`num_iterations: 2`: steps 1-2 learn one rollout, 3-4 the next (their rewards are the
+    rollout's); stopped after step 1, within a rollout, the rerun draws that rollout again with the
+    weights it was drawn with and ends with the uninterrupted run's adapter, bit for bit. Its first
+    update is the one `num_iterations: 1` takes (the rollout's log-probabilities, from their own
+    pass, equal the update's)."""
+    lengths = {"test_grpo:answer_length_reward": 1.0}  # rewards that differ within a group: a signal
+    twice = dict(num_iterations=2, max_steps=4, beta=0.04, rewards=lengths, warmup_ratio=0.0)
+    whole = train(screens, tmp_path / "whole", **twice)
+    assert [r["step"] for r in whole] == [1, 2, 3, 4]
+    assert whole[0]["reward"] == whole[1]["reward"] and whole[2]["reward"] == whole[3]["reward"]
+    assert whole[1]["loss"] != whole[0]["loss"]  # the same answers, learned by moved weights
+    once = train(screens, tmp_path / "once", **(twice | {"num_iterations": 1, "max_steps": 1}))
+    assert once[0]["reward"] == whole[0]["reward"]  # rollout 0 is step 0's draws
+    assert once[0]["loss"] == pytest.approx(whole[0]["loss"], rel=FLOAT64_RTOL, abs=1e-15)
+    with pytest.raises(Preempted, match="after step 1"):
+        train(screens, tmp_path / "cut", stop=StopAfter(1), **twice)
+    resumed = train(screens, tmp_path / "cut", **twice)
+    assert [(r["reward"], r["loss"]) for r in resumed] == [(r["reward"], r["loss"]) for r in whole]
+    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
+    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_answer_seeds_depend_on_stage_step_record_and_answer_alone():
     seeds = {answer_seed(s, step, key, n) for s in (0, 1) for step in (0, 1) for key in ("a", "b") for n in (0, 1)}
     assert len(seeds) == 16 and all(0 <= seed < 2**63 for seed in seeds)
@@ -141,79 +167,116 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     them against TRL's own code) over each answer computed as a sequence of its own."""
     grouped = layout.endswith("image groups")
     root, answer_format = (shared_images, "final") if grouped else (screens, "click")
-    tokenizer = load_tokenizer(root / "model")
-    model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
-    use_packed_attention(model)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.02)
-    builder = PromptBuilder(tokenizer, model.config.image_token_id)
-    data = load_stage_data(
-        [str(root / "prepared.jsonl")],
-        [str(root / "pixels")],
-        builder,
-        filters={},
-        answer_format=answer_format,
-        max_seq_len=4096,
-        convention=clicks.convention_for(answer_format, model.config),
-    )
-    rewards = {"test_grpo:answer_length_reward": 1.0}
-    overrides = {"loss_type": loss_type, "rewards": rewards, "answer_format": answer_format}
-    settings = StageSettings.resolve(tiny_stage_settings(**(GRPO | overrides)))
-    method = GroupRelativePolicyOptimization(
-        data, settings, Rewards(rewards, answer_format), builder, tokenizer, model, CPU, FLOAT64
-    )
-    keys = [r["key"] for r in data.records[: 4 if grouped else 2]]
+    on = MethodOn(root, answer_format, loss_type=loss_type)
+    keys = [r["key"] for r in on.data.records[: 4 if grouped else 2]]
     step = [keys[:2], keys[2:]] if grouped else [[k] for k in keys]
-    groups = method.step_groups(step, 0)
+    groups = on.method.step_groups(step, 0)
     # Each group's answers share their prompt (with image groups: the header and the image).
     assert [len(g.samples) for g in groups] == [8, 8] if grouped else [4, 4]
     assert all(g.shared > 0 for g in groups)
-    weight = method.step_weight(groups)
-    batch = to_device(pack_groups(groups, data.images, builder, rope_index(model)), CPU, FLOAT64)
-    loss = method.loss_sums(model, batch)[0] / weight
-    shared = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-
-    # TRL's way: every answer a padded sequence of its own, its per-token log-probabilities, the
-    # loss of _compute_loss with old = current (num_iterations 1) and beta 0.
-    samples = [s for g in groups for s in g.samples]
-    token_logps, lengths = [], []
-    for sample in samples:
-        alone = to_device(pack([sample], data.images, builder, rope_index(model)), CPU, FLOAT64)
-        token_logps.append(answer_token_logps(model, alone))
-        lengths.append(len(sample.input_ids) - sample.prompt_length)
-    width = max(lengths)
-    per_token = torch.zeros(len(samples), width, dtype=FLOAT64)
-    mask = torch.zeros(len(samples), width, dtype=FLOAT64)
-    for i, logps in enumerate(token_logps):
-        per_token[i, : len(logps)], mask[i, : len(logps)] = logps, 1
-    advantages = torch.tensor([method.rollout[s.record_id][0] for s in samples], dtype=FLOAT64)
-
-    def trl_loss(advantages):
-        ratio = torch.exp(per_token - per_token.detach())
-        clipped = torch.clamp(ratio, 0.8, 1.2)
-        token_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
-        if loss_type == "grpo":
-            return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        if loss_type == "dr_grpo":
-            return (token_loss * mask).sum() / (len(samples) * GRPO["max_completion_length"])
-        return (token_loss * mask).sum() / mask.sum().clamp(min=1)
-
-    expected = trl_loss(advantages)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    separate = torch.autograd.grad(expected, trainable, retain_graph=True)
-    # The gradient is a difference: what the answers above their group's mean pull, less what the
-    # ones below push (advantages sum to 0 in a group). Its rounding is relative to those parts.
-    pulled = torch.autograd.grad(trl_loss(advantages.clamp(min=0)), trainable, retain_graph=True)
-    pushed = torch.autograd.grad(trl_loss(advantages.clamp(max=0)), trainable)
-    assert torch.allclose(loss, expected, rtol=FLOAT64_RTOL, atol=1e-15)
-    assert any(float(g.abs().max()) > 0 for g in separate)  # some answers' rewards differ: a real gradient
-    for a, b, up, down in zip(shared, separate, pulled, pushed):
-        # A question's prompt serves its answers in one copy: tests/test_preferences.py's bound for a
-        # prefix shared by up to 8 answers (measured here: 4.0e-8 of the parts, with 4 answers).
-        assert (a - b).norm() <= SHARED_BY_EIGHT_RTOL * (up.norm() + down.norm())
+    # TRL's _compute_loss with old = current (num_iterations 1) and beta 0.
+    advantages = on.step_equals_trls(groups, loss_type, old=None)
     # Each question's advantages are its answers' rewards against their group's mean: they sum to 0.
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
+
+
+def test_a_rollout_learned_twice_is_clipped_against_its_log_probabilities_at_the_rollout(screens):
+    """`num_iterations: 2`: the second update learns the same answers, its ratio against their
+    log-probabilities at the rollout (TRL's old_per_token_logps), as TRL's loss over separate
+    sequences computes it; the clipping bites."""
+    on = MethodOn(screens, "click", loss_type="dapo", num_iterations=2)
+    step = [[r["key"]] for r in on.data.records[:2]]
+    groups = on.method.step_groups(step, 0)
+    old = on.separate_logps([s for g in groups for s in g.samples])
+    with torch.no_grad():  # an update's worth of change, larger than the clipping range
+        for name, param in on.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    assert on.method.step_groups(step, 1) is groups  # the same rollout, not drawn again
+    on.step_equals_trls(groups, "dapo", old=old, clipped=True)
+
+
+class MethodOn:
+    """A grpo method over a tiny float64 Qwen3-VL with a random adapter, and TRL's loss beside it."""
+
+    def __init__(self, root, answer_format: str, **overrides):
+        tokenizer = load_tokenizer(root / "model")
+        self.model = model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
+        use_packed_attention(model)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.02)
+        self.builder = PromptBuilder(tokenizer, model.config.image_token_id)
+        self.data = load_stage_data(
+            [str(root / "prepared.jsonl")],
+            [str(root / "pixels")],
+            self.builder,
+            filters={},
+            answer_format=answer_format,
+            max_seq_len=4096,
+            convention=clicks.convention_for(answer_format, model.config),
+        )
+        rewards = {"test_grpo:answer_length_reward": 1.0}
+        overrides |= {"rewards": rewards, "answer_format": answer_format}
+        settings = StageSettings.resolve(tiny_stage_settings(**(GRPO | overrides)))
+        self.method = GroupRelativePolicyOptimization(
+            self.data, settings, Rewards(rewards, answer_format), self.builder, tokenizer, model, CPU, FLOAT64
+        )
+
+    def separate_logps(self, samples) -> list[torch.Tensor]:
+        """Each answer's token log-probabilities, computed as a sequence of its own."""
+        return [
+            answer_token_logps(
+                self.model, to_device(pack([s], self.data.images, self.builder, rope_index(self.model)), CPU, FLOAT64)
+            )
+            for s in samples
+        ]
+
+    def step_equals_trls(self, groups, loss_type: str, old, clipped: bool = False) -> torch.Tensor:
+        """Our step's loss and LoRA gradients (each prompt once for its answers) against TRL's GRPO
+        loss over every answer as a padded sequence of its own (`old`: the rollout's token
+        log-probabilities, None: the current ones, detached); the step's advantages."""
+        method, model = self.method, self.model
+        weight = method.step_weight(groups)
+        batch = to_device(pack_groups(groups, self.data.images, self.builder, rope_index(model)), CPU, FLOAT64)
+        loss = method.loss_sums(model, batch)[0] / weight
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        shared = torch.autograd.grad(loss, trainable)
+
+        samples = [s for g in groups for s in g.samples]
+        token_logps = self.separate_logps(samples)
+        width = max(len(t) for t in token_logps)
+        per_token, mask, per_token_old = (torch.zeros(len(samples), width, dtype=FLOAT64) for _ in range(3))
+        for i, logps in enumerate(token_logps):
+            per_token[i, : len(logps)], mask[i, : len(logps)] = logps, 1
+            per_token_old[i, : len(logps)] = (old[i] if old is not None else logps).detach()
+        advantages = torch.tensor([method.rollout[s.record_id][0] for s in samples], dtype=FLOAT64)
+
+        def trl_loss(advantages):
+            ratio = torch.exp(per_token - per_token_old)
+            clipped = torch.clamp(ratio, 0.8, 1.2)
+            token_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+            if loss_type == "grpo":
+                return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+            if loss_type == "dr_grpo":
+                return (token_loss * mask).sum() / (len(samples) * GRPO["max_completion_length"])
+            return (token_loss * mask).sum() / mask.sum().clamp(min=1)
+
+        expected = trl_loss(advantages)
+        separate = torch.autograd.grad(expected, trainable, retain_graph=True)
+        # The gradient is a difference: what the answers above their group's mean pull, less what the
+        # ones below push (advantages sum to 0 in a group). Its rounding is relative to those parts.
+        pulled = torch.autograd.grad(trl_loss(advantages.clamp(min=0)), trainable, retain_graph=True)
+        pushed = torch.autograd.grad(trl_loss(advantages.clamp(max=0)), trainable)
+        assert torch.allclose(loss, expected, rtol=FLOAT64_RTOL, atol=1e-15)
+        assert any(float(g.abs().max()) > 0 for g in separate)  # some answers' rewards differ: a real gradient
+        for a, b, up, down in zip(shared, separate, pulled, pushed):
+            # A question's prompt serves its answers in one copy: tests/test_preferences.py's bound for a
+            # prefix shared by up to 8 answers (measured here: 4.0e-8 of the parts, with 4 answers).
+            assert (a - b).norm() <= SHARED_BY_EIGHT_RTOL * (up.norm() + down.norm())
+        ratio = torch.exp(per_token - per_token_old)[mask.bool()]
+        assert bool(((ratio < 0.8) | (ratio > 1.2)).any()) == clipped
+        return advantages
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,7 @@ class StageSettings:
     label_smoothing: float
     rpo_alpha: float | None
     num_generations: int
+    num_iterations: int
     max_completion_length: int
     temperature: float
     top_p: float

@@ -30,7 +30,7 @@ LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit":
 LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
 # Each training method's own settings: left out of a stage's params unless it uses that method.
 GRPO_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon")
-GRPO_KEYS += ("epsilon_high", "scale_rewards", "rewards")
+GRPO_KEYS += ("epsilon_high", "scale_rewards", "rewards", "num_iterations")
 METHOD_KEYS = {
     "dpo": ("beta", "loss_type", "label_smoothing", "rpo_alpha"),
     "grpo": ("beta", "loss_type") + GRPO_KEYS,

@@ -27,7 +27,8 @@ from vlft.files import atomic_path, remove_inside
 
 COMPLETE = "state.json"  # written last inside the checkpoint; its presence marks it complete
 ADAPTER = "adapter.safetensors"
-TENSORS = "state.safetensors"  # the optimizer's moments and the random generators' states
+TENSORS = "state.safetensors"  # the optimizer's moments, the random generators' states, the method's
+METHOD = "method."  # the prefix of the method's own tensors in TENSORS
 OLDER_FORMAT = "state.pt"  # a pickle, of versions before this one: never loaded
 KEEP = 2
 
@@ -59,12 +60,14 @@ def older_format(run_dir: Path) -> list[Path]:
     return sorted(p.parent for p in run_dir.glob(f"step-*/{OLDER_FORMAT}") if not (p.parent / COMPLETE).exists())
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler) -> Path:
+def save(run_dir: Path, step: int, model, optimizer, scheduler, method_tensors: dict | None = None) -> Path:
+    """A checkpoint after `step`; `method_tensors`: the training method's own state, if any."""
     target = run_dir / f"step-{step:08d}"
     with atomic_path(target) as tmp:
         tmp.mkdir(parents=True)
         save_file(get_peft_model_state_dict(model), tmp / ADAPTER)
         tensors, state = state_dicts(optimizer, scheduler)
+        tensors |= {METHOD + name: t.detach().contiguous().cpu() for name, t in (method_tensors or {}).items()}
         save_file(tensors, tmp / TENSORS)
         (tmp / COMPLETE).write_text(json.dumps({"step": step} | state))
     for old in sorted(run_dir.glob("step-*"))[:-KEEP]:
@@ -87,6 +90,12 @@ def restore(checkpoint: Path, model, optimizer, scheduler) -> int:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     return state["step"]
+
+
+def method_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The training method's own state a checkpoint keeps (empty for most)."""
+    tensors = load_file(checkpoint / TENSORS)
+    return {name[len(METHOD) :]: t for name, t in tensors.items() if name.startswith(METHOD)}
 
 
 def readable(checkpoint: Path) -> str | None:

@@ -10,11 +10,15 @@ a question's answers share its prompt's prefill). The answers are scored by the 
 question's answers are one image group: its prompt laid out once, each answer at the positions it
 has alone, so each token's log-probability and gradient are the ones it gets alone.
 
-An answer's seed is a hash of (the stage's seed, the step, the record (its split's file name and
-id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
+An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update
+a rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
 a study whose results were moved draws what it drew. With one update per rollout (as
 TRL's `num_iterations: 1`) the rollout's log-probabilities are the update's own, detached: no pass
-computes them. With `beta` above 0 the KL is to the stage's starting weights: the starting
+computes them. With `num_iterations` above 1 a rollout is learned that many steps in a row (the
+step plan repeats its step, vlft.training.steps), clipped against its log-probabilities at the
+rollout, which one pass without gradients computes (as TRL's do); a checkpoint within a rollout's
+steps keeps the adapter's weights the rollout was drawn with (a few MB), so a resumed stage draws
+the same rollout again and goes on as an uninterrupted one would. With `beta` above 0 the KL is to the stage's starting weights: the starting
 adapter's weights are kept (a copy of the adapter, not of the model) and swapped in for a pass over
 the rollout's answers without gradients.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import statistics
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,10 +49,10 @@ from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
 
 
-def answer_seed(stage_seed: int, step: int, key: str, number: int) -> int:
-    """The seed of a sampled answer: the same for the same stage, step, record and answer, in any
+def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
+    """The seed of a sampled answer: the same for the same stage, rollout, record and answer, in any
     process, order or attempt (a hash, not a generator's state)."""
-    digest = hashlib.sha256(f"{stage_seed}:{step}:{key}:{number}".encode()).digest()
+    digest = hashlib.sha256(f"{stage_seed}:{rollout}:{key}:{number}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
@@ -87,15 +91,45 @@ class GroupRelativePolicyOptimization:
         self.start = [p.detach().clone() for p in self.trainable] if settings.beta else None
         each_reward = tuple(f"rewards/{name}/{part}" for name in rewards.weights for part in ("mean", "std"))
         self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward
-        self.rollout: dict[str, tuple[float, torch.Tensor | None]] = {}  # answer id -> advantage, reference
+        # answer id -> advantage, reference log-probabilities, log-probabilities at the rollout
+        self.rollout: dict[str, tuple[float, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.groups: list[ImageGroup] | None = None  # the rollout's, as the step learns them
         self.fields: dict = {}
         self.token_weight = 0.0
+        self.iterations = settings.num_iterations
+        # With several updates a rollout: the adapter's weights it was drawn with, until its last update.
+        self.drawn_with: list[torch.Tensor] | None = None
+        self.next_index = 0  # the step after the last one laid out
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
     def step_groups(self, step: Step, index: int) -> list[ImageGroup]:
-        """The step's questions answered by the adapter as it stands (`index`: the step's number)."""
+        """The step's questions answered by the adapter as it stands (`index`: the step's number),
+        or, at a rollout's later updates, the rollout's answers again."""
+        iteration, self.next_index = index % self.iterations, index + 1
+        if iteration and self.groups is not None:
+            return self.groups
+        if not iteration and self.iterations > 1:
+            self.drawn_with = [p.detach().clone() for p in self.trainable]
+        # Resumed within a rollout's updates: drawn again with the weights it was drawn with.
+        with swapped_data(self.trainable, self.drawn_with) if iteration else nullcontext():
+            self.groups = self._roll_out(step, index // self.iterations)
+        return self.groups
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Within a rollout's updates, the weights it was drawn with; else nothing."""
+        if self.drawn_with is None or self.next_index % self.iterations == 0:
+            return {}
+        return {f"drawn_with.{i}": t for i, t in enumerate(self.drawn_with)}
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        if tensors:
+            self.drawn_with = [tensors[f"drawn_with.{i}"].to(p.device) for i, p in enumerate(self.trainable)]
+
+    def _roll_out(self, step: Step, rollout: int) -> list[ImageGroup]:
+        """The step's questions answered by the adapter as it stands, rewarded; each answer's
+        advantage and log-probabilities kept for the updates."""
         keys = [key for group in step for key in group]
-        answers = self._sample(keys, index)
+        answers = self._sample(keys, rollout)
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
         asked = [key for key in keys for _ in range(self.generations)]  # each answer's record, in order
@@ -104,8 +138,9 @@ class GroupRelativePolicyOptimization:
         total = torch.tensor(scored["total"], dtype=torch.float64)
         advantages = group_advantages(total, self.generations, self.settings.scale_rewards)
         ids = [s.record_id for key in keys for s in samples[key]]
-        references = self._reference(samples, keys) if self.start is not None else {}
-        self.rollout = {i: (float(a), references.get(i)) for i, a in zip(ids, advantages)}
+        references = self._logps(samples, keys, self.start) if self.start is not None else {}
+        drawn = self._logps(samples, keys, None) if self.iterations > 1 else {}
+        self.rollout = {i: (float(a), references.get(i), drawn.get(i)) for i, a in zip(ids, advantages)}
         lengths = [len(a) for key in keys for a in answers[key]]
         self.fields = {
             "reward": float(total.mean()),
@@ -144,9 +179,12 @@ class GroupRelativePolicyOptimization:
             reference = torch.cat([self.rollout[i][1] for i in ids]).to(logps.device, logps.dtype)
         epsilon_high = self.settings.epsilon_high or self.settings.epsilon
         # One update a rollout: the rollout's log-probabilities are these, detached (ratio 1).
+        drawn = logps.detach()
+        if self.iterations > 1:
+            drawn = torch.cat([self.rollout[i][2] for i in ids]).to(logps.device, logps.dtype)
         losses, flags = grpo_token_losses(
             logps,
-            logps.detach(),
+            drawn,
             reference,
             advantages[owners],
             self.settings.beta,
@@ -176,8 +214,9 @@ class GroupRelativePolicyOptimization:
 
     # ---------------------------------------------------------------- the rollout
 
-    def _sample(self, keys: list[str], step: int) -> dict[str, list[list[int]]]:
-        """`num_generations` answers to each record's question, each drawn with its own seed."""
+    def _sample(self, keys: list[str], rollout: int) -> dict[str, list[list[int]]]:
+        """`num_generations` answers to each record's question, each drawn with its own seed (the
+        rollout's number: the step's, with one update a rollout)."""
         settings, data = self.settings, self.data
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.builder.end_of_turn
         asked = [(key, n) for key in keys for n in range(self.generations)]
@@ -196,7 +235,7 @@ class GroupRelativePolicyOptimization:
                     self.dtype,
                     settings.max_completion_length,
                 )
-                request.seed = answer_seed(settings.seed, step, self._seed_names[key], n)
+                request.seed = answer_seed(settings.seed, rollout, self._seed_names[key], n)
                 yield request
 
         def answered(index: int, ids: list[int]) -> None:
@@ -226,19 +265,21 @@ class GroupRelativePolicyOptimization:
         self.data.images.setdefault(sample_id, self.data.images[key])
         return Sample(sample_id, ids + answer, [-100] * len(ids) + answer, len(ids))
 
-    def _reference(self, samples: dict, keys: list[str]) -> dict[str, torch.Tensor]:
-        """Each answer's token log-probabilities under the starting weights, one question's group at a time."""
-        references = {}
+    def _logps(self, samples: dict, keys: list[str], weights: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Each answer's token log-probabilities under `weights` (the starting weights, for the KL)
+        or the adapter as it stands (None), without gradients, one question's group at a time."""
+        logps_of = {}
         forward = adapter_autocast(self.model, self.device, self.dtype)
-        with swapped_data(self.trainable, self.start), torch.no_grad(), forward:
+        swapped = swapped_data(self.trainable, weights) if weights is not None else nullcontext()
+        with swapped, torch.no_grad(), forward:
             for key in keys:
                 group = ImageGroup.of(samples[key])
                 batch = pack_groups([group], self.data.images, self.builder, rope_index(self.model))
                 logps = answer_token_logps(self.model, to_device(batch, self.device, self.dtype))
                 owners = batch["answer_owners"]
                 for n, sample_id in enumerate(batch["sample_ids"]):
-                    references[sample_id] = logps[owners.to(logps.device) == n].detach().cpu()
-        return references
+                    logps_of[sample_id] = logps[owners.to(logps.device) == n].detach().cpu()
+        return logps_of
 
 
 @contextmanager

@@ -17,6 +17,9 @@ are the loop's; a method is asked three things:
   grpo), `logged` naming everything the curves draw; `on_policy`: the step's samples come from the
   adapter as it stands, so the loop lays them out at the step, not one step ahead.
 - `summary(log)`: what the stage's summary adds from its step log.
+- `checkpoint_tensors()` and `restore(tensors)`: what a checkpoint keeps of the method's own state
+  for a resumed stage to go on as an uninterrupted one would (grpo's adapter weights a rollout
+  learned several steps in a row was drawn with); nothing for sft and dpo.
 
 What a method needs computed once before the first step (DPO's reference log-probabilities,
 vlft.training.reference) is computed from the stage's starting weights before it is built, and
@@ -55,6 +58,10 @@ class TrainingMethod(Protocol):
 
     def summary(self, log: list[dict]) -> dict: ...
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
 
 class SupervisedFineTuning:
     """`method: sft`: the answers learned token by token (next-token cross-entropy on answer tokens)."""
@@ -78,6 +85,12 @@ class SupervisedFineTuning:
 
     def step_fields(self) -> dict:
         return {}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        pass
 
     def after_last_step(self, model, log) -> None:
         pass
@@ -173,6 +186,12 @@ class PreferenceOptimization:
 
     def step_fields(self) -> dict:
         return {}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {}  # its reference is kept in the run directory (vlft.training.reference)
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        pass
 
     def after_last_step(self, model, log) -> None:
         """The held-out pairs judged by the trained weights, in the job's log and the curves."""

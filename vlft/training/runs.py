@@ -94,12 +94,13 @@ class RunDirectory:
         )
         return self.publish(outputs)
 
-    def resume(self, model, optimizer, scheduler, is_main: bool) -> int:
+    def resume(self, model, optimizer, scheduler, method, is_main: bool) -> int:
         """Restore the newest complete checkpoint, if any; the step it was saved after (0 for none).
         The main process cuts its logs back to that step: what came after is trained again."""
         first_step = 0
         if (checkpoint := self.newest_checkpoint(is_main)) is not None:
             first_step = checkpoints.restore(checkpoint, model, optimizer, scheduler)
+            method.restore(checkpoints.method_tensors(checkpoint))
             if is_main:  # the others' go unsaid
                 print(f"resuming from step {first_step} ({checkpoint})", flush=True)
         if is_main:
@@ -128,8 +129,8 @@ class RunDirectory:
                 remove_inside(checkpoint, self.path)
         return None
 
-    def save_checkpoint(self, step: int, model, optimizer, scheduler) -> None:
-        checkpoints.save(self.path, step, model, optimizer, scheduler)
+    def save_checkpoint(self, step: int, model, optimizer, scheduler, method) -> None:
+        checkpoints.save(self.path, step, model, optimizer, scheduler, method.checkpoint_tensors())
 
     def finish(self, summary: dict, model, kept_step: int | None) -> None:
         """Keep the finished outputs in the run directory (the adapter after the last step, or the

@@ -26,6 +26,8 @@ def plan_steps(
     """Every optimizer step of the stage. `group_of`: what a record's group is known by (its image,
     with image groups); None: each record is a group of its own."""
     group_of = group_of or (lambda record: record["key"])
+    # A grpo stage learns each rollout num_iterations steps in a row: each step of its questions repeated.
+    repeats = settings.num_iterations if settings.method == "grpo" else 1
     step_size = settings.micro_batch * settings.grad_accum
     groups = groups_in_order(records, group_of)
     max_steps = settings.max_steps
@@ -50,10 +52,10 @@ def plan_steps(
         for group in ordered:
             current.append([r["key"] for r in group])
             if sum(map(len, current)) >= step_size:
-                steps.append(current)
+                steps.extend([current] * repeats)
                 current = []
         if current:
-            steps.append(current)
+            steps.extend([current] * repeats)
         epoch += 1
     return steps[:max_steps] if max_steps else steps
 

@@ -118,7 +118,7 @@ def train_stage(
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference is the stage's starting weights.
     method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group)
-    first_step = run.resume(model, optimizer, scheduler, group.is_main)
+    first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
     batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer)
@@ -140,7 +140,7 @@ def train_stage(
             if reason := _stop_reason(stop, done, len(steps), group, device):
                 _save_and_stop(run, trainer, reason, done, len(steps))
             if done % checkpoint_every == 0 and done < len(steps) and group.is_main:
-                run.save_checkpoint(done, model, optimizer, scheduler)
+                run.save_checkpoint(done, model, optimizer, scheduler, method)
             during.after(model, done, len(steps), log)
         method.after_last_step(model, log)
     if not group.is_main:
@@ -398,7 +398,7 @@ def _save_and_stop(run: RunDirectory, trainer: Trainer, reason: str, done: int, 
     if trainer.group.is_main:
         # Said before saving: SLURM may kill the job while it saves, and this line must reach the log.
         print(f"{reason} after step {done} of {total}: saving a checkpoint", flush=True)
-        run.save_checkpoint(done, trainer.model, trainer.optimizer, trainer.scheduler)
+        run.save_checkpoint(done, trainer.model, trainer.optimizer, trainer.scheduler, trainer.method)
     distributed.barrier()  # no process leaves before the checkpoint is complete
     raise Preempted(
         f"{reason}: stopped after step {done} of {total} with a checkpoint saved; the retry (or a rerun) resumes from step {done}"
