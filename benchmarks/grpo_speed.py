@@ -2,16 +2,19 @@
 
 The training benchmark's workload (benchmarks/train_speed.py: JPEGs of six sizes, 720x576 to
 1920x1080, the 8B with random weights) with short answers (1-16 tokens, as a click or a Kvasir
-answer is): GRPO on P questions a step, each an image of its own, G answers sampled to each (at
-most --max-completion-length tokens, temperature 1.0), rewarded by the `format` reward; SFT on the
-same images with G questions each and `image_groups` (each image's prompt once for its G
-answers), P images a step. Both from the vision cache, packed under one token budget, compiled.
-A GRPO step is its rollout (the engine's sampled answers), its rewards and its update; with
-random weights every answer runs to the length limit, so the rollout is at its longest. The step
-time of each comes from its step log; the first --warmup steps are left out. The rollout's share
-is estimated as GRPO's step less the SFT step (an update over as many answers on as many images).
+answer is): GRPO on P questions a step (--questions-per-image on each image; with more than one,
+image groups: an image's questions' answers share it), G answers sampled to each (at most
+--max-completion-length tokens, temperature 1.0), rewarded by the `format` reward; SFT on the same
+images with G answers for each of those questions and `image_groups` (each image's prompt once for
+all its answers). Both from the vision cache, packed under one token budget, compiled. A GRPO step
+is its rollout (the engine's sampled answers), its rewards, a reference pass where --beta is above
+0, and its update; with random weights every answer runs to the length limit, so the rollout is at
+its longest. The step time of each comes from its step log; the first --warmup steps are left out.
+GRPO's parts come from its log's `timing_s/*` fields (the update is the rest), the engine's phases
+from its own timer (answer_requests' `stats`, the device synchronized around each phase).
 
     python benchmarks/grpo_speed.py --arch qwen3-vl-8b --prompts 16 --generations 8 --out benchmarks/results/grpo
+    python benchmarks/grpo_speed.py --arch qwen3-vl-8b --prompts 18 --questions-per-image 9 --out ...
 """
 
 from __future__ import annotations
@@ -40,13 +43,17 @@ from train_speed import (  # noqa: E402
     run_ours,
 )
 from vlft.data.records import prepare_split  # noqa: E402
+import vlft.generation.engine  # noqa: E402
+import vlft.training.grpo  # noqa: E402
 from vlft.files import read_jsonl, write_jsonl  # noqa: E402
+from vlft.training.grpo import TIMING  # noqa: E402
 
 
-def questions(work: Path, images: int, generations: int, tokenizer) -> tuple[Path, Path]:
-    """The same images two ways: one question each (GRPO's prompts), and G questions each with
-    their answers (SFT's image groups)."""
-    rows = read_jsonl(make_workload(work, images * generations, tokenizer, 0, generations, short_answers=True))
+def questions(work: Path, images: int, per_image: int, generations: int, tokenizer) -> tuple[Path, Path]:
+    """The same images two ways: `per_image` questions each (GRPO's prompts), and G questions for
+    each of those with their answers (SFT's image groups: as many answers an image as GRPO samples)."""
+    each = per_image * generations
+    rows = read_jsonl(make_workload(work, images * each, tokenizer, 0, each, short_answers=True))
     for name, records in (("prompts", rows[::generations]), ("answers", rows)):
         (work / name).mkdir(parents=True, exist_ok=True)
         write_jsonl(work / name / "raw.jsonl", records)
@@ -54,12 +61,23 @@ def questions(work: Path, images: int, generations: int, tokenizer) -> tuple[Pat
     return work / "prompts", work / "answers"
 
 
+ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats)
+
+
+def answer_requests_timed(*args, **kwargs):
+    stats: dict = {}
+    vlft.generation.engine.answer_requests(*args, stats=stats, **kwargs)
+    ENGINE_CALLS.append(stats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-grpo-bench"))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--prompts", type=int, default=16, help="questions (images) a step")
+    parser.add_argument("--prompts", type=int, default=16, help="questions a step")
+    parser.add_argument("--questions-per-image", type=int, default=1, help="9: Kvasir-like (with image groups)")
+    parser.add_argument("--beta", type=float, default=0.0, help="above 0: a reference pass a rollout")
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=20)
     parser.add_argument("--steps", type=int, default=8)
@@ -68,10 +86,12 @@ def main() -> None:
     parser.add_argument("--commit")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
 
     tokenizer = make_tokenizer()
-    images = args.prompts * args.steps
-    prompts, answers = questions(args.work, images, args.generations, tokenizer)
+    per_image = args.questions_per_image
+    images = args.prompts * args.steps // per_image
+    prompts, answers = questions(args.work, images, per_image, args.generations, tokenizer)
     model = build_model(args.arch, tokenizer, "cuda")
     image_processor = image_processor_for(model)
     model_dir = args.work / "model"
@@ -88,6 +108,8 @@ def main() -> None:
     grpo = dict(
         base,
         method="grpo",
+        beta=args.beta,
+        image_groups=per_image > 1,  # an image's questions' answers one group: the image once for them all
         micro_batch=args.prompts,
         num_generations=args.generations,
         max_completion_length=args.max_completion_length,
@@ -120,6 +142,16 @@ def main() -> None:
             "steps_measured": len(run["step_s"]),
             "job_s": time.time() - started,
         }
+        if settings.get("method") == "grpo":
+            # Each part's seconds a step (its own log's timing_s fields; the update is the rest),
+            # and the engine's phases a rollout (the device synchronized around each phase).
+            parts = {k: sum(r[k] for r in run["log"]) / len(run["log"]) for k in TIMING}
+            parts["update"] = results[name]["s_per_step"] - sum(parts.values())
+            results[name]["parts_s"] = parts
+            results[name]["engine_s"] = {
+                k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
+                for k in sorted({k for c in ENGINE_CALLS for k in c})
+            }
         # The run's model and optimizer may sit in reference cycles (compiled layers, PEFT): free
         # them before the next run loads its own.
         del run
@@ -134,6 +166,8 @@ def main() -> None:
         "commit": commit_of(args.commit),
         "command": " ".join(sys.argv),
         "prompts": args.prompts,
+        "questions_per_image": per_image,
+        "beta": args.beta,
         "generations": args.generations,
         "max_completion_length": args.max_completion_length,
         "runs": results,

@@ -307,6 +307,7 @@ def run_ours(
         "losses": [row["loss"] for row in log],
         "auto": summary.get("max_batch_tokens_auto"),
         "summary": summary,
+        "log": log,
     }
 
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import statistics
+import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,6 +57,10 @@ def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
     digest = hashlib.sha256(f"{stage_seed}:{rollout}:{key}:{number}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
+
+# The seconds a step spends drawing its answers and in its passes without gradients (verl's names);
+# the rest of its time is its update.
+TIMING = ("timing_s/gen", "timing_s/ref", "timing_s/old_log_prob")
 
 # What a step's rollout adds to its log line, besides each reward's mean and spread (TRL's names).
 ROLLOUT_FIELDS = (
@@ -107,6 +113,7 @@ class GroupRelativePolicyOptimization:
         or, at a rollout's later updates, the rollout's answers again."""
         iteration, self.next_index = index % self.iterations, index + 1
         if iteration and self.groups is not None:
+            self.fields |= dict.fromkeys(TIMING, 0.0)  # nothing drawn or passed over for this step
             return self.groups
         if not iteration and self.iterations > 1:
             self.drawn_with = [p.detach().clone() for p in self.trainable]
@@ -129,7 +136,9 @@ class GroupRelativePolicyOptimization:
         """The step's questions answered by the adapter as it stands, rewarded; each answer's
         advantage and log-probabilities kept for the updates."""
         keys = [key for group in step for key in group]
-        answers = self._sample(keys, rollout)
+        began = time.perf_counter()
+        answers = self._sample(keys, rollout)  # its answers read back to the host: the device is done
+        timing = dict.fromkeys(TIMING, 0.0) | {"timing_s/gen": time.perf_counter() - began}
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
         asked = [key for key in keys for _ in range(self.generations)]  # each answer's record, in order
@@ -138,8 +147,11 @@ class GroupRelativePolicyOptimization:
         total = torch.tensor(scored["total"], dtype=torch.float64)
         advantages = group_advantages(total, self.generations, self.settings.scale_rewards)
         ids = [s.record_id for key in keys for s in samples[key]]
+        began = time.perf_counter()
         references = self._logps(samples, keys, self.start) if self.start is not None else {}
+        timing["timing_s/ref"], began = time.perf_counter() - began, time.perf_counter()
         drawn = self._logps(samples, keys, None) if self.iterations > 1 else {}
+        timing["timing_s/old_log_prob"] = time.perf_counter() - began
         self.rollout = {i: (float(a), references.get(i), drawn.get(i)) for i, a in zip(ids, advantages)}
         lengths = [len(a) for key in keys for a in answers[key]]
         self.fields = {
@@ -155,6 +167,7 @@ class GroupRelativePolicyOptimization:
             values = [v for v in scored[name] if v == v]  # NaN: the reward does not apply
             self.fields[f"rewards/{name}/mean"] = statistics.fmean(values) if values else float("nan")
             self.fields[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        self.fields |= timing  # seconds of the step's rollout and passes (verl's names), apart from its update
         # One group a step group: a question's answers, or with image groups all answers to the
         # questions on one image, which then share the image too.
         return [ImageGroup.of([s for key in group for s in samples[key]]) for group in step]
@@ -224,19 +237,20 @@ class GroupRelativePolicyOptimization:
 
         def requests():
             for index, (key, n) in enumerate(asked):
-                request = prompt_request(
-                    index,
-                    data.samples[key],
-                    data,
-                    self.builder,
-                    pad_id,
-                    unwrapped(self.model),
-                    self.device,
-                    self.dtype,
-                    settings.max_completion_length,
-                )
-                request.seed = answer_seed(settings.seed, rollout, self._seed_names[key], n)
-                yield request
+                if n == 0:  # a question's inputs read and put on the device once for its answers
+                    prompt = prompt_request(
+                        None,
+                        data.samples[key],
+                        data,
+                        self.builder,
+                        pad_id,
+                        unwrapped(self.model),
+                        self.device,
+                        self.dtype,
+                        settings.max_completion_length,
+                    )
+                seed = answer_seed(settings.seed, rollout, self._seed_names[key], n)
+                yield replace(prompt, key=index, seed=seed)
 
         def answered(index: int, ids: list[int]) -> None:
             key, n = asked[index]
