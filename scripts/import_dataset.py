@@ -5,6 +5,7 @@ ready to name under `datasets:` in a config.
     python scripts/import_dataset.py kvasir-vqa-x1 --x1 x1/*.parquet --parquet data/*.parquet --out data/kvasir-x1
     python scripts/import_dataset.py chat --json train.json --image-root data/images --out data/chat
     python scripts/import_dataset.py screenspot --json screenspot_web.json --out data/screenspot
+    python scripts/import_dataset.py screenspot --parquet ScreenSpot/data/test-*.parquet --out data/screenspot
     python scripts/import_dataset.py pairs --parquet rlaif-v/*.parquet --out data/rlaif-v
 """
 
@@ -27,13 +28,21 @@ def main():
     chat.add_argument("--json", nargs="+", required=True)
     chat.add_argument("--image-root", required=True, help="the directory the records' image paths are relative to")
     chat.add_argument("--split", default="train", help="the split the records form")
-    clicks = formats.add_parser("screenspot", help="ScreenSpot v1, v2 or Pro click data (JSON)")
-    clicks.add_argument("--json", nargs="+", required=True)
+    clicks = formats.add_parser("screenspot", help="ScreenSpot v1, v2 or Pro (JSON), or the Hub mirror (parquet)")
+    clicks.add_argument("--json", nargs="+", default=[])
+    clicks.add_argument("--parquet", nargs="+", default=[], help="the Hub mirror's files, screenshots inside")
+    clicks.add_argument("--image-root", help="where the JSON files' images are: their sizes check (or scale) the boxes")
     clicks.add_argument(
         "--bbox",
         choices=["auto", "xywh", "xyxy"],
         default="auto",
         help="x, y, width, height; or corners; auto: corners for ScreenSpot-Pro and the Hub mirror, else x, y, w, h",
+    )
+    clicks.add_argument(
+        "--bbox-units",
+        choices=["auto", "pixels", "fractions"],
+        default="auto",
+        help="auto: fractions of the image where every box of a file lies within 0-1 (the Hub mirror), else pixels",
     )
     clicks.add_argument("--split", default="test", help="the split the records form")
     pairs = formats.add_parser("pairs", help="flat preference pairs as RLAIF-V publishes them (parquet)")
@@ -52,7 +61,10 @@ def main():
     elif args.format == "pairs":
         summary = importers.import_pairs(args.parquet, args.out, args.split)
     else:
-        summary = importers.import_screenspot(args.json, args.out, args.bbox, args.split)
+        if not args.json and not args.parquet:
+            parser.error("screenspot: give --json or --parquet files")
+        files = args.json + args.parquet
+        summary = importers.import_screenspot(files, args.out, args.bbox, args.split, args.image_root, args.bbox_units)
     print(json.dumps(summary))
 
 

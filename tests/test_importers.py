@@ -585,6 +585,59 @@ def test_screenspot_v1_v2_pro_and_their_republications_each_read_in_their_own_la
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_hub_mirrors_boxes_in_fractions_of_the_image_become_pixels_by_its_own_size(tmp_path):
+    """rootsautomation/ScreenSpot as the Hub publishes it: parquet rows of the screenshot's bytes,
+    `file_name`, and `bbox` as corners in fractions of the image (lmms-eval's ScreenSpot task reads
+    them so: the target's centre is ((x1 + x2) / 2, (y1 + y2) / 2) of the fractions). Read as pixels
+    every box would shrink under a pixel at the top-left corner; here each is scaled by its image's
+    own size (96 x 64), the screenshot written once to <out>/images/."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fractions = [[0.25, 0.25, 0.75, 0.5], [0.5, 0.5, 0.625, 0.75]]
+    rows = [
+        {
+            "file_name": "mobile_1.jpg",
+            "bbox": box,
+            "instruction": f"tap target {i}",
+            "data_type": "icon",
+            "data_source": "ios",
+            "image": {"bytes": jpeg_bytes(0), "path": None},
+        }
+        for i, box in enumerate(fractions)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test-00000-of-00001.parquet")
+    summary = import_screenspot([tmp_path / "test-00000-of-00001.parquet"], tmp_path / "out")
+    assert summary["bbox_units"] == {str(tmp_path / "test-00000-of-00001.parquet"): "fractions"}
+    records = read_jsonl(tmp_path / "out/test.jsonl")
+    assert [r["box"] for r in records] == [[24, 16, 72, 32], [48, 32, 60, 48]]
+    for record, box in zip(records, fractions):
+        x, y = (float(v) for v in record["answer"].strip("()").split(","))
+        assert (x / 96, y / 64) == ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)  # the publisher's centre
+        assert record["image"] == "mobile_1.jpg" and record["data_source"] == "ios"
+    assert (tmp_path / "out/images/mobile_1.jpg").read_bytes() == jpeg_bytes(0) and summary["images"] == 1
+
+    # The same rows as JSON, images as files: their size is read from --image-root, which they need.
+    for row in rows:
+        del row["image"]
+    (tmp_path / "mirror.json").write_text(json.dumps(rows))
+    with pytest.raises(
+        InputError, match=r"mirror.json:1: field 'bbox': .* fractions of the image .* give --image-root"
+    ):
+        import_screenspot([tmp_path / "mirror.json"], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    (tmp_path / "shots").mkdir()
+    (tmp_path / "shots/mobile_1.jpg").write_bytes(jpeg_bytes(0))
+    import_screenspot([tmp_path / "mirror.json"], tmp_path / "json", image_root=tmp_path / "shots")
+    assert [r["box"] for r in read_jsonl(tmp_path / "json/test.jsonl")] == [[24, 16, 72, 32], [48, 32, 60, 48]]
+    # Pixel boxes checked against the image file where --image-root is given.
+    (tmp_path / "wide.json").write_text(
+        json.dumps([{"img_filename": "mobile_1.jpg", "bbox": [50, 10, 60, 20], "instruction": "x"}])
+    )
+    with pytest.raises(InputError, match=r"wide.json:1: field 'bbox': .* outside the 96x64 image \(its file\)"):
+        import_screenspot([tmp_path / "wide.json"], tmp_path / "bad", image_root=tmp_path / "shots")
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

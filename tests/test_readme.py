@@ -205,12 +205,12 @@ def run_snakemake_report(command, fixture, tmp_path):
         assert any(name.endswith(item) and "/data/raw/" in name for name in names), (item, names[:20])
 
 
-IMPORT_OUTPUTS = {
-    "kvasir-vqa": ("data/kvasir", ("train", "val", "test")),
-    "kvasir-vqa-x1": ("data/kvasir-x1", ("train", "val", "test")),
-    "chat": ("data/chat", ("train",)),
-    "screenspot": ("data/screenspot", ("test",)),
-    "pairs": ("data/rlaif-v", ("train",)),
+IMPORT_SPLITS = {  # the splits each format writes
+    "kvasir-vqa": ("train", "val", "test"),
+    "kvasir-vqa-x1": ("train", "val", "test"),
+    "chat": ("train",),
+    "screenspot": ("test",),
+    "pairs": ("train",),
 }
 
 
@@ -229,6 +229,16 @@ def run_import(command, fixture, tmp_path):
     (workdir / "screenspot").mkdir()
     clicks = [{"img_filename": "web_1.png", "bbox": [5, 5, 20, 10], "instruction": "click OK", "data_type": "text"}]
     (workdir / "screenspot/screenspot_web.json").write_text(json.dumps(clicks))
+    (workdir / "ScreenSpot/data").mkdir(parents=True)  # the Hub mirror: screenshots inside, boxes in fractions
+    mirror = [
+        {
+            "file_name": "web_1.png",
+            "bbox": [0.1, 0.1, 0.5, 0.5],
+            "instruction": "click OK",
+            "image": {"bytes": jpeg_bytes(0)},
+        }
+    ]
+    pd.DataFrame(mirror).to_parquet(workdir / "ScreenSpot/data/test-00000-of-00001.parquet")
     (workdir / "rlaif-v").mkdir()
     pairs = [
         {"image": {"bytes": jpeg_bytes(i)}, "question": "What?", "chosen": "Noise.", "rejected": "A cat."}
@@ -237,7 +247,7 @@ def run_import(command, fixture, tmp_path):
     pd.DataFrame(pairs).to_parquet(workdir / "rlaif-v/train-00000.parquet")
 
     summary = json.loads(shell(command, workdir).strip().splitlines()[-1])
-    out, splits = IMPORT_OUTPUTS[command.split()[2]]
+    out, splits = command.split("--out ")[1].split()[0], IMPORT_SPLITS[command.split()[2]]
     assert summary["records"] > 0
     assert (
         sum(len((workdir / out / f"{split}.jsonl").read_text().splitlines()) for split in splits) == summary["records"]
@@ -318,6 +328,7 @@ RUNNERS = {
     "--out data/kvasir-x1": run_import,
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,
+    "python scripts/import_dataset.py screenspot --parquet ScreenSpot/data/test-*.parquet --out data/screenspot-hub": run_import,
     "python scripts/import_dataset.py pairs --parquet rlaif-v/*.parquet --out data/rlaif-v": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
     "snakemake --cores all results/export/exp4/stage2": run_export,

@@ -71,9 +71,13 @@ class UniqueIds:
         return record_id
 
 
-def write_splits(out_dir: str | Path, splits: dict[str, list[dict]]) -> None:
-    """One JSONL per split in a new directory, whole or not at all."""
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
+def write_splits(out_dir: str | Path, splits: dict[str, list[dict]], new: bool = True) -> None:
+    """One JSONL per split in a new directory, whole or not at all (`new` False: into a directory
+    the caller is making whole, as atomic_path's temporary one)."""
+    if not new:
+        Path(out_dir).mkdir(exist_ok=True)
         for split, records in splits.items():
-            write_jsonl(tmp / f"{split}.jsonl", records)
+            write_jsonl(Path(out_dir) / f"{split}.jsonl", records)
+        return
+    with atomic_path(out_dir) as tmp:
+        write_splits(tmp, splits, new=False)

@@ -5,7 +5,10 @@ the target box in the image's pixels as `box` [x1, y1, x2, y2], its centre as th
   `data_type` (text, icon), `data_source`.
 - ScreenSpot-Pro: `img_filename`, `instruction`, `bbox` as corners, `img_size` [width, height],
   `ui_type` (text, icon), `application`, `platform`, `group`, `id`.
-- Republications name the file `image` or `file_name` (the Hub mirror, whose boxes are corners).
+- Republications name the file `image` or `file_name`. The Hub's mirror (rootsautomation/ScreenSpot,
+  parquet with the screenshot's bytes in `image` and its name in `file_name`) writes its boxes as
+  corners in fractions of the image (0-1), as lmms-eval's ScreenSpot task reads them; they are
+  converted to pixels with the image's own size.
 
 Fields we do not use are kept on the record under their own names (a filter or the report may want
 `platform` or `data_source`)."""
@@ -14,8 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PIL import Image
+
 from vlft.errors import InputError
+from vlft.files import atomic_path
 from vlft.data.importers.common import UniqueIds, json_rows, write_splits
+from vlft.data.importers.kvasir import ImageWriter, parquet_rows
 
 FILE_FIELDS = ("img_filename", "image", "file_name")
 CATEGORY_FIELDS = ("data_type", "ui_type")
@@ -33,20 +40,65 @@ def box_layout(rows: list[dict], asked: str) -> str:
     return "xyxy" if pro or mirror else "xywh"
 
 
-def import_screenspot(files: list[str | Path], out_dir: str | Path, bbox: str = "auto", split: str = "test") -> dict:
-    """Click records from ScreenSpot v1, v2 or Pro files (or their republications); images stay
-    where they are. A box must have positive area and, where the row gives `img_size`, lie inside it."""
-    records, ids, layouts = [], UniqueIds(), {}
-    for path in files:
-        rows = json_rows(path)
-        layout = layouts[str(path)] = box_layout([row for _, row in rows], bbox)
-        for where, row in rows:
-            records.append(_click_record(row, where, layout, ids))
-    write_splits(out_dir, {split: records})
-    return {"records": len(records), "splits": {split: len(records)}, "bbox": layouts}
+def box_units(rows: list[dict], asked: str) -> str:
+    """Whether a file's boxes are in pixels or in fractions of the image: as asked, or (auto)
+    fractions where every number of every box lies within 0-1 (no box of a real screenshot does in
+    pixels: it would be under a pixel wide), else pixels."""
+    if asked != "auto":
+        return asked
+    boxes = [r.get("bbox") for r in rows if isinstance(r, dict)]
+    numbers = [v for b in boxes if isinstance(b, list) for v in b if isinstance(v, (int, float))]
+    return "fractions" if numbers and all(0 <= v <= 1 for v in numbers) else "pixels"
 
 
-def _click_record(row, where, layout: str, ids: UniqueIds) -> dict:
+def import_screenspot(
+    files: list[str | Path],
+    out_dir: str | Path,
+    bbox: str = "auto",
+    split: str = "test",
+    image_root: str | Path | None = None,
+    units: str = "auto",
+) -> dict:
+    """Click records from ScreenSpot v1, v2 or Pro JSON files, or the Hub mirror's parquet files
+    (their screenshots written once to `<out>/images/`); images of JSON files stay where they are.
+    A box must have positive area and lie inside its image, whose size comes from `img_size`, the
+    parquet's bytes or the file under `image_root`; boxes in fractions need that size."""
+    records, ids, layouts, all_units = [], UniqueIds(), {}, {}
+    with atomic_path(out_dir) as tmp:
+        images = None
+        for path in files:
+            parquet = str(path).endswith(".parquet")
+            if parquet and images is None:
+                images = ImageWriter(tmp / "images")
+            rows = (
+                list(parquet_rows([path], ["file_name", "bbox", "instruction", "image"]))
+                if parquet
+                else json_rows(path)
+            )
+            layout = layouts[str(path)] = box_layout([row for _, row in rows], bbox)
+            unit = all_units[str(path)] = box_units([row for _, row in rows], units)
+            for where, row in rows:
+                size = None
+                if parquet:
+                    cell = row.pop("image")
+                    row["file_name"] = images.add(Path(str(row["file_name"])).stem, cell, where)
+                    size = _size_of(images.directory / row["file_name"], where)
+                record = _click_record(row, where, layout, unit, ids, size, image_root)
+                records.append(record)
+        write_splits(tmp, {split: records}, new=False)
+    summary = {"records": len(records), "splits": {split: len(records)}, "bbox": layouts, "bbox_units": all_units}
+    return summary | ({"images": len(images.id_of)} if images is not None else {})
+
+
+def _size_of(path: Path, where) -> tuple[int, int]:
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except (OSError, ValueError) as err:
+        raise InputError(where[0], f"its image {path} cannot be read ({err})", where[1], "image") from None
+
+
+def _click_record(row, where, layout: str, units: str, ids: UniqueIds, size, image_root) -> dict:
     path, number = where
     if not isinstance(row, dict):
         raise InputError(path, "each record must be a JSON object", number)
@@ -63,12 +115,28 @@ def _click_record(row, where, layout: str, ids: UniqueIds) -> dict:
     x2, y2 = (x1 + a, y1 + b) if layout == "xywh" else (a, b)
     if not (x2 > x1 and y2 > y1):
         raise InputError(path, f"an empty box {box!r} as {layout}", number, "bbox")
-    size = row.get("img_size")
+    size_from = "its bytes"
+    if size is None and row.get("img_size") is not None:
+        size, size_from = tuple(row["img_size"]), "img_size"
+    if size is None and image_root is not None:
+        size, size_from = _size_of(Path(image_root) / row[file_field], where), "its file"
+    read_as = layout
+    if units == "fractions":
+        if size is None:
+            raise InputError(
+                path,
+                f"{box!r} is in fractions of the image (0-1): give --image-root, where its image "
+                f"{row[file_field]!r} is, so that it can be converted to pixels",
+                number,
+                "bbox",
+            )
+        x1, y1, x2, y2 = x1 * size[0], y1 * size[1], x2 * size[0], y2 * size[1]
+        read_as = f"{layout} in fractions"
     if size is not None and not (0 <= x1 and 0 <= y1 and x2 <= size[0] and y2 <= size[1]):
         raise InputError(
             path,
-            f"{box!r} read as {layout} is [{x1}, {y1}, {x2}, {y2}], outside the {size[0]}x{size[1]} image "
-            "(img_size); give --bbox for this file's layout",
+            f"{box!r} read as {read_as} is [{x1:g}, {y1:g}, {x2:g}, {y2:g}], outside the {size[0]}x{size[1]} image ({size_from}); "
+            "give --bbox (and --bbox-units) for this file's layout",
             number,
             "bbox",
         )
