@@ -360,6 +360,98 @@ def test_system_turns_are_kept_and_rows_without_an_image_are_skipped_and_counted
     assert [r["id"] for r in read_jsonl(tmp_path / "llava/train.jsonl")] == ["llava-a", "llava-b"]
 
 
+def chat_row(question="<image>What is shown?", answer="A polyp.", **fields):
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]} | fields
+
+
+@pytest.mark.parametrize(
+    "name, row, said",
+    [
+        # ms-swift's documentation example: an image and a video in one row.
+        (
+            "image and video",
+            chat_row("<image><video>What differs?", images=["a.jpg"], videos=["clip.mp4"]),
+            "holds video beside its image: only images are read",
+        ),
+        ("KTO, label as text", chat_row(images=["a.jpg"], label="false"), "field 'label': a KTO row"),
+        ("KTO, LLaMA-Factory's kto_tag", chat_row(images=["a.jpg"], kto_tag=False), "field 'kto_tag': a KTO row"),
+        ("rejected_images alone", chat_row(images=["a.jpg"], rejected_images=["b.jpg"]), "about other images"),
+        (
+            "Qwen-VL's inline URL",
+            {
+                "conversations": [
+                    {"from": "user", "value": "Picture 1: <img>https://example.org/a.jpg</img>\nWhat is shown?"},
+                    {"from": "assistant", "value": "A polyp."},
+                ]
+            },
+            "image https://example.org/a.jpg is a URL",
+        ),
+        ("data: URL", chat_row(images=["data:image/jpeg;base64,/9j/4AAQ"]), "written into the row as a data: URL"),
+    ],
+)
+def test_a_row_of_what_no_record_holds_is_refused_saying_what_it_holds(tmp_path, name, row, said):
+    chat_fixtures(tmp_path)
+    (tmp_path / "rows.json").write_text(json.dumps([chat_row(images=["a.jpg"]), row]))
+    with pytest.raises(InputError, match=rf"rows.json:2: .*{said}"):
+        import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_video_audio_and_not_learned_rows_are_counted_as_what_they_are_and_inline_and_file_images_read(tmp_path):
+    """Rows of LLaMA-Factory's video and audio demos and Qwen's video.json are skipped under their
+    own names; a round marked not to be learned (ms-swift's loss: false, LLaMA-Factory v1's
+    loss_weight: 0) makes no record but stays in the next round's history; Qwen-VL's inline
+    <img>path</img> and Qwen's file:// paths name the row's image."""
+    chat_fixtures(tmp_path)
+    rows = [
+        chat_row("<video>What happens?", videos=["clip.mp4"]),  # LLaMA-Factory's video demo
+        chat_row("<audio>What is said?", audios=["speech.wav"]),  # its audio demo
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "Describe."}],
+                },
+                {"role": "assistant", "content": "A scope moves."},
+            ]
+        },  # Qwen's video.json
+        chat_row(
+            images=["a.jpg"],
+            messages=[
+                {"role": "user", "content": "<image>What is shown?"},
+                {"role": "assistant", "content": "I am not sure.", "loss": False},
+                {"role": "user", "content": "Look again: what is shown?"},
+                {"role": "assistant", "content": "A polyp."},
+            ],
+        ),
+        {
+            "messages": [
+                {"role": "user", "content": "<image>Colour?"},
+                {"role": "assistant", "content": "Red.", "loss_weight": 0.0},
+            ],
+            "images": ["b.jpg"],
+        },
+        {
+            "conversations": [
+                {"from": "user", "value": "Picture 1: <img>a.jpg</img>\nHow many?"},
+                {"from": "assistant", "value": "One."},
+            ]
+        },
+        chat_row(images=[f"file://{tmp_path / 'images/b.jpg'}"]),
+    ]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    summary = import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out")
+    assert (summary["skipped_video"], summary["skipped_audio"], summary["skipped_without_image"]) == (2, 1, 0)
+    assert (summary["skipped_not_learned"], summary["rounds_not_learned"]) == (1, 1)
+    records = read_jsonl(tmp_path / "out/train.jsonl")
+    assert [(r["image"], r["question"], r["answer"]) for r in records] == [
+        ("a.jpg", "Look again: what is shown?", "A polyp."),
+        ("a.jpg", "How many?", "One."),
+        ("b.jpg", "What is shown?", "A polyp."),
+    ]
+    assert records[0]["history"] == [{"question": "What is shown?", "answer": "I am not sure."}]
+
+
 def grounding_row(refs=("sheep", "sheep"), boxes=([10, 20, 50, 60],), **objects):
     """ms-swift's grounding example's shape (docs, Custom-dataset, grounding): the referring
     expression in the question and as the answer's label, one box per <bbox>."""

@@ -16,10 +16,15 @@ with `rejected`. One image per conversation, shown in its first user turn; the s
 again in a later turn is that image (counted in the summary). Rows without an image are skipped
 and counted; everything else that does not fit (two images, a URL, a tool turn, a pair whose
 rejected answer is about other images, a KTO row) is refused with the file, the row and the
-reason, never cut."""
+reason, never cut. Rows of video or audio are skipped and counted as such (with an image too: refused,
+a record would keep its `<video>` and learn about what it cannot see); answers their publisher marks
+as not to be learned (ms-swift's `loss: false`, LLaMA-Factory v1's `loss_weight: 0`) make no
+record, and stay in later rounds' history. Qwen-VL's inline images (`<img>path</img>`) are read as
+the row's image; `file://` paths are paths; an image as a `data:` URL is refused."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from vlft.errors import InputError
@@ -30,6 +35,13 @@ IMAGE_MARKER = "<image>"
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
 WHOLE_CONVERSATION_PAIRS = ("rejected_messages", "chosen_messages")
 IMAGE_PART_TYPES = ("image", "image_url")
+# Media besides images, which no record holds: the fields, typed parts and text markers that carry them.
+MEDIA = {
+    "video": (("videos", "video"), ("video", "video_url"), "<video>"),
+    "audio": (("audios", "audio"), ("audio", "audio_url", "input_audio"), "<audio>"),
+}
+# Qwen-VL's inline images: "Picture 1: <img>path or URL</img>" in the text.
+INLINE_IMAGE = re.compile(r"(?:Picture \d+: )?<img>(.*?)</img>\n?", re.DOTALL)
 
 
 def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train") -> dict:
@@ -38,20 +50,25 @@ def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | 
     counts = {
         "conversations": 0,
         "skipped_without_image": 0,
+        "skipped_video": 0,
+        "skipped_audio": 0,
+        "skipped_not_learned": 0,
         "image_shown_again": 0,
         "grounding_rows": 0,
         "preference_pairs": 0,
+        "rounds_not_learned": 0,
     }
     for path in files:
         for where, row in json_rows(path):
             conversation = Conversation.read(row, where, Path(image_root))
-            if conversation is None:
-                counts["skipped_without_image"] += 1
+            if isinstance(conversation, str):  # skipped: why
+                counts[conversation] += 1
                 continue
             counts["conversations"] += 1
             counts["image_shown_again"] += conversation.shown_again
             counts["grounding_rows"] += bool(conversation.extra)
             counts["preference_pairs"] += conversation.rejected is not None
+            counts["rounds_not_learned"] += len(conversation.not_learned)
             base_id = str(row.get("id", f"{Path(path).stem}-{where[1]}"))
             for record in conversation.records(base_id):
                 ids.add(record["id"], where)
@@ -71,9 +88,13 @@ class Conversation:
         shown_again: int,
         extra: dict,
         rejected: str | None = None,
+        not_learned: frozenset[int] = frozenset(),
     ):
         self.image, self.system, self.rounds, self.shown_again, self.extra = image, system, rounds, shown_again, extra
         self.rejected = rejected  # a preference pair's rejected answer to its last question
+        # Rounds whose answers their publisher marks as not learned (ms-swift's `loss: false`,
+        # LLaMA-Factory v1's `loss_weight: 0`): no record of their own, kept in later rounds' history.
+        self.not_learned = not_learned
 
     def records(self, base_id: str) -> list[dict]:
         if self.rejected is not None:  # the pair: its last round, the rounds before as its history
@@ -85,6 +106,8 @@ class Conversation:
             return [dict(record, question=question, answer=answer, rejected=self.rejected, **self.extra)]
         out = []
         for n, (question, answer) in enumerate(self.rounds):
+            if n in self.not_learned:
+                continue
             record = {"id": base_id if len(self.rounds) == 1 else f"{base_id}-{n + 1}", "image": self.image}
             if self.system:
                 record["system"] = self.system
@@ -94,12 +117,13 @@ class Conversation:
         return out
 
     @classmethod
-    def read(cls, row, where, image_root: Path) -> "Conversation | None":
+    def read(cls, row, where, image_root: Path) -> "Conversation | str":
+        """The row's conversation, or why it is skipped (a summary count's name)."""
         path, number = where
         if not isinstance(row, dict):
             raise InputError(path, "each record must be a JSON object", number)
         rejected = _rejected(row, where)
-        turns = _turns(row, where)
+        turns, not_learned = _turns(row, where)
         if rejected is not None and "chosen" in row:  # LLaMA-Factory's: the conversation ends with the question
             turns.append(("assistant", _answer_turn(row["chosen"], where, "chosen")))
         system = row.get("system")
@@ -111,20 +135,33 @@ class Conversation:
             raise InputError(
                 path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number
             )
-        texts, images_by_turn = [], []
+        texts, images_by_turn, media = [], [], set()
         for n, (_, content) in enumerate(turns):
-            text, images = _content(content, where, f"turn {n + 1}")
+            text, images, kinds = _content(content, where, f"turn {n + 1}")
             texts.append(text)
             images_by_turn.append(images)
+            media |= kinds
+        media |= {kind for kind, (fields, _, marker) in MEDIA.items() if any(row.get(f) for f in fields)}
+        media |= {kind for kind, (_, _, marker) in MEDIA.items() if any(marker in t for t in texts)}
         listed = row.get("images", row.get("image", []))
         listed = [listed] if isinstance(listed, str) else listed
         if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
             raise InputError(path, f"must be a list of paths, not {listed!r}", number, "images")
         images = listed + [image for turn in images_by_turn for image in turn]
+        if media:
+            kinds = " and ".join(sorted(media))
+            if not images:  # video or audio alone: skipped, counted as what it is
+                return f"skipped_{sorted(media)[0]}"
+            raise InputError(
+                path,
+                f"holds {kinds} beside its image: only images are read, and a record without its {kinds} "
+                f"would learn answers about what it cannot see",
+                number,
+            )
         if not images:
             if any(IMAGE_MARKER in t for t in texts):
                 raise InputError(path, f"has {IMAGE_MARKER} in its text but names no image", number, "images")
-            return None
+            return "skipped_without_image"
         distinct = list(dict.fromkeys(images))
         if len(distinct) > 1:
             raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
@@ -150,7 +187,11 @@ class Conversation:
             raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
         if rejected is not None and extra:
             raise InputError(path, "a grounding row with a rejected answer: pairs of clicks are not learned", number)
-        return cls(image, system, rounds, max(0, markers - 1), extra, rejected)
+        if rejected is not None and len(rounds) - 1 in not_learned:
+            raise InputError(path, "a pair whose chosen answer is marked not to be learned (loss)", number)
+        if len(not_learned) == len(rounds) and rejected is None:
+            return "skipped_not_learned"  # every answer marked not to be learned: nothing to learn from it
+        return cls(image, system, rounds, max(0, markers - 1), extra, rejected, frozenset(not_learned))
 
 
 def _rejected(row: dict, where) -> str | None:
@@ -159,13 +200,14 @@ def _rejected(row: dict, where) -> str | None:
     answers to one question about one image is refused: a KTO row (one answer, `label` true or
     false), a rejected answer about other images (`rejected_images`), pairs as whole conversations."""
     path, number = where
-    if isinstance(row.get("label"), bool):
+    label = row.get("label", row.get("kto_tag"))
+    if isinstance(label, bool) or (isinstance(label, str) and label.strip().lower() in ("true", "false")):
         raise InputError(
             path,
             "a KTO row (label: true/false marks one answer desirable or not): preference stages learn from a "
             "chosen and a rejected answer to one question, and this row has one answer",
             number,
-            "label",
+            "label" if "label" in row else "kto_tag",
         )
     if "rejected_images" in row:
         raise InputError(
@@ -198,22 +240,23 @@ def _answer_turn(value, where, field: str) -> str:
     return value.strip()
 
 
-def _turns(row: dict, where) -> list[tuple[str, object]]:
+def _turns(row: dict, where) -> tuple[list[tuple[str, object]], set[int]]:
     """(role, content) of each turn, from any of the published layouts: `messages` (role /
     content), `conversations` (from / value, as sharegpt and LLaVA write it), ms-swift's sharegpt
-    `conversation` ([{human, assistant}]) and its query / response / history ([[query, response]])."""
+    `conversation` ([{human, assistant}]) and its query / response / history ([[query, response]]);
+    and the rounds (counted from 0, a system turn apart) whose answers are marked not to be learned."""
     path, number = where
     if "conversation" in row and "conversations" not in row:
         pairs = row["conversation"]
         if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
             raise InputError(path, "must be a list of {human, assistant}", number, "conversation")
-        return [t for p in pairs for t in (("user", p.get("human")), ("assistant", p.get("assistant")))]
+        return [t for p in pairs for t in (("user", p.get("human")), ("assistant", p.get("assistant")))], set()
     if "query" in row and "messages" not in row:
         history = row.get("history") or []
         if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
             raise InputError(path, "must be a list of [query, response] pairs", number, "history")
         pairs = history + [[row["query"], row.get("response")]]
-        return [t for q, r in pairs for t in (("user", q), ("assistant", r))]
+        return [t for q, r in pairs for t in (("user", q), ("assistant", r))], set()
     if "messages" in row:
         raw = row["messages"]
     elif "conversations" in row:
@@ -222,25 +265,32 @@ def _turns(row: dict, where) -> list[tuple[str, object]]:
         raise InputError(path, "none of 'messages', 'conversations', 'conversation' or 'query'", number)
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
         raise InputError(path, "must be a list of turns", number, "messages" if "messages" in row else "conversations")
-    turns = []
+    turns, not_learned = [], set()
     for message in raw:
         role = message.get("role", message.get("from"))
         if role not in ROLES:
             raise InputError(path, f"a turn of role {role!r}: only system, user and assistant turns are taken", number)
         turns.append((ROLES[role], message.get("content", message.get("value"))))
-    return turns
+        if ROLES[role] == "assistant" and (message.get("loss") is False or message.get("loss_weight") in (0, 0.0)):
+            not_learned.add(sum(r == "assistant" for r, _ in turns) - 1)
+    return turns, not_learned
 
 
-def _content(content, where, what: str) -> tuple[str, list[str]]:
-    """A turn's text (its `<image>` markers left in) and the images its typed parts name."""
+def _content(content, where, what: str) -> tuple[str, list[str], set[str]]:
+    """A turn's text (its `<image>` markers left in, Qwen-VL's inline `<img>` images taken out), the
+    images its typed parts and inline images name, and the other media its parts hold (video, audio)."""
     if isinstance(content, str):
-        return content, []
+        inline = INLINE_IMAGE.findall(content)
+        return INLINE_IMAGE.sub("", content) if inline else content, [i.strip() for i in inline], set()
     if not isinstance(content, list):
         raise InputError(where[0], f"{what}: content must be text or a list of parts, not {content!r}", where[1])
-    texts, images = [], []
+    texts, images, media = [], [], set()
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
+        other = next((media for media, (_, types, _) in MEDIA.items() if kind in types), None)
+        if other is not None:
+            media.add(other)
+        elif kind == "text":
             texts.append(str(part.get("value", part.get("text", ""))))
         elif kind in IMAGE_PART_TYPES:
             value = part.get("value", part.get(kind))
@@ -252,11 +302,22 @@ def _content(content, where, what: str) -> tuple[str, list[str]]:
             raise InputError(
                 where[0], f"{what}: a part of type {kind!r}: only text and image parts are taken", where[1]
             )
-    return "\n".join(texts), images
+    return "\n".join(texts), images, media
 
 
 def _relative(image: str, image_root: Path, where) -> str:
-    """The image's path relative to `image_root`; a URL is refused (nothing is downloaded at run time)."""
+    """The image's path relative to `image_root` (a `file://` URL is a path); a URL is refused
+    (nothing is downloaded at run time), and so is an image written into the row (a `data:` URL)."""
+    if image.startswith("file://"):
+        image = image[len("file://") :]
+    if image.startswith("data:"):
+        raise InputError(
+            where[0],
+            f"image {image[:40]}... is written into the row as a data: URL: save it as a file under the image "
+            "root and name that file",
+            where[1],
+            "images",
+        )
     if "://" in image:
         raise InputError(
             where[0],
