@@ -50,21 +50,28 @@ def main():
     pairs.add_argument("--split", default="train", help="the split the records form")
     for sub in (kvasir, x1, chat, clicks, pairs):
         sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")
+        sub.add_argument(
+            "--skip-bad-rows",
+            action="store_true",
+            help="import the rows that fit; every refused row is listed in <out>.refused.jsonl either way",
+        )
     args = parser.parse_args()
 
     if args.format == "kvasir-vqa":
-        summary = importers.import_kvasir_vqa(args.parquet, args.out)
+        summary = importers.import_kvasir_vqa(args.parquet, args.out, args.skip_bad_rows)
     elif args.format == "kvasir-vqa-x1":
-        summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out)
+        summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out, args.skip_bad_rows)
     elif args.format == "chat":
-        summary = importers.import_chat(args.json, args.image_root, args.out, args.split)
+        summary = importers.import_chat(args.json, args.image_root, args.out, args.split, args.skip_bad_rows)
     elif args.format == "pairs":
-        summary = importers.import_pairs(args.parquet, args.out, args.split)
+        summary = importers.import_pairs(args.parquet, args.out, args.split, args.skip_bad_rows)
     else:
         if not args.json and not args.parquet:
             parser.error("screenspot: give --json or --parquet files")
         files = args.json + args.parquet
-        summary = importers.import_screenspot(files, args.out, args.bbox, args.split, args.image_root, args.bbox_units)
+        summary = importers.import_screenspot(
+            files, args.out, args.bbox, args.split, args.image_root, args.bbox_units, args.skip_bad_rows
+        )
     print(json.dumps(summary))
 
 

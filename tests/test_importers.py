@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -585,14 +586,48 @@ def test_chat_rows_that_do_not_fit_are_refused_with_the_row_and_the_reason(tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_duplicate_ids_are_refused_with_both_places(tmp_path):
+def test_rows_that_share_an_id_get_ids_of_their_own_said_in_the_summary(tmp_path):
     _, _, llava = chat_fixtures(tmp_path)
     llava[1]["id"] = llava[0]["id"]
     (tmp_path / "llava.json").write_text(json.dumps(llava))
+    summary = import_chat([tmp_path / "llava.json"], tmp_path / "images", tmp_path / "out")
+    assert [r["id"] for r in read_jsonl(tmp_path / "out/train.jsonl")] == ["llava-a", "llava-a-2"]
+    assert summary["ids_renamed"] == 1
+    assert re.fullmatch(
+        r".*llava.json:2: 'llava-a' -> 'llava-a-2' \(first at .*llava.json:1\)", summary["ids_renamed_first"][0]
+    )
+
+
+def test_every_refused_row_is_named_at_once_and_skip_bad_rows_imports_the_others(tmp_path):
+    """ms-swift's documentation examples in one file: each bad row is named, not the first alone;
+    the message shows the first few and the list beside the output holds every one; with
+    --skip-bad-rows the rows that fit are imported, the list written all the same, and the
+    summary counts the refused rows. A JSONL line that is not JSON is a refused row too."""
+    chat_fixtures(tmp_path)
+    good = chat_row(images=["a.jpg"])
+    lines = [
+        json.dumps(good),
+        json.dumps(chat_row(images=["a.jpg", "b.jpg"])),  # two images
+        "{not json",
+        json.dumps(chat_row(images=["https://example.org/x.jpg"])),  # a URL
+        json.dumps(dict(good, label=True)),  # KTO
+        json.dumps(chat_row("<image>Where?", images=["b.jpg"])),
+    ]
+    (tmp_path / "swift.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(
-        InputError, match=r"llava.json:2: field 'id': duplicate id 'llava-a' \(first seen at .*llava.json:1\)"
+        InputError,
+        match=r"out.refused.jsonl: 4 rows refused, every one listed in this file: .*swift.jsonl:2: field 'images': needs one image.*swift.jsonl:3: not valid JSON.*\(and 1 more\).*--skip-bad-rows",
     ):
-        import_chat([tmp_path / "llava.json"], tmp_path / "images", tmp_path / "out")
+        import_chat([tmp_path / "swift.jsonl"], tmp_path / "images", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    listed = read_jsonl(tmp_path / "out.refused.jsonl")
+    assert [(r["row"], r["field"]) for r in listed] == [(2, "images"), (3, None), (4, "images"), (5, "label")]
+
+    summary = import_chat([tmp_path / "swift.jsonl"], tmp_path / "images", tmp_path / "out", skip_bad_rows=True)
+    assert summary["records"] == 2 and summary["refused"] == 4
+    assert summary["refused_by_field"] == {"images": 2, "row": 1, "label": 1}
+    assert [r["question"] for r in read_jsonl(tmp_path / "out/train.jsonl")] == ["What is shown?", "Where?"]
+    assert len(read_jsonl(tmp_path / "out.refused.jsonl")) == 4
 
 
 @pytest.mark.parametrize("layout, box", [("xywh", [10, 20, 30, 40]), ("xyxy", [10, 20, 40, 60])])

@@ -5,6 +5,7 @@ class InputError(Exception):
     """Bad input data: the message names the file, the line and the field."""
 
     def __init__(self, path, message: str, line: int | None = None, field: str | None = None):
+        self.path, self.line, self.field, self.reason = path, line, field, message
         where = f"{path}:{line}" if line is not None else str(path)
         if field:
             where += f": field '{field}'"

@@ -3,9 +3,12 @@ images they name, so that nothing downstream knows the formats' shapes. One modu
 kvasir (Kvasir-VQA, Kvasir-VQA-x1), chat (LLaMA-Factory, ms-swift, LLaVA; their preference pairs
 too), screenspot (v1, v2, Pro), pairs (flat preference pairs as RLAIF-V publishes them).
 
-Each importer writes its outputs whole or not at all and stops at the first bad row with one line
-naming the file, the row and the reason; what it leaves out on purpose (rows without an answer or
-an image) is counted in the summary it returns."""
+Each importer writes its outputs whole or not at all. A row it cannot import is refused with the
+file, the row and the reason, and every refused row is named at once (the first few in the
+message, all of them in `<out>.refused.jsonl`); `skip_bad_rows` imports the others and writes that
+list all the same (vlft.data.importers.common.Refusals). What it leaves out on purpose (rows without
+an answer or an image, video, audio) is counted in the summary it returns under its own name, and
+so are refused rows and ids given to rows that shared one."""
 
 from vlft.data.importers.chat import import_chat
 from vlft.data.importers.kvasir import import_kvasir_vqa, import_kvasir_vqa_x1, question_type, split_of

@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 from vlft.errors import InputError
-from vlft.data.importers.common import UniqueIds, json_rows, write_splits
+from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 IMAGE_MARKER = "<image>"
@@ -44,9 +44,12 @@ MEDIA = {
 INLINE_IMAGE = re.compile(r"(?:Picture \d+: )?<img>(.*?)</img>\n?", re.DOTALL)
 
 
-def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train") -> dict:
-    """Records from chat files; image paths stay relative to `image_root` (images are not copied)."""
-    records, ids = [], UniqueIds()
+def import_chat(
+    files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train", skip_bad_rows=False
+) -> dict:
+    """Records from chat files; image paths stay relative to `image_root` (images are not copied).
+    Rows refused are listed all at once (vlft.data.importers.common.Refusals)."""
+    records, ids, refusals = [], UniqueIds(), Refusals(out_dir, skip_bad_rows)
     counts = {
         "conversations": 0,
         "skipped_without_image": 0,
@@ -59,22 +62,25 @@ def import_chat(files: list[str | Path], image_root: str | Path, out_dir: str | 
         "rounds_not_learned": 0,
     }
     for path in files:
-        for where, row in json_rows(path):
-            conversation = Conversation.read(row, where, Path(image_root))
-            if isinstance(conversation, str):  # skipped: why
-                counts[conversation] += 1
-                continue
-            counts["conversations"] += 1
-            counts["image_shown_again"] += conversation.shown_again
-            counts["grounding_rows"] += bool(conversation.extra)
-            counts["preference_pairs"] += conversation.rejected is not None
-            counts["rounds_not_learned"] += len(conversation.not_learned)
-            base_id = str(row.get("id", f"{Path(path).stem}-{where[1]}"))
-            for record in conversation.records(base_id):
-                ids.add(record["id"], where)
-                records.append(record)
+        for where, row in json_rows(path, refusals):
+            with refusals.row(where):
+                conversation = Conversation.read(row, where, Path(image_root))
+                if isinstance(conversation, str):  # skipped: why
+                    counts[conversation] += 1
+                    continue
+                counts["conversations"] += 1
+                counts["image_shown_again"] += conversation.shown_again
+                counts["grounding_rows"] += bool(conversation.extra)
+                counts["preference_pairs"] += conversation.rejected is not None
+                counts["rounds_not_learned"] += len(conversation.not_learned)
+                base_id = ids.add(str(row.get("id", f"{Path(path).stem}-{where[1]}")), where)
+                for record in conversation.records(base_id):
+                    if record["id"] != base_id:  # a round's own id: unique too
+                        record["id"] = ids.add(record["id"], where)
+                    records.append(record)
+    refused = refusals.finish()
     write_splits(out_dir, {split: records})
-    return {"records": len(records), **counts, "splits": {split: len(records)}}
+    return {"records": len(records), **counts, **refused, **ids.summary(), "splits": {split: len(records)}}
 
 
 class Conversation:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path, read_text, write_jsonl
 
 
-def json_rows(path: str | Path) -> list[tuple[tuple, dict]]:
-    """A JSON array (row = 1-based index) or JSONL (row = line number), each row with its place."""
+def json_rows(path: str | Path, refusals: "Refusals | None" = None) -> list[tuple[tuple, dict]]:
+    """A JSON array (row = 1-based index) or JSONL (row = line number), each row with its place; a
+    JSONL line that is not JSON is refused as its row (with `refusals`), else it stops the file."""
     text = read_text(path)
     if text.lstrip().startswith("["):
         try:
@@ -23,10 +26,11 @@ def json_rows(path: str | Path) -> list[tuple[tuple, dict]]:
     rows = []
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON text may hold U+2028
         if line.strip():
-            try:
-                rows.append(((path, number), json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise InputError(path, f"not valid JSON ({err.msg} at column {err.colno})", number) from None
+            with refusals.row((path, number)) if refusals is not None else nullcontext():
+                try:
+                    rows.append(((path, number), json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise InputError(path, f"not valid JSON ({err.msg} at column {err.colno})", number) from None
     return rows
 
 
@@ -57,18 +61,77 @@ def plain(value):
 
 
 class UniqueIds:
-    """Record ids, refused where one repeats, with both places named."""
+    """Record ids, each unique: a repeated one gets an id of its own (`<id>-2`, `-3`, ...), and the
+    renames are kept for the summary."""
 
     def __init__(self):
         self.seen: dict[str, str] = {}
+        self.renamed: list[str] = []  # "file:row: 'id' -> 'id-2' (first at file:row)"
 
     def add(self, record_id: str, where) -> str:
-        if record_id in self.seen:
-            raise InputError(
-                where[0], f"duplicate id {record_id!r} (first seen at {self.seen[record_id]})", where[1], "id"
-            )
+        given, n = record_id, 1
+        while record_id in self.seen:
+            n += 1
+            record_id = f"{given}-{n}"
+        if n > 1:
+            self.renamed.append(f"{where[0]}:{where[1]}: {given!r} -> {record_id!r} (first at {self.seen[given]})")
         self.seen[record_id] = f"{where[0]}:{where[1]}"
         return record_id
+
+    def summary(self) -> dict:
+        if not self.renamed:
+            return {}
+        return {"ids_renamed": len(self.renamed), "ids_renamed_first": self.renamed[:5]}
+
+
+class Refusals:
+    """The rows an importer refuses, each with its place and reason, collected rather than raised
+    one at a time. With rows refused, the import stops listing them all (the first few in its
+    message, every one in `<out>.refused.jsonl` beside the output); with `skip_bad_rows` the rows
+    that fit are imported and the list written all the same. A fault of the file itself (not JSON,
+    a missing column) stops it at once."""
+
+    SHOWN = 3
+
+    def __init__(self, out_dir: str | Path, skip_bad_rows: bool = False):
+        self.listing = Path(f"{Path(out_dir)}.refused.jsonl")
+        self.skip_bad_rows = skip_bad_rows
+        self.refused: list[dict] = []
+
+    @contextmanager
+    def row(self, where):
+        """A row's import: an error that names a row is its refusal."""
+        try:
+            yield
+        except InputError as error:
+            if error.line is None:
+                raise
+            self.refused.append(
+                {"file": str(error.path), "row": error.line, "field": error.field, "reason": error.reason}
+            )
+
+    def finish(self) -> dict:
+        """After every row, before writing: stop where rows were refused (unless skipping them);
+        the summary's counts of refused rows by field."""
+        self.listing.unlink(missing_ok=True)
+        if not self.refused:
+            return {}
+        files = {name: n for n, name in enumerate(dict.fromkeys(r["file"] for r in self.refused))}
+        self.refused.sort(key=lambda r: (files[r["file"]], r["row"]))  # in the files' order, by row
+        write_jsonl(self.listing, self.refused)
+        if not self.skip_bad_rows:
+            shown = "; ".join(
+                f"{r['file']}:{r['row']}" + (f": field '{r['field']}'" if r["field"] else "") + f": {r['reason']}"
+                for r in self.refused[: self.SHOWN]
+            )
+            more = f" (and {len(self.refused) - self.SHOWN} more)" if len(self.refused) > self.SHOWN else ""
+            raise InputError(
+                self.listing,
+                f"{len(self.refused)} rows refused, every one listed in this file: {shown}{more}; nothing was "
+                "written; --skip-bad-rows imports the others",
+            )
+        by_field = Counter(r["field"] or "row" for r in self.refused)
+        return {"refused": len(self.refused), "refused_by_field": dict(by_field), "refused_list": str(self.listing)}
 
 
 def write_splits(out_dir: str | Path, splits: dict[str, list[dict]], new: bool = True) -> None:

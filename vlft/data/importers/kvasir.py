@@ -22,7 +22,7 @@ from PIL import Image
 
 from vlft.errors import InputError
 from vlft.files import atomic_path, write_jsonl
-from vlft.data.importers.common import plain, required_text, text
+from vlft.data.importers.common import Refusals, plain, required_text, text
 
 SPLITS = {"train": 0.70, "val": 0.15, "test": 0.15}
 # Kvasir-VQA-x1's train split, by image: what becomes our validation split (its test split is kept whole).
@@ -56,38 +56,40 @@ def split_of(image_id: str, fractions: dict[str, float] = SPLITS) -> str:
     return split
 
 
-def import_kvasir_vqa(parquet_files: list[str | Path], out_dir: str | Path) -> dict:
+def import_kvasir_vqa(parquet_files: list[str | Path], out_dir: str | Path, skip_bad_rows: bool = False) -> dict:
     """Kvasir-VQA as published: images written once per img_id from their original bytes, one record
     a row with a stable id (the image's id and the row's rank among that image's rows), the question
     type as `category`, rows without an answer dropped and counted, splits made by image."""
-    records, dropped = [], 0
+    records, dropped, refusals = [], 0, Refusals(out_dir, skip_bad_rows)
     per_image = Counter()
     with atomic_path(out_dir) as tmp:
         images = ImageWriter(tmp / "images")
         for where, row in parquet_rows(parquet_files, ["img_id", "question", "answer", "image"]):
-            image_id = required_text(row, "img_id", where)
-            name = images.add(image_id, row["image"], where)
-            answer = text(row.get("answer"))
-            if answer is None:
-                dropped += 1
-                continue
-            per_image[image_id] += 1
-            question = required_text(row, "question", where)
-            records.append(
-                {
-                    "id": f"{image_id}-{per_image[image_id]}",
-                    "image": name,
-                    "question": question,
-                    "answer": answer,
-                    "category": question_type(question),
-                    "source": text(row.get("source")),
-                }
-            )
+            with refusals.row(where):
+                image_id = required_text(row, "img_id", where)
+                name = images.add(image_id, row["image"], where)
+                answer = text(row.get("answer"))
+                if answer is None:
+                    dropped += 1
+                    continue
+                question = required_text(row, "question", where)
+                per_image[image_id] += 1
+                records.append(
+                    {
+                        "id": f"{image_id}-{per_image[image_id]}",
+                        "image": name,
+                        "question": question,
+                        "answer": answer,
+                        "category": question_type(question),
+                        "source": text(row.get("source")),
+                    }
+                )
+        refused = refusals.finish()
         splits = {split: [] for split in SPLITS}
         for record in records:
             splits[split_of(images.id_of[record["image"]])].append(record)
         _write(tmp, splits)
-    return {
+    return refused | {
         "records": len(records),
         "dropped_without_answer": dropped,
         "images": len(images.id_of),
@@ -96,42 +98,21 @@ def import_kvasir_vqa(parquet_files: list[str | Path], out_dir: str | Path) -> d
     }
 
 
-def import_kvasir_vqa_x1(x1_files: list[str | Path], kvasir_parquet: list[str | Path], out_dir: str | Path) -> dict:
+def import_kvasir_vqa_x1(
+    x1_files: list[str | Path], kvasir_parquet: list[str | Path], out_dir: str | Path, skip_bad_rows: bool = False
+) -> dict:
     """Kvasir-VQA-x1: its train and test splits as published (val carved from train by image),
     `complexity` as `difficulty` (1 to 3, what a curriculum by difficulty filters on),
     `question_class` kept as the list it is (a filter on one class selects every record that has it)
     and joined as `category` (the report's breakdown), `original` kept; the images are
     Kvasir-VQA's, by img_id, written once each."""
-    rows, dropped = [], 0
+    rows, dropped, refusals = [], 0, Refusals(out_dir, skip_bad_rows)
     per_image = Counter()
     for path in x1_files:
         published = published_split(path)
         for where, row in parquet_rows([path], ["img_id", "question", "answer", "complexity"]):
-            answer = text(row.get("answer"))
-            if answer is None:
-                dropped += 1
-                continue
-            image_id = required_text(row, "img_id", where)
-            complexity = row.get("complexity")
-            if not isinstance(complexity, (int, float)) or complexity not in (1, 2, 3):
-                raise InputError(where[0], f"must be 1, 2 or 3, not {complexity!r}", where[1], "complexity")
-            classes = plain(row.get("question_class"))
-            classes = [str(c) for c in classes] if isinstance(classes, list) else [c for c in [text(classes)] if c]
-            per_image[image_id] += 1
-            record = {
-                "id": f"{image_id}-x1-{per_image[image_id]}",
-                "image": image_id,  # its file name once the image is written
-                "question": required_text(row, "question", where),
-                "answer": answer,
-                "difficulty": int(complexity),
-                "category": "+".join(classes) or None,
-                "question_class": classes,
-                "original": plain(row.get("original")),
-            }
-            split = published
-            if published == "train":
-                split = split_of(image_id, {"train": 1 - X1_VAL_FRACTION, "val": X1_VAL_FRACTION})
-            rows.append((where, split, record))
+            with refusals.row(where):
+                dropped += _x1_row(row, where, published, per_image, rows)
     wanted = {record["image"] for _, _, record in rows}
     with atomic_path(out_dir) as tmp:
         images = ImageWriter(tmp / "images")
@@ -142,14 +123,16 @@ def import_kvasir_vqa_x1(x1_files: list[str | Path], kvasir_parquet: list[str | 
         names = {image_id: name for name, image_id in images.id_of.items()}
         splits = {"train": [], "val": [], "test": []}
         for where, split, record in rows:
-            if record["image"] not in names:
-                raise InputError(
-                    where[0], f"img_id {record['image']!r} is not among Kvasir-VQA's images", where[1], "img_id"
-                )
-            splits[split].append(dict(record, image=names[record["image"]]))
+            with refusals.row(where):
+                if record["image"] not in names:
+                    raise InputError(
+                        where[0], f"img_id {record['image']!r} is not among Kvasir-VQA's images", where[1], "img_id"
+                    )
+                splits[split].append(dict(record, image=names[record["image"]]))
+        refused = refusals.finish()
         _write(tmp, splits)
     by_split = {split: {r["image"] for r in records} for split, records in splits.items()}
-    return {
+    return refused | {
         "records": sum(map(len, splits.values())),
         "dropped_without_answer": dropped,
         "images": len(names),
@@ -157,6 +140,37 @@ def import_kvasir_vqa_x1(x1_files: list[str | Path], kvasir_parquet: list[str | 
         "split_by": f"as published (train, test); val is {X1_VAL_FRACTION:.0%} of the published train split's images",
         "images_in_train_and_test": len((by_split["train"] | by_split["val"]) & by_split["test"]),
     }
+
+
+def _x1_row(row: dict, where, published: str, per_image: Counter, rows: list) -> int:
+    """One Kvasir-VQA-x1 row's record, with its split, appended to `rows`; 1 where it is dropped
+    for want of an answer, else 0."""
+    answer = text(row.get("answer"))
+    if answer is None:
+        return 1
+    image_id = required_text(row, "img_id", where)
+    complexity = row.get("complexity")
+    if not isinstance(complexity, (int, float)) or complexity not in (1, 2, 3):
+        raise InputError(where[0], f"must be 1, 2 or 3, not {complexity!r}", where[1], "complexity")
+    classes = plain(row.get("question_class"))
+    classes = [str(c) for c in classes] if isinstance(classes, list) else [c for c in [text(classes)] if c]
+    question = required_text(row, "question", where)
+    per_image[image_id] += 1
+    record = {
+        "id": f"{image_id}-x1-{per_image[image_id]}",
+        "image": image_id,  # its file name once the image is written
+        "question": question,
+        "answer": answer,
+        "difficulty": int(complexity),
+        "category": "+".join(classes) or None,
+        "question_class": classes,
+        "original": plain(row.get("original")),
+    }
+    split = published
+    if published == "train":
+        split = split_of(image_id, {"train": 1 - X1_VAL_FRACTION, "val": X1_VAL_FRACTION})
+    rows.append((where, split, record))
+    return 0
 
 
 def published_split(path: str | Path) -> str:

@@ -11,33 +11,39 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path
-from vlft.data.importers.common import UniqueIds, plain, required_text, text
+from vlft.data.importers.common import Refusals, UniqueIds, plain, required_text, text
 from vlft.data.importers.kvasir import ImageWriter, _write, parquet_rows
 
 PAIR_COLUMNS = ["image", "question", "chosen", "rejected"]
 
 
-def import_pairs(parquet_files: list[str | Path], out_dir: str | Path, split: str = "train") -> dict:
+def import_pairs(
+    parquet_files: list[str | Path], out_dir: str | Path, split: str = "train", skip_bad_rows: bool = False
+) -> dict:
     """One record a row: the image written once by its bytes' digest, the question, the chosen
     answer as `answer` and the rejected one as `rejected`; a row whose two answers are the same is
     refused with its place (it prefers nothing)."""
-    records, ids = [], UniqueIds()
+    records, ids, refusals = [], UniqueIds(), Refusals(out_dir, skip_bad_rows)
     with atomic_path(out_dir) as tmp:
         images = ImageWriter(tmp / "images")
         for where, row in parquet_rows(parquet_files, PAIR_COLUMNS):
-            cell = row["image"]
-            data = cell.get("bytes") if isinstance(cell, dict) else cell
-            if not isinstance(data, (bytes, bytearray)):
-                raise InputError(where[0], "holds no image bytes", where[1], "image")
-            name = images.add(hashlib.sha256(data).hexdigest()[:16], cell, where)
-            chosen, rejected = required_text(row, "chosen", where), required_text(row, "rejected", where)
-            if chosen == rejected:
-                raise InputError(
-                    where[0], "the same as 'chosen': a pair needs two different answers", where[1], "rejected"
-                )
-            row_id = text(row.get("idx")) or f"{Path(where[0]).stem}-{where[1]}"
-            provenance = {k: plain(v) for k, v in row.items() if k not in PAIR_COLUMNS + ["idx", "image_path"]}
-            record = {"id": ids.add(row_id, where), "image": name, "question": required_text(row, "question", where)}
-            records.append(record | {"answer": chosen, "rejected": rejected} | provenance)
+            with refusals.row(where):
+                cell = row["image"]
+                data = cell.get("bytes") if isinstance(cell, dict) else cell
+                if not isinstance(data, (bytes, bytearray)):
+                    raise InputError(where[0], "holds no image bytes", where[1], "image")
+                name = images.add(hashlib.sha256(data).hexdigest()[:16], cell, where)
+                chosen, rejected = required_text(row, "chosen", where), required_text(row, "rejected", where)
+                if chosen == rejected:
+                    raise InputError(
+                        where[0], "the same as 'chosen': a pair needs two different answers", where[1], "rejected"
+                    )
+                row_id = text(row.get("idx")) or f"{Path(where[0]).stem}-{where[1]}"
+                provenance = {k: plain(v) for k, v in row.items() if k not in PAIR_COLUMNS + ["idx", "image_path"]}
+                question = required_text(row, "question", where)
+                record = {"id": ids.add(row_id, where), "image": name, "question": question}
+                records.append(record | {"answer": chosen, "rejected": rejected} | provenance)
+        refused = refusals.finish()
         _write(tmp, {split: records})
-    return {"records": len(records), "images": len(images.id_of), "splits": {split: len(records)}}
+    summary = {"records": len(records), "images": len(images.id_of), "splits": {split: len(records)}}
+    return summary | refused | ids.summary()

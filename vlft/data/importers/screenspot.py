@@ -21,7 +21,7 @@ from PIL import Image
 
 from vlft.errors import InputError
 from vlft.files import atomic_path
-from vlft.data.importers.common import UniqueIds, json_rows, write_splits
+from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
 
 FILE_FIELDS = ("img_filename", "image", "file_name")
@@ -58,12 +58,14 @@ def import_screenspot(
     split: str = "test",
     image_root: str | Path | None = None,
     units: str = "auto",
+    skip_bad_rows: bool = False,
 ) -> dict:
     """Click records from ScreenSpot v1, v2 or Pro JSON files, or the Hub mirror's parquet files
     (their screenshots written once to `<out>/images/`); images of JSON files stay where they are.
     A box must have positive area and lie inside its image, whose size comes from `img_size`, the
     parquet's bytes or the file under `image_root`; boxes in fractions need that size."""
     records, ids, layouts, all_units = [], UniqueIds(), {}, {}
+    refusals = Refusals(out_dir, skip_bad_rows)
     with atomic_path(out_dir) as tmp:
         images = None
         for path in files:
@@ -78,15 +80,17 @@ def import_screenspot(
             layout = layouts[str(path)] = box_layout([row for _, row in rows], bbox)
             unit = all_units[str(path)] = box_units([row for _, row in rows], units)
             for where, row in rows:
-                size = None
-                if parquet:
-                    cell = row.pop("image")
-                    row["file_name"] = images.add(Path(str(row["file_name"])).stem, cell, where)
-                    size = _size_of(images.directory / row["file_name"], where)
-                record = _click_record(row, where, layout, unit, ids, size, image_root)
-                records.append(record)
+                with refusals.row(where):
+                    size = None
+                    if parquet:
+                        cell = row.pop("image")
+                        row["file_name"] = images.add(Path(str(row["file_name"])).stem, cell, where)
+                        size = _size_of(images.directory / row["file_name"], where)
+                    records.append(_click_record(row, where, layout, unit, ids, size, image_root))
+        refused = refusals.finish()
         write_splits(tmp, {split: records}, new=False)
     summary = {"records": len(records), "splits": {split: len(records)}, "bbox": layouts, "bbox_units": all_units}
+    summary |= refused | ids.summary()
     return summary | ({"images": len(images.id_of)} if images is not None else {})
 
 
