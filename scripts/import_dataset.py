@@ -7,6 +7,8 @@ ready to name under `datasets:` in a config.
     python scripts/import_dataset.py screenspot --json screenspot_web.json --out data/screenspot
     python scripts/import_dataset.py screenspot --parquet ScreenSpot/data/test-*.parquet --out data/screenspot
     python scripts/import_dataset.py pairs --parquet rlaif-v/*.parquet --out data/rlaif-v
+    python scripts/import_dataset.py vqa --files SLAKE/train.json SLAKE/validate.json SLAKE/test.json \
+        --image-root SLAKE/imgs --category content_type --keep q_lang=en --out data/slake
 """
 
 import argparse
@@ -45,10 +47,20 @@ def main():
         help="auto: fractions of the image where every box of a file lies within 0-1 (the Hub mirror), else pixels",
     )
     clicks.add_argument("--split", default="test", help="the split the records form")
+    vqa = formats.add_parser("vqa", help="flat image / question / answer rows (JSON, JSONL, CSV, parquet)")
+    vqa.add_argument("--files", nargs="+", required=True, help="the split files as published (train.json, ...)")
+    vqa.add_argument("--image-root", help="where the images named by path are (embedded images need none)")
+    for field in ("image", "question", "answer", "id"):
+        vqa.add_argument(f"--{field}", help=f"the {field} field's name, where it is not one of the usual ones")
+    vqa.add_argument("--category", help="the field the report's accuracy is broken down by")
+    vqa.add_argument("--split-field", help="the field naming each row's split; else the file's name says it")
+    vqa.add_argument("--split-map", nargs="+", default=[], metavar="VALUE=SPLIT", help="split-field values mapped")
+    vqa.add_argument("--keep", nargs="+", default=[], metavar="FIELD=VALUE", help="import only these rows")
+    vqa.add_argument("--split", default="train", help="the split of a file whose name names none")
     pairs = formats.add_parser("pairs", help="flat preference pairs as RLAIF-V publishes them (parquet)")
     pairs.add_argument("--parquet", nargs="+", required=True, help="rows of image, question, chosen, rejected")
     pairs.add_argument("--split", default="train", help="the split the records form")
-    for sub in (kvasir, x1, chat, clicks, pairs):
+    for sub in (kvasir, x1, chat, clicks, vqa, pairs):
         sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")
         sub.add_argument(
             "--skip-bad-rows",
@@ -63,6 +75,19 @@ def main():
         summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out, args.skip_bad_rows)
     elif args.format == "chat":
         summary = importers.import_chat(args.json, args.image_root, args.out, args.split, args.skip_bad_rows)
+    elif args.format == "vqa":
+        summary = importers.import_flat_vqa(
+            args.files,
+            args.out,
+            args.image_root,
+            {f: getattr(args, f) for f in ("image", "question", "answer", "id") if getattr(args, f)},
+            args.category,
+            args.split_field,
+            args.split,
+            pairs_of(parser, args.keep, "--keep"),
+            pairs_of(parser, args.split_map, "--split-map"),
+            args.skip_bad_rows,
+        )
     elif args.format == "pairs":
         summary = importers.import_pairs(args.parquet, args.out, args.split, args.skip_bad_rows)
     else:
@@ -73,6 +98,14 @@ def main():
             files, args.out, args.bbox, args.split, args.image_root, args.bbox_units, args.skip_bad_rows
         )
     print(json.dumps(summary))
+
+
+def pairs_of(parser, words: list[str], option: str) -> dict[str, str]:
+    """KEY=VALUE words as a dict; a word without '=' is a usage error naming the option."""
+    bad = [w for w in words if "=" not in w]
+    if bad:
+        parser.error(f"{option} takes KEY=VALUE, not {' '.join(bad)}")
+    return dict(w.split("=", 1) for w in words)
 
 
 if __name__ == "__main__":

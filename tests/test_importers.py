@@ -857,3 +857,186 @@ def test_flat_preference_pairs_as_rlaif_v_publishes_them(tmp_path):
     with pytest.raises(InputError, match=r"same.parquet:2: field 'rejected': the same as 'chosen'"):
         import_pairs([tmp_path / "same.parquet"], tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def slake(root):
+    """SLAKE as its authors publish it: train.json, validate.json, test.json (JSON arrays), images
+    under imgs/<folder>/source.jpg, English and Chinese questions (q_lang)."""
+    for folder in ("xmlab1", "xmlab2"):
+        (root / "imgs" / folder).mkdir(parents=True)
+        (root / "imgs" / folder / "source.jpg").write_bytes(jpeg_bytes(len(folder)))
+
+    def row(qid, folder, question, answer, lang="en"):
+        return {
+            "img_id": int(folder[-1]),
+            "img_name": f"{folder}/source.jpg",
+            "question": question,
+            "answer": answer,
+            "q_lang": lang,
+            "location": "Abdomen",
+            "modality": "CT",
+            "answer_type": "CLOSED" if answer in ("Yes", "No") else "OPEN",
+            "base_type": "vqa",
+            "content_type": "Organ",
+            "triple": ["vhead", "_", "_"],
+            "qid": qid,
+        }
+
+    files = {
+        "train.json": [row(1, "xmlab1", "Is this a CT?", "Yes"), row(2, "xmlab1", "这是CT吗?", "是", "zh")],
+        "validate.json": [row(3, "xmlab2", "Which organ is shown?", "Liver")],
+        "test.json": [row(4, "xmlab2", "Is the liver healthy?", "No")],
+    }
+    for name, rows in files.items():
+        (root / name).write_text(json.dumps(rows, ensure_ascii=False))
+    return [root / name for name in files]
+
+
+def hub_vqa_parquet(root, splits=("train", "test")):
+    """VQA-RAD and PathVQA as the Hub publishes them: data/<split>-00000-of-00001.parquet of the
+    image's bytes ({bytes, path}), question and answer (VQA-RAD's counts as numbers in some exports)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "data").mkdir(parents=True)
+    paths = []
+    for n, split in enumerate(splits):
+        rows = [
+            {"image": {"bytes": jpeg_bytes(10 + n), "path": None}, "question": "how many kidneys?", "answer": "2"},
+            {"image": {"bytes": jpeg_bytes(10 + n), "path": None}, "question": "is this normal?", "answer": "yes"},
+        ]
+        paths.append(root / "data" / f"{split}-00000-of-00001.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), paths[-1])
+    return paths
+
+
+def test_slake_imports_as_published_with_its_splits_fields_and_english_rows(tmp_path):
+    from vlft.data.importers import import_flat_vqa
+
+    files = slake(tmp_path / "SLAKE")
+    summary = import_flat_vqa(
+        files, tmp_path / "slake", tmp_path / "SLAKE/imgs", category="content_type", keep={"q_lang": "en"}
+    )
+    assert summary["splits"] == {"train": 1, "val": 1, "test": 1} and summary["skipped_by_keep"] == 1
+    (train,) = read_jsonl(tmp_path / "slake/train.jsonl")
+    assert (train["id"], train["image"], train["question"], train["answer"]) == (
+        "1",
+        "xmlab1/source.jpg",
+        "Is this a CT?",
+        "Yes",
+    )
+    assert (train["category"], train["modality"], train["answer_type"]) == ("Organ", "CT", "CLOSED")
+    assert summary["fields"][str(files[0])] == {
+        "image": "img_name",
+        "question": "question",
+        "answer": "answer",
+        "id": "qid",
+    }
+    assert summary["image_root"] == str(tmp_path / "SLAKE/imgs")
+    # The records are ours: prepare_split reads them against the images as they are.
+    from vlft.data.records import prepare_split
+
+    prepare_split(tmp_path / "slake/test.jsonl", tmp_path / "SLAKE/imgs", tmp_path / "prepared.jsonl")
+    assert read_jsonl(tmp_path / "prepared.jsonl")[0]["answer"] == "No"
+
+
+def test_vqa_rad_and_pathvqa_parquet_with_embedded_images_keep_their_published_splits(tmp_path):
+    from vlft.data.importers import import_flat_vqa
+
+    files = hub_vqa_parquet(tmp_path / "path-vqa", ("train", "validation", "test"))
+    summary = import_flat_vqa(files, tmp_path / "out")
+    assert summary["splits"] == {"train": 2, "val": 2, "test": 2} and summary["images"] == 3
+    assert summary["image_root"] == f"{tmp_path / 'out'}/images"
+    records = read_jsonl(tmp_path / "out/train.jsonl")
+    assert [r["answer"] for r in records] == ["2", "yes"] and records[0]["image"] == records[1]["image"]
+    assert (tmp_path / "out/images" / records[0]["image"]).read_bytes() == jpeg_bytes(10)
+
+
+def test_vqa_rads_own_json_and_csv_name_their_splits_by_a_field_mapped_to_ours(tmp_path):
+    """VQA-RAD's own release: one JSON file, its test rows by `phrase_type` (test_freeform,
+    test_para), image_name, numbers as answers; the same rows as CSV. An unmapped split value is
+    refused with the option that maps it."""
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/synpic1.jpg").write_bytes(jpeg_bytes(0))
+    rows = [
+        {
+            "qid": "0",
+            "image_name": "synpic1.jpg",
+            "question": "How many lesions?",
+            "answer": 2,
+            "phrase_type": "freeform",
+            "answer_type": "OPEN",
+            "question_type": "COUNT",
+        },
+        {
+            "qid": "1",
+            "image_name": "synpic1.jpg",
+            "question": "Is there a lesion?",
+            "answer": "yes",
+            "phrase_type": "test_para",
+            "answer_type": "CLOSED",
+            "question_type": "PRES",
+        },
+    ]
+    (tmp_path / "VQA_RAD Dataset Public.json").write_text(json.dumps(rows))
+    mapped = {"freeform": "train", "para": "train", "test_freeform": "test", "test_para": "test"}
+    with pytest.raises(
+        InputError, match=r"Public.json:1: field 'phrase_type': split 'freeform' is none of .*--split-map"
+    ):
+        import_flat_vqa(
+            [tmp_path / "VQA_RAD Dataset Public.json"], tmp_path / "bad", tmp_path / "images", split_field="phrase_type"
+        )
+    summary = import_flat_vqa(
+        [tmp_path / "VQA_RAD Dataset Public.json"],
+        tmp_path / "rad",
+        tmp_path / "images",
+        category="question_type",
+        split_field="phrase_type",
+        split_map=mapped,
+    )
+    assert summary["splits"] == {"train": 1, "test": 1}
+    assert read_jsonl(tmp_path / "rad/train.jsonl")[0]["answer"] == "2"
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(tmp_path / "rad.csv", index=False)
+    import_flat_vqa(
+        [tmp_path / "rad.csv"], tmp_path / "csv", tmp_path / "images", split_field="phrase_type", split_map=mapped
+    )
+    assert [r["question"] for r in read_jsonl(tmp_path / "csv/test.jsonl")] == ["Is there a lesion?"]
+
+
+def test_llava_meds_evaluation_file_names_its_fields_and_a_missing_field_is_named(tmp_path):
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/fig1.jpg").write_bytes(jpeg_bytes(0))
+    row = {
+        "question_id": 7,
+        "image": "fig1.jpg",
+        "domain": {"ct_scan": True},
+        "text": "What is seen?",
+        "gpt4_answer": "A mass.",
+        "type": "conversation",
+    }
+    (tmp_path / "llava_med_eval_qa50_qa.jsonl").write_text(json.dumps(row) + "\n")
+    summary = import_flat_vqa(
+        [tmp_path / "llava_med_eval_qa50_qa.jsonl"],
+        tmp_path / "med",
+        tmp_path / "images",
+        category="type",
+        split="test",
+    )
+    (record,) = read_jsonl(tmp_path / "med/test.jsonl")
+    assert (record["id"], record["question"], record["answer"], record["category"]) == (
+        "7",
+        "What is seen?",
+        "A mass.",
+        "conversation",
+    )
+    assert summary["fields"][str(tmp_path / "llava_med_eval_qa50_qa.jsonl")]["answer"] == "gpt4_answer"
+    with pytest.raises(InputError, match=r"has no field 'caption' \(--answer\)"):
+        import_flat_vqa(
+            [tmp_path / "llava_med_eval_qa50_qa.jsonl"], tmp_path / "bad", tmp_path / "images", {"answer": "caption"}
+        )

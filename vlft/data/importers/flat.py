@@ -1,0 +1,219 @@
+"""Flat visual question answering: one row an image, a question and an answer, as most medical VQA
+sets publish it (SLAKE, VQA-RAD, PathVQA, LLaVA-Med's evaluation files), in JSON, JSONL, CSV or
+parquet, the image as a file's path or as its bytes (the Hub's parquet exports: {bytes, path}).
+
+The fields are named by options where a set names them its own way (SLAKE's `img_name`, LLaVA-Med's
+`text`); by default the usual names are looked for. A row's split comes from a field (`split_field`)
+or from its file's name as the publishers name their split files (`train.json`, `validate.json`,
+`test-00000-of-00001.parquet`), else `split`. Embedded images are written once each, named by
+their content, to `<out>/images/`; paths stay relative to `image_root`. Every other field is kept
+on the record under its own name (SLAKE's `modality` and `answer_type`, say), so a curriculum's
+`filter` can select on it; `keep` selects rows (SLAKE's English questions: `q_lang=en`), the rest
+counted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+from vlft.errors import InputError
+from vlft.files import atomic_path, read_text
+from vlft.data.importers.common import Refusals, UniqueIds, json_rows, plain, text, write_splits
+from vlft.data.importers.kvasir import ImageWriter, parquet_rows
+
+# The names each field goes by in the published sets, looked for in this order where none is given.
+FIELD_NAMES = {
+    "image": ("image", "img_name", "image_name", "img", "file_name", "image_path", "img_path"),
+    "question": ("question", "text", "query"),
+    "answer": ("answer", "answers", "gpt4_answer", "label"),
+    "id": ("id", "qid", "question_id"),
+}
+# The names of split files, as the publishers write them, and our split each is.
+SPLIT_NAMES = {
+    "train": "train",
+    "training": "train",
+    "val": "val",
+    "valid": "val",
+    "validate": "val",
+    "validation": "val",
+    "dev": "val",
+    "test": "test",
+    "testing": "test",
+}
+
+
+def import_flat_vqa(
+    files: list[str | Path],
+    out_dir: str | Path,
+    image_root: str | Path | None = None,
+    fields: dict[str, str] | None = None,
+    category: str | None = None,
+    split_field: str | None = None,
+    split: str = "train",
+    keep: dict[str, str] | None = None,
+    split_map: dict[str, str] | None = None,
+    skip_bad_rows: bool = False,
+) -> dict:
+    """One record a row. `fields` names the image, question, answer and id fields where they differ
+    from the usual names; `category` the field the report's breakdown is by; `keep` the rows
+    imported ({field: value}, the rest counted); `split_map` the split each value of `split_field`
+    is, where it is not one of the usual names (VQA-RAD's `phrase_type`: test_freeform=test, ...)."""
+    splits: dict[str, list[dict]] = {}
+    split_names = SPLIT_NAMES | {k.lower(): v for k, v in (split_map or {}).items()}
+    fields_read = {}
+    ids, refusals, counts = UniqueIds(), Refusals(out_dir, skip_bad_rows), Counter()
+    embedded = False
+    with atomic_path(out_dir) as tmp:
+        images = None
+        for path in files:
+            rows = list(_rows(path, refusals))
+            names = fields_read[str(path)] = _field_names([row for _, row in rows], fields or {}, path)
+            file_split = None if split_field else _split_of_file(path, split)
+            for where, row in rows:
+                with refusals.row(where):
+                    if not isinstance(row, dict):
+                        raise InputError(where[0], "each row must be an object of fields", where[1])
+                    if keep and any(str(plain(row.get(k))) != v for k, v in keep.items()):
+                        counts["skipped_by_keep"] += 1
+                        continue
+                    answer = _answer(row.get(names["answer"]))
+                    if answer is None:
+                        counts["dropped_without_answer"] += 1
+                        continue
+                    cell = row.get(names["image"])
+                    if _is_bytes(cell):
+                        images = images or ImageWriter(tmp / "images")
+                        data = cell.get("bytes") if isinstance(cell, dict) else cell
+                        image, embedded = images.add(hashlib.sha256(data).hexdigest()[:16], cell, where), True
+                    else:
+                        image = _image_path(cell, image_root, where, names["image"])
+                    question = text(row.get(names["question"]))
+                    if question is None:
+                        raise InputError(where[0], "missing or empty", where[1], names["question"])
+                    row_split = file_split or _split_value(row.get(split_field), where, split_field, split_names)
+                    record_id = text(row.get(names["id"])) if names["id"] else None
+                    record = {
+                        "id": ids.add(record_id or f"{Path(where[0]).stem}-{where[1]}", where),
+                        "image": image,
+                        "question": question,
+                        "answer": answer,
+                        "category": text(row.get(category)) if category else None,
+                    }
+                    used = {names["image"], names["question"], names["answer"], names["id"], split_field}
+                    kept = {k: plain(v) for k, v in row.items() if k not in used and k not in record}
+                    splits.setdefault(row_split, []).append(record | kept)
+        refused = refusals.finish()
+        if not splits:
+            raise InputError(files[0], "no row to import (every one was skipped or dropped; see the options)")
+        write_splits(tmp, splits, new=False)
+    where_images = f"{out_dir}/images" if embedded else str(image_root)
+    return {
+        "records": sum(map(len, splits.values())),
+        **dict(counts),
+        **refused,
+        **ids.summary(),
+        "images": len(images.id_of) if images is not None else len({r["image"] for s in splits.values() for r in s}),
+        "image_root": where_images,
+        "fields": fields_read,
+        "splits": {name: len(records) for name, records in splits.items()},
+    }
+
+
+def _rows(path, refusals: Refusals):
+    """A file's rows with their places: JSON (an array, or an object holding one list of rows),
+    JSONL, CSV or parquet, by its extension."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".parquet":
+        yield from parquet_rows([path], [])
+    elif suffix in (".csv", ".tsv"):
+        import pandas as pd
+
+        try:
+            frame = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", dtype=str, keep_default_na=False)
+        except (OSError, ValueError) as err:
+            raise InputError(path, f"cannot be read as {suffix[1:].upper()} ({err})") from None
+        for number, row in enumerate(frame.to_dict("records"), start=2):  # line 1 is the header
+            yield (path, number), row
+    elif suffix == ".json" and read_text(path).lstrip().startswith("{"):
+        data = json.loads(read_text(path))
+        lists = [v for v in data.values() if isinstance(v, list)] if isinstance(data, dict) else []
+        if len(lists) != 1:
+            raise InputError(path, "a JSON object that holds no single list of rows")
+        yield from (((path, n), row) for n, row in enumerate(lists[0], start=1))
+    else:
+        yield from json_rows(path, refusals)
+
+
+def _field_names(rows: list[dict], given: dict[str, str], path) -> dict[str, str | None]:
+    """Each field's name in this file: as given, else the first usual name its rows have."""
+    present = set().union(*(row.keys() for row in rows if isinstance(row, dict))) if rows else set()
+    names = {}
+    for field, candidates in FIELD_NAMES.items():
+        if field in given:
+            if given[field] not in present and rows:
+                raise InputError(path, f"has no field {given[field]!r} (--{field}); its fields: {sorted(present)}")
+            names[field] = given[field]
+            continue
+        names[field] = next((c for c in candidates if c in present), None)
+        if names[field] is None and field != "id":
+            raise InputError(
+                path,
+                f"has none of the usual {field} fields ({', '.join(candidates)}): name it with --{field}; "
+                f"its fields: {sorted(present)}",
+            )
+    return names
+
+
+def _split_of_file(path, default: str) -> str:
+    """The split a published file holds, from its name: `train.json`, `validate.json`,
+    `test-00000-of-00001.parquet`; else `default`."""
+    stem = Path(path).name.split(".")[0].lower()
+    return SPLIT_NAMES.get(stem.split("-")[0].split("_")[0], default)
+
+
+def _split_value(value, where, field: str, names: dict[str, str]) -> str:
+    """The split a row's `field` names: one of the usual names, or mapped (`split_map`)."""
+    name = text(value)
+    if name is None:
+        raise InputError(where[0], "missing or empty (the row's split)", where[1], field)
+    if name.lower() not in names:
+        raise InputError(
+            where[0],
+            f"split {name!r} is none of {', '.join(sorted(set(SPLIT_NAMES)))}: map it with --split-map",
+            where[1],
+            field,
+        )
+    return names[name.lower()]
+
+
+def _answer(value) -> str | None:
+    """A row's answer as text: numbers (VQA-RAD's counts) as written, a list of one as its item."""
+    value = plain(value)
+    if isinstance(value, list):
+        value = value[0] if len(value) == 1 else None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return text(value)
+
+
+def _is_bytes(cell) -> bool:
+    data = cell.get("bytes") if isinstance(cell, dict) else cell
+    return isinstance(data, (bytes, bytearray)) and len(data) > 0
+
+
+def _image_path(cell, image_root, where, field: str) -> str:
+    """An image named by its path, relative to `image_root` (which must hold it)."""
+    name = text(cell.get("path") if isinstance(cell, dict) else cell)
+    if name is None:
+        raise InputError(where[0], "names no image (no path, no bytes)", where[1], field)
+    if "://" in name:
+        raise InputError(where[0], f"image {name} is a URL: download it and name the file", where[1], field)
+    if image_root is None:
+        raise InputError(
+            where[0], f"image {name!r} is a path: give --image-root, where the images are", where[1], field
+        )
+    if not (Path(image_root) / name).is_file():
+        raise InputError(where[0], f"image {name!r} is not under {image_root}", where[1], field)
+    return name
