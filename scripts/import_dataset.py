@@ -30,6 +30,11 @@ def main():
     chat.add_argument("--json", nargs="+", required=True)
     chat.add_argument("--image-root", required=True, help="the directory the records' image paths are relative to")
     chat.add_argument("--split", default="train", help="the split the records form")
+    chat.add_argument(
+        "--answer-coordinates",
+        choices=["qwen3-vl", "qwen2.5-vl", "qwen2-vl", "pixels"],
+        help='what a box or point written in an answer ("bbox_2d", <|box_start|>) is measured in: a click record',
+    )
     clicks = formats.add_parser("screenspot", help="ScreenSpot v1, v2 or Pro (JSON), or the Hub mirror (parquet)")
     clicks.add_argument("--json", nargs="+", default=[])
     clicks.add_argument("--parquet", nargs="+", default=[], help="the Hub mirror's files, screenshots inside")
@@ -74,7 +79,9 @@ def main():
     elif args.format == "kvasir-vqa-x1":
         summary = importers.import_kvasir_vqa_x1(args.x1, args.parquet, args.out, args.skip_bad_rows)
     elif args.format == "chat":
-        summary = importers.import_chat(args.json, args.image_root, args.out, args.split, args.skip_bad_rows)
+        summary = importers.import_chat(
+            args.json, args.image_root, args.out, args.split, args.skip_bad_rows, args.answer_coordinates
+        )
     elif args.format == "vqa":
         summary = importers.import_flat_vqa(
             args.files,

@@ -1040,3 +1040,54 @@ def test_llava_meds_evaluation_file_names_its_fields_and_a_missing_field_is_name
         import_flat_vqa(
             [tmp_path / "llava_med_eval_qa50_qa.jsonl"], tmp_path / "bad", tmp_path / "images", {"answer": "caption"}
         )
+
+
+@pytest.mark.parametrize(
+    "answer, coordinates, expected",
+    [
+        # Qwen2-VL's own syntax: a 0-1000 grid of the image (its syntax names its family).
+        (
+            "<|object_ref_start|>OK<|object_ref_end|><|box_start|>(250,500),(500,750)<|box_end|>",
+            None,
+            {"box": [24, 32, 48, 48]},
+        ),
+        # Qwen3-VL's JSON, on the same grid.
+        ('```json\n[{"bbox_2d": [250, 500, 500, 750], "label": "OK"}]\n```', "qwen3-vl", {"box": [24, 32, 48, 48]}),
+        ('{"point_2d": [500, 500]}', "qwen3-vl", {"point": [48, 32]}),
+        # Qwen2.5-VL's JSON, in pixels of the image as its processor resizes it (96x64 -> 84x56).
+        ('[{"bbox_2d": [21, 28, 42, 42], "label": "OK"}]', "qwen2.5-vl", {"box": [24, 32, 48, 48]}),
+        ('[{"bbox_2d": [24, 32, 48, 48]}]', "pixels", {"box": [24, 32, 48, 48]}),
+    ],
+)
+def test_a_target_written_in_the_answer_becomes_a_click_record_in_the_images_pixels(
+    tmp_path, answer, coordinates, expected
+):
+    chat_fixtures(tmp_path)  # a.jpg is 96 x 64
+    (tmp_path / "rows.json").write_text(json.dumps([chat_row("<image>Click OK.", answer, images=["a.jpg"])]))
+    summary = import_chat(
+        [tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out", answer_coordinates=coordinates
+    )
+    (record,) = read_jsonl(tmp_path / "out/train.jsonl")
+    ((field, value),) = expected.items()
+    assert record[field] == value and summary["grounding_rows"] == 1
+    x, y = value if field == "point" else ((value[0] + value[2]) / 2, (value[1] + value[3]) / 2)
+    assert record["answer"] == f"({x:g}, {y:g})" and record["question"] == "Click OK."
+
+
+@pytest.mark.parametrize(
+    "answer, coordinates, said",
+    [
+        (
+            '[{"bbox_2d": [1, 2, 30, 40]}]',
+            None,
+            r"give --answer-coordinates \(qwen3-vl, qwen2.5-vl, qwen2-vl, pixels\)",
+        ),
+        ('[{"bbox_2d": [1, 2, 30, 40]}, {"bbox_2d": [5, 6, 7, 8]}]', "qwen3-vl", "writes 2 targets in 1 rounds"),
+        ('[{"bbox_2d": [100, 2, 1300, 40]}]', "qwen3-vl", r"leaves the 1000x1000 it is measured in"),
+    ],
+)
+def test_a_written_target_that_cannot_be_one_click_is_refused_saying_why(tmp_path, answer, coordinates, said):
+    chat_fixtures(tmp_path)
+    (tmp_path / "rows.json").write_text(json.dumps([chat_row("<image>Click OK.", answer, images=["a.jpg"])]))
+    with pytest.raises(InputError, match=rf"rows.json:1: .*{said}"):
+        import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out", answer_coordinates=coordinates)

@@ -46,7 +46,7 @@ class Frame:
             return RELATIVE_GRID / self.width, RELATIVE_GRID / self.height
         return self.resized_width / self.width, self.resized_height / self.height
 
-    def _limits(self) -> tuple[int, int]:
+    def limits(self) -> tuple[int, int]:
         if self.coordinates == "relative":
             return RELATIVE_GRID, RELATIVE_GRID
         return self.resized_width, self.resized_height
@@ -54,13 +54,13 @@ class Frame:
     def to_model(self, x: float, y: float) -> tuple[int, int]:
         """Original pixels -> the integer point the model is taught to say."""
         sx, sy = self._scale()
-        lx, ly = self._limits()
+        lx, ly = self.limits()
         return min(max(round(x * sx), 0), lx), min(max(round(y * sy), 0), ly)
 
     def to_original(self, x: float, y: float) -> tuple[float, float]:
         """A point the model said -> original pixels, clamped to the image."""
         sx, sy = self._scale()
-        lx, ly = self._limits()
+        lx, ly = self.limits()
         return min(max(x, 0), lx) / sx, min(max(y, 0), ly) / sy
 
 
@@ -124,6 +124,31 @@ def parse_point(text: str) -> tuple[float, float] | None:
     if len(numbers) >= 2:
         return numbers[0], numbers[1]
     return None
+
+
+# Targets written into an answer as the Qwen families write them: Qwen2.5-VL's and Qwen3-VL's JSON
+# ("bbox_2d": [x1, y1, x2, y2], "point_2d": [x, y]) and Qwen2-VL's <|box_start|>(x1,y1),(x2,y2)<|box_end|>.
+WRITTEN_TARGETS = re.compile(r'"(?:bbox_2d|point_2d)"\s*:\s*\[([^\]]*)\]|<\|box_start\|>(.*?)<\|box_end\|>', re.S)
+# The image processor each family's released checkpoints ship (preprocessor_config.json): the
+# resize its absolute coordinates are in (merge 2 x patch 14; min and max pixels).
+RELEASED_RESIZE = {"qwen2_5_vl": (28, 3136, 12845056)}
+
+
+def written_targets(text: str) -> list[list[float]]:
+    """The numbers of each box or point an answer writes in a Qwen family's syntax."""
+    return [[float(n) for n in NUMBER.findall(a or b)] for a, b in WRITTEN_TARGETS.findall(text)]
+
+
+def released_frame(family: str, width: int, height: int) -> Frame:
+    """The frame of an image of this size as a family's released checkpoint sees it: the resize
+    its processor makes, where its coordinates are absolute pixels of the resized image."""
+    resized_height, resized_width = height, width
+    if COORDINATES_OF_FAMILY[family] == "absolute":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor, min_pixels, max_pixels = RELEASED_RESIZE[family]
+        resized_height, resized_width = smart_resize(height, width, factor, min_pixels, max_pixels)
+    return Frame(width, height, resized_width, resized_height, COORDINATES_OF_FAMILY[family])
 
 
 def in_box(x: float, y: float, box: list[float]) -> bool:

@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from vlft.errors import InputError
+from vlft.data.clicks import Frame, released_frame, written_targets
 from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
@@ -35,6 +36,8 @@ IMAGE_MARKER = "<image>"
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
 WHOLE_CONVERSATION_PAIRS = ("rejected_messages", "chosen_messages")
 IMAGE_PART_TYPES = ("image", "image_url")
+# What a box written in an answer is measured in: a family's coordinates (vlft.data.clicks), or pixels.
+ANSWER_COORDINATES = {"qwen3-vl": "qwen3_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "pixels": None}
 # Media besides images, which no record holds: the fields, typed parts and text markers that carry them.
 MEDIA = {
     "video": (("videos", "video"), ("video", "video_url"), "<video>"),
@@ -45,10 +48,17 @@ INLINE_IMAGE = re.compile(r"(?:Picture \d+: )?<img>(.*?)</img>\n?", re.DOTALL)
 
 
 def import_chat(
-    files: list[str | Path], image_root: str | Path, out_dir: str | Path, split: str = "train", skip_bad_rows=False
+    files: list[str | Path],
+    image_root: str | Path,
+    out_dir: str | Path,
+    split: str = "train",
+    skip_bad_rows=False,
+    answer_coordinates: str | None = None,
 ) -> dict:
     """Records from chat files; image paths stay relative to `image_root` (images are not copied).
-    Rows refused are listed all at once (vlft.data.importers.common.Refusals)."""
+    Rows refused are listed all at once (vlft.data.importers.common.Refusals). A box or point
+    written in an answer is read in `answer_coordinates` (ANSWER_COORDINATES: a family's own, or
+    pixels of the image), which Qwen2-VL's <|box_start|> syntax needs not name."""
     records, ids, refusals = [], UniqueIds(), Refusals(out_dir, skip_bad_rows)
     counts = {
         "conversations": 0,
@@ -64,7 +74,7 @@ def import_chat(
     for path in files:
         for where, row in json_rows(path, refusals):
             with refusals.row(where):
-                conversation = Conversation.read(row, where, Path(image_root))
+                conversation = Conversation.read(row, where, Path(image_root), answer_coordinates)
                 if isinstance(conversation, str):  # skipped: why
                     counts[conversation] += 1
                     continue
@@ -123,7 +133,7 @@ class Conversation:
         return out
 
     @classmethod
-    def read(cls, row, where, image_root: Path) -> "Conversation | str":
+    def read(cls, row, where, image_root: Path, coordinates: str | None = None) -> "Conversation | str":
         """The row's conversation, or why it is skipped (a summary count's name)."""
         path, number = where
         if not isinstance(row, dict):
@@ -189,6 +199,8 @@ class Conversation:
         image, extra = _relative(distinct[0], image_root, where), {}
         if "objects" in row:
             rounds, extra = _grounding(row, rounds, where, image_root / image)
+        elif any(written_targets(answer) for _, answer in rounds):
+            rounds, extra = _written_target(rounds, where, image_root / image, coordinates)
         elif any("<ref-object>" in t or "<bbox>" in t for pair in rounds for t in pair):
             raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
         if rejected is not None and extra:
@@ -385,3 +397,50 @@ def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path
         return [(question, f"({box[0]:g}, {box[1]:g})")], {"point": box}
     x1, y1, x2, y2 = box
     return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": box}
+
+
+def _written_target(rounds: list[tuple[str, str]], where, image_file: Path, coordinates: str | None):
+    """A box or point written in the answer in a Qwen family's syntax, as a click record: the
+    family's coordinate convention undone to the image's pixels (as a click stage's are), its centre
+    the answer. Refused where the answer writes several targets, where the conversation has more
+    rounds than one, or where the syntax does not say which family's coordinates it is in."""
+    from vlft.data.records import check_image
+
+    path, number = where
+    question, answer = rounds[-1]
+    targets = written_targets(answer)
+    if len(rounds) != 1 or len(targets) != 1:
+        raise InputError(
+            path,
+            f"writes {sum(len(written_targets(a)) for _, a in rounds)} targets in {len(rounds)} rounds: a click record "
+            "asks for one target in one round",
+            number,
+        )
+    if coordinates is None and "<|box_start|>" not in answer:
+        raise InputError(
+            path,
+            'writes a target as Qwen2.5-VL and Qwen3-VL do ("bbox_2d", "point_2d"), in pixels of the resized image or '
+            f"on a 0-1000 grid: give --answer-coordinates ({', '.join(ANSWER_COORDINATES)})",
+            number,
+        )
+    family = ANSWER_COORDINATES[coordinates] if coordinates else "qwen2_vl"
+    size = check_image(image_file)
+    if isinstance(size, str):
+        raise InputError(path, f"{size}: {image_file} (its size turns the written target into pixels)", number)
+    width, height = size
+    frame = released_frame(family, width, height) if family else Frame(width, height, width, height, "absolute")
+    values = targets[0]
+    if len(values) not in (2, 4):
+        raise InputError(path, f"a written target of {len(values)} numbers: a point has 2, a box 4", number)
+    limits = frame.limits()
+    if not all(0 <= v <= limits[i % 2] for i, v in enumerate(values)):
+        raise InputError(
+            path, f"the written target {values} leaves the {limits[0]}x{limits[1]} it is measured in", number
+        )
+    pixels = [round(c, 2) for i in range(0, len(values), 2) for c in frame.to_original(values[i], values[i + 1])]
+    if len(pixels) == 2:
+        return [(question, f"({pixels[0]:g}, {pixels[1]:g})")], {"point": pixels}
+    x1, y1, x2, y2 = pixels
+    if not (x2 > x1 and y2 > y1):
+        raise InputError(path, f"the written box {values} has no area", number)
+    return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": pixels}
