@@ -68,6 +68,8 @@ def collect(
                 "eval_wall_time_s": metrics["wall_time_s"],
                 # Clicks only: answers without a point, and the mean distance over the diagonal.
                 **{k: metrics[k] for k in ("unparseable", "mean_distance") if k in metrics},
+                # Free text: the metrics of the field's public challenges, beside accuracy.
+                **{k: metrics[k] for k in ("bleu", "rouge_l", "meteor") if k in metrics},
             }
         )
         for category, accuracy in metrics["accuracy_by_category"].items():

@@ -19,6 +19,7 @@ from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation.engine import answer_requests
+from vlft.generation.text_metrics import text_metrics
 from vlft.generation.requests import Request
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.data.prompts import PromptBuilder
@@ -156,7 +157,8 @@ def answer_records(
 
 
 def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_format: str) -> dict:
-    """Accuracy (over all, and by category), loss per answer token and, for clicks, the distances."""
+    """Accuracy (over all, and by category), loss per answer token and, for clicks, the distances;
+    for free-text answers BLEU, ROUGE-L and METEOR of the final answers (vlft.generation.text_metrics)."""
     # A click record with a point and no box has no right or wrong (None): the distance judges it.
     judged = [p for p in predictions if p["correct"] is not None]
     by_category = defaultdict(list)
@@ -169,7 +171,9 @@ def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_fo
         "loss": loss_sum / max(loss_tokens, 1),
         "answer_format": answer_format,
     }
-    if answer_format == AnswerFormat.CLICK:
+    if answer_format != AnswerFormat.CLICK:  # the free-text metrics of the field's public challenges
+        metrics |= text_metrics([p["predicted_answer"] for p in predictions], [p["reference"] for p in predictions])
+    else:
         distances = [p["distance"] for p in predictions if p["distance"] is not None]
         metrics |= {
             "n_with_box": len(judged),
