@@ -61,3 +61,41 @@ def test_an_evaluation_of_free_text_reports_them_beside_accuracy_and_a_click_one
     assert metrics["rouge_l"] == rouge_l(ANSWERS, REFERENCES) and metrics["meteor"] == meteor(ANSWERS, REFERENCES)
     clicks = [dict(p, distance=0.1, parsed=True) for p in predictions]
     assert "bleu" not in scores(clicks, 1.0, 1, "click")
+
+
+def test_a_click_evaluation_reports_accuracy_by_element_type_and_by_platform():
+    """ScreenSpot is reported per element type (data_type / ui_type: the records' category) and per
+    platform (v1/v2's data_source, Pro's platform), as its leaderboards are."""
+    from vlft.generation.evaluate import prediction_of
+
+    from vlft.data.clicks import Frame as ClickFrame
+    from vlft.data.stage_data import StageData
+
+    frame = ClickFrame(100, 100, 100, 100, "absolute")  # answered in the image's own pixels
+    rows = [
+        ("icon", "ios", "(5, 5)"),
+        ("text", "web", "(50, 50)"),
+        ("text", "web", "(5, 5)"),
+        ("icon", "web", "(5, 5)"),
+    ]
+    records = [
+        {
+            "id": str(i),
+            "key": str(i),
+            "question": "Click.",
+            "answer": "(5, 5)",
+            "box": [0, 0, 10, 10],
+            "category": c,
+            "data_source": p,
+            "source_split": "test.jsonl",
+            "width": 100,
+            "height": 100,
+        }
+        for i, (c, p, _) in enumerate(rows)
+    ]
+    data = StageData.__new__(StageData)
+    data.frames = {r["key"]: frame for r in records}
+    predictions = [prediction_of(r, said, data) for r, (_, _, said) in zip(records, rows)]
+    metrics = scores(predictions, 1.0, 1, "click")
+    assert metrics["accuracy_by_category"] == {"icon": 1.0, "text": 0.5}
+    assert metrics["accuracy_by_platform"] == {"ios": 1.0, "web": 2 / 3}

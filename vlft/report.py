@@ -72,7 +72,9 @@ def collect(
                 **{k: metrics[k] for k in ("bleu", "rouge_l", "meteor") if k in metrics},
             }
         )
-        for category, accuracy in metrics["accuracy_by_category"].items():
+        # A click split's platforms (ScreenSpot's) beside its element types, named apart.
+        platforms = {f"platform: {p}": a for p, a in metrics.get("accuracy_by_platform", {}).items()}
+        for category, accuracy in (metrics["accuracy_by_category"] | platforms).items():
             category_rows.append(
                 {
                     "experiment": experiment,

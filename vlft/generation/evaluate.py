@@ -171,6 +171,12 @@ def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_fo
         "loss": loss_sum / max(loss_tokens, 1),
         "answer_format": answer_format,
     }
+    platforms = defaultdict(list)
+    for p in judged:
+        if p.get("platform") is not None:
+            platforms[str(p["platform"])].append(p["correct"])
+    if platforms:
+        metrics["accuracy_by_platform"] = {c: sum(v) / len(v) for c, v in sorted(platforms.items())}
     if answer_format != AnswerFormat.CLICK:  # the free-text metrics of the field's public challenges
         metrics |= text_metrics([p["predicted_answer"] for p in predictions], [p["reference"] for p in predictions])
     else:
@@ -223,4 +229,6 @@ def prediction_of(record: dict, text: str, data: StageData) -> dict:
     frame = data.frames[record["key"]]
     where = record["source_split"]
     prediction["reference"] = clicks.target_text(record, frame, where)
-    return prediction | {"box": record.get("box")} | clicks.score(record, text, frame, where)
+    # ScreenSpot's results are reported per platform (v1/v2's data_source, Pro's platform) too.
+    platform = record.get("platform", record.get("data_source"))
+    return prediction | {"box": record.get("box"), "platform": platform} | clicks.score(record, text, frame, where)
