@@ -1,6 +1,8 @@
 # Vision-language LoRA fine-tuning experiments: caches -> training stages -> evaluations -> report.
 from snakemake.utils import min_version
 
+import sys
+
 from vlft.jobs.driver import set_up_driver
 
 min_version("9.0")
@@ -35,6 +37,19 @@ include: "workflow/rules/export.smk"
 if "demo" in config:
 
     include: "workflow/rules/demo.smk"
+
+
+onstart:
+    # Said first, so that a study's outputs are never looked for in another's directory.
+    print(f"Results of this study: {RESULTS}/", file=sys.stderr)
+
+
+onsuccess:
+    # Said last: who won each split, and where the report is (vlft.report loads matplotlib: here only).
+    from vlft.report import outcome_lines
+
+    for line in outcome_lines(report_path("")):
+        print(line, file=sys.stderr)
 
 
 rule all:

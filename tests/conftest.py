@@ -195,7 +195,8 @@ DEMO_THREADS = min(8, os.cpu_count())
 def demo_workdir(tmp_path_factory) -> Path:
     """The whole demo pipeline, run once, exactly as the README's quick start runs it."""
     workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
-    snakemake(workdir, *DEMO_COMMAND.split()[1:])
+    run = snakemake(workdir, *DEMO_COMMAND.split()[1:])
+    (workdir.parent / "terminal.txt").write_text(run.stdout + run.stderr)  # what the terminal showed
     return workdir
 
 

@@ -122,7 +122,7 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
     stage = config["experiments"]["x"]["stages"][0]
     stage["filter"] = {"category": "count"}
     (workdir / "study.yaml").write_text(yaml.safe_dump(config))
-    assert "results/train/x/main/adapter" in planned_outputs(workdir, "--configfile", "study.yaml")
+    assert "results/study/train/x/main/adapter" in planned_outputs(workdir, "--configfile", "study.yaml")
     stage["filter"] = {"category": ["size", "shape"]}
     (workdir / "study.yaml").write_text(yaml.safe_dump(config))
     result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", check=False)

@@ -313,3 +313,18 @@ def test_vllm_serves_an_exported_stage(demo_workdir):
     model = vllm.LLM(str(demo_workdir / "results/export/exp4/stage2"), max_model_len=512)
     [output] = model.generate(["Hello"], vllm.SamplingParams(max_tokens=4, temperature=0))
     assert output.outputs[0].token_ids
+
+
+def test_the_run_says_where_its_results_are_first_and_who_won_and_where_the_report_is_last(demo_workdir):
+    import pandas as pd
+
+    from vlft.report import winners
+
+    said = (demo_workdir.parent / "terminal.txt").read_text().strip().splitlines()
+    assert "Results of this study: results/" in said
+    expected = winners(pd.read_csv(demo_workdir / "results/report/results.csv", keep_default_na=False))
+    last = said[-(len(expected) + 1) :]
+    assert last[-1] == "The report: results/report/index.html"
+    for line, row in zip(last, expected.itertuples()):
+        name = f"{row.dataset}/{row.split}" if row.dataset else row.split
+        assert line.startswith(f"{name}: {row.best} won, accuracy {row.accuracy:.3f} of {row.n}")

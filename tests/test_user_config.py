@@ -41,17 +41,18 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     (workdir / "my/model").symlink_to(tiny_model_dir)
     (workdir / "my.yaml").write_text(MINIMAL)
 
-    # Exactly the user's one dataset and one stage: no demo data, model or experiment.
+    # Exactly the user's one dataset and one stage: no demo data, model or experiment, in a
+    # directory named by the config file (results/my), never the demo's results/.
     assert planned_outputs(workdir, "--configfile", "my.yaml") == {
-        "results/prepared/mine/train.jsonl",
-        "results/prepared/mine/val.jsonl",
+        "results/my/prepared/mine/train.jsonl",
+        "results/my/prepared/mine/val.jsonl",
         # The pixel range the config leaves out is the checkpoint's own (the tiny one's processor).
-        "results/cache/images/mine/train/1024-65536",
-        "results/cache/images/mine/val/1024-65536",
-        "results/train/only/main/adapter",
-        "results/eval/only/main/val/predictions.jsonl",
-        "results/eval/base/base/val/predictions.jsonl",
-        "results/report/index.html",
+        "results/my/cache/images/mine/train/1024-65536",
+        "results/my/cache/images/mine/val/1024-65536",
+        "results/my/train/only/main/adapter",
+        "results/my/eval/only/main/val/predictions.jsonl",
+        "results/my/eval/base/base/val/predictions.jsonl",
+        "results/my/report/index.html",
         "rule:all",
     }
 

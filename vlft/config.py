@@ -155,3 +155,13 @@ def resolve_config(config: dict) -> dict:
     resolved = copy.deepcopy(config)
     _fill_defaults(load_schema(), resolved)
     return resolved
+
+
+def results_directory(config: dict, config_files: list) -> str:
+    """Where a study's outputs land: its `results`, else results/<its config file's name> (the last
+    --configfile given), or results for the demo: two studies never share one by default."""
+    if config.get("results"):
+        return config["results"]
+    if "demo" in config or not config_files:
+        return "results"
+    return f"results/{Path(config_files[-1]).name.split('.')[0]}"

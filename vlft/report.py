@@ -526,3 +526,20 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 """
     with atomic_path(output_dir / "index.html") as tmp:
         tmp.write_text(page)
+
+
+def outcome_lines(report_dir: str | Path) -> list[str]:
+    """What a finished run says last: each split's winner and the report's path (nothing where no
+    report has been made)."""
+    report_dir = Path(report_dir)
+    if not (report_dir / "results.csv").is_file() or not (report_dir / "index.html").is_file():
+        return []
+    results = pd.read_csv(report_dir / "results.csv", keep_default_na=False)
+    lines = []
+    for row in winners(results).itertuples():
+        name = f"{row.dataset}/{row.split}" if row.dataset else row.split
+        runner_up = f"; runner-up {row.runner_up}" if row.runner_up else ""
+        lines.append(
+            f"{name}: {row.best} won, accuracy {row.accuracy:.3f} of {row.n} ({row.gain_over_base:+.3f} over the base){runner_up}"
+        )
+    return lines + [f"The report: {report_dir / 'index.html'}"]

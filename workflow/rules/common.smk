@@ -8,7 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from vlft.config import check_config_files, resolve_config
+from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
 from vlft.empty_outputs import remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError, InputError
@@ -20,6 +20,8 @@ try:
     check_config_files(workflow.configfiles)
     # In place: the rules read `config` too. Keys the file leaves out take the schema's defaults.
     config.update(resolve_config(config))
+    # A study of its own lands in results/<its config file's name> unless it names a directory.
+    config["results"] = results_directory(config, workflow.overwrite_configfiles)
     PLAN = build_plan(config)
     # A checkpoint copied in part fails here, before any job. One not there yet leaves dry runs be
     # (Snakemake names it as a missing input of the first job that reads it); the demo's is made by a rule.
