@@ -1,6 +1,7 @@
 # Vision-language LoRA fine-tuning experiments: caches -> training stages -> evaluations -> report.
 from snakemake.utils import min_version
 
+import os
 import sys
 
 from vlft.jobs.driver import set_up_driver
@@ -16,7 +17,7 @@ report: "workflow/report/workflow.rst"
 # take the defaults documented there (workflow/rules/common.smk, through vlft.config).
 if not workflow.overwrite_configfiles:
 
-    configfile: "config/config.yaml"
+    configfile: os.path.join(workflow.current_basedir.get_path_or_uri(True), "config/config.yaml")
 
 
 include: "workflow/rules/common.smk"

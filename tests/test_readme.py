@@ -258,6 +258,16 @@ def run_import(command, fixture, tmp_path):
     assert sum(len(path.read_text().splitlines()) for path in written) == summary["records"]
 
 
+def run_from_own_directory(command, fixture, tmp_path):
+    """A study in a directory of its own, the workflow elsewhere (tests/test_deployed.py's study)."""
+    from test_deployed import a_study_of_ones_own
+
+    clone = copy_workflow(tmp_path / "clone")
+    study = a_study_of_ones_own(tmp_path / "study", fixture("tiny_model_dir"), "my-study.yaml")
+    shell(command.replace("<clone>", str(clone)), study)
+    assert (study / "results/my-study/report/index.html").is_file()
+
+
 CLICK_EXAMPLE = "config/examples/click-qwen3-vl-8b.yaml"
 
 
@@ -338,6 +348,7 @@ RUNNERS = {
     "SLAKE/imgs --category content_type --keep q_lang=en --out data/slake": run_import,
     "python scripts/import_dataset.py vqa --files vqa-rad/data/*.parquet --out data/vqa-rad": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
+    "snakemake -s <clone>/Snakefile --configfile my-study.yaml --cores all": run_from_own_directory,
     "snakemake --cores all results/export/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
     '--question "How many shapes are there?"': run_predict,

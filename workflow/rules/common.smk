@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.sourcecache import LocalSourceFile
 
 from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
@@ -83,6 +84,19 @@ def adapter_path(experiment, stage):
 def eval_path(experiment, stage, split, name):
     """An evaluation's outputs: predictions.jsonl, metrics.json."""
     return f"{RESULTS}/eval/{experiment}/{stage}/{split}/{name}"
+
+
+# This file's directory, as Snakemake parses it: a local path, or a URL where the workflow is a
+# module loaded from a repository.
+RULES_DIR = workflow.current_basedir
+
+
+def job_script(name):
+    """A job's script, found from the workflow's own location, so that it runs from any working
+    directory and as a module of another workflow (from a repository, Snakemake's copy of it)."""
+    if isinstance(RULES_DIR, LocalSourceFile):
+        return shlex.quote(os.path.normpath(RULES_DIR.join(f"../../scripts/{name}.py").get_path_or_uri(True)))
+    return shlex.quote(str(workflow.source_path(f"../../scripts/{name}.py")))
 
 
 def report_path(name):
