@@ -9,7 +9,8 @@ and this, before anything imports torch:
    allocation get distinct GPUs; CUDA reads the variable once, so it is set before any import);
 2. hands the job to a warm process where one may run it (vlft.jobs.warm_start: its imports paid once
    a study); then this process waits for it, passes signals on, and exits as it did;
-3. otherwise becomes the script (exec, the same process: its GPU claim, its signals, its pid), which
+3. otherwise becomes the script (`scripts/<job>.py` of the workflow's own directory, whatever the
+   working directory; exec, the same process: its GPU claim, its signals, its pid), which
    then runs exactly as `python <script>` would.
 
 A job's life from there: vlft.jobs.cli.run says where it runs and turns bad input and Ctrl-C into
@@ -26,6 +27,15 @@ import sys
 
 from vlft.jobs import gpus, warm_start
 
+# Where the workflow is (its Snakefile sets it for the jobs it starts): a job's `scripts/<job>.py`
+# is its, whatever the working directory (a study of the user's own, or the workflow as a module).
+WORKFLOW_DIR = "VLFT_WORKFLOW_DIR"
+
+
+def workflow_script(script: str) -> str:
+    root = os.environ.get(WORKFLOW_DIR)
+    return os.path.join(root, script) if root and not os.path.isabs(script) else script
+
 
 def main(argv: list[str]) -> None:
     count = 0
@@ -33,12 +43,12 @@ def main(argv: list[str]) -> None:
         count, argv = int(argv[1]), argv[2:]
     if not argv:
         sys.exit("usage: python -m vlft.jobs.launch [--gpus N] SCRIPT [ARGUMENTS...]")
-    sys.argv = list(argv)  # the job is the script: its name in every line it says
+    sys.argv = [workflow_script(argv[0]), *argv[1:]]  # the job is the script: its name in every line it says
     if count > 0:
         gpus.claim(count, os.getpid())
     warm_start.hand_off()  # returns where no warm process runs it
     flags = subprocess._args_from_interpreter_flags()
-    os.execv(sys.executable, [sys.executable, *flags, *argv])
+    os.execv(sys.executable, [sys.executable, *flags, *sys.argv])
 
 
 if __name__ == "__main__":

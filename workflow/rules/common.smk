@@ -9,6 +9,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.sourcecache import LocalSourceFile
 
+from vlft.jobs.launch import WORKFLOW_DIR
 from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
 from vlft.empty_outputs import remove_empty_outputs, still_to_remake
@@ -86,17 +87,10 @@ def eval_path(experiment, stage, split, name):
     return f"{RESULTS}/eval/{experiment}/{stage}/{split}/{name}"
 
 
-# This file's directory, as Snakemake parses it: a local path, or a URL where the workflow is a
-# module loaded from a repository.
-RULES_DIR = workflow.current_basedir
-
-
-def job_script(name):
-    """A job's script, found from the workflow's own location, so that it runs from any working
-    directory and as a module of another workflow (from a repository, Snakemake's copy of it)."""
-    if isinstance(RULES_DIR, LocalSourceFile):
-        return shlex.quote(os.path.normpath(RULES_DIR.join(f"../../scripts/{name}.py").get_path_or_uri(True)))
-    return shlex.quote(str(workflow.source_path(f"../../scripts/{name}.py")))
+# The workflow's own directory, where its jobs' scripts are (vlft.jobs.launch runs `scripts/<job>.py`
+# from it, not from the working directory): a study runs from any directory, or as a module.
+if isinstance(workflow.current_basedir, LocalSourceFile):
+    os.environ[WORKFLOW_DIR] = os.path.normpath(workflow.current_basedir.join("../..").get_path_or_uri(True))
 
 
 def report_path(name):

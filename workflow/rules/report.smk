@@ -25,9 +25,7 @@ rule report:
         image_roots=get_report_image_roots,
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python -m vlft.jobs.launch "
-        + job_script("report")
-        + " --metrics {input.metrics:q} --predictions {input.predictions:q} "
+        "python -m vlft.jobs.launch scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
         "--prepared {input.prepared:q} --image-roots {params.image_roots} --evaluations {params.labels[evaluations]} "
         "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
         "--init-from {params.labels[init_from]} "

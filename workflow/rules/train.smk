@@ -43,9 +43,7 @@ rule train:
         # ignore SIGTERM, SIGUSR1 and SIGINT (and so keep the log flowing); the trainer handles them: it saves a checkpoint,
         # exits 75, and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.jobs.stopping).
-        "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} "
-        + job_script("train")
-        + " --model {params.model_path:q} {params.trust_remote_code} --prepared {input.prepared:q} "
+        "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} scripts/train.py --model {params.model_path:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
         "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
