@@ -98,6 +98,9 @@ def test_each_family_says_the_point_in_its_own_coordinates():
         ("The button is at the top. Final answer: (500, 250)", (500, 250)),
         ("click(x=500, y=250)", (500, 250)),
         ("the Save button", None),
+        # Numbers in prose are no point: the untrained base model's garbage scored clicks so.
+        ("I see 3 buttons and 2 icons", None),
+        ("Step 1, open the menu. 2 items", None),
         ("(500)", None),
         ("", None),
     ],

@@ -54,7 +54,8 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
     # Four charts (loss, accuracy by category, exp4's accuracy during training, click_grpo's rewards)
-    # and six tables (who won, results, categories, preference stages, reward stages, jobs), then the
+    # and seven tables (who won, results, categories, preference stages, reward stages, jobs, the
+    # stages' settings), then the
     # examples: per evaluation (the base model and 10 stages on the shapes' val and test, the base
     # model and the 3 click stages on the screens' test: 26) a table of its first 3 right and 3 wrong
     # answers, each with its image.
@@ -64,7 +65,7 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
     assert evaluations * 3 <= len(example_rows) <= evaluations * 6
     assert len(browser.find_elements("css selector", "img")) == 4 + len(example_rows)
-    assert len(browser.find_elements("css selector", "table")) == 6 + evaluations
+    assert len(browser.find_elements("css selector", "table")) == 7 + evaluations
     # The click stage's examples say which colour is which on their drawings.
     click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
     assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
@@ -198,7 +199,19 @@ def test_the_report_names_the_winner_and_fits_a_laptop_screen(browser, demo_work
         assert row["best"] == ", ".join(best.experiment + "/" + best.stage)
         assert float(row["accuracy"]) == pytest.approx(best.accuracy.iloc[0], abs=5e-4)
 
+    # Each winner's margin tested on the same samples (exact McNemar), and each accuracy's interval.
+    for row in won:
+        for name in ("p_vs_runner_up", "p_vs_start"):
+            assert row[name] == "" or 0 <= float(row[name]) <= 1, row
+        assert float(row["p_vs_start"]) < 0.05 and "over its start: more than noise" in row["margin"], row
     shown = {(r["experiment"], r["stage"], r["split"]): r for r in table_rows(browser, "Results")}
+    for row in shown.values():
+        assert float(row["ci95_low"]) <= float(row["accuracy"]) <= float(row["ci95_high"]), row
+    # What it rests on: the packages, the commit, the base model, each stage's settings.
+    rests_on = browser.find_element("xpath", "//h2[text()='What this rests on']/following-sibling::ul[1]").text
+    assert "torch: " in rests_on and "workflow commit: " in rests_on and "base model: " in rests_on
+    settings = {r["stage"]: r for r in table_rows(browser, "What this rests on")}
+    assert settings["click_grpo/grpo"]["method"] == '"grpo"' and settings["exp1/main"]["method"] == "null"
     accuracy = {k: float(r["accuracy"]) for k, r in shown.items()}
     for split in ("val", "test"):
         # A curriculum's stage beside the one it started from.

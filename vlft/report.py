@@ -21,6 +21,7 @@ import pandas as pd  # noqa: E402
 
 from vlft.files import atomic_path, read_jsonl  # noqa: E402
 from vlft.plan import BASE_EXPERIMENT, BASE_STAGE  # noqa: E402
+from vlft.significance import paired_p_value, wilson_interval  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def collect(
                 "stage": stage,
                 "split": split,
                 "accuracy": metrics["accuracy"],
+                # The 95% interval its samples leave it (vlft.significance; clicks: those with a box).
+                **dict(zip(("ci95_low", "ci95_high"), accuracy_interval(metrics))),
                 "loss": metrics["loss"],
                 "n": metrics["n"],
                 "answer_format": metrics["answer_format"],
@@ -112,7 +115,7 @@ def collect(
     for trained in stages:
         summary = json.loads(Path(trained.summary).read_text())
         # For using the adapter, not for reading (the evaluations during training have a chart of their own).
-        for key in ("adapter_crc32", "model", "answering", "evaluations_during_training"):
+        for key in ("adapter_crc32", "model", "answering", "evaluations_during_training", "settings"):
             summary.pop(key, None)
         if "kept" in summary:  # keep: best: the step whose adapter the stage kept
             summary["kept_step"] = summary.pop("kept")["step"]
@@ -122,6 +125,16 @@ def collect(
     jobs["repeats"] = [repeats.get(f"{e}/{s}", "") for e, s in zip(jobs.experiment, jobs.stage)]
     results["repeats"] = [repeats.get(label, "") for label in results.experiment + "/" + results.stage]
     return results, categories, jobs
+
+
+def accuracy_interval(metrics: dict) -> tuple[float, float]:
+    judged = metrics.get("n_with_box", metrics["n"])
+    return wilson_interval(round(metrics["accuracy"] * judged), judged)
+
+
+def answers_right(evaluation: Evaluation) -> dict:
+    """{sample id: right} of an evaluation's predictions (None: a click without a box to judge)."""
+    return {p["id"]: p["correct"] for p in read_jsonl(evaluation.predictions)} if evaluation.predictions else {}
 
 
 def repeated_stages(jobs: pd.DataFrame) -> dict[str, str]:
@@ -141,25 +154,52 @@ def repeated_stages(jobs: pd.DataFrame) -> dict[str, str]:
     return repeats
 
 
-def winners(results: pd.DataFrame) -> pd.DataFrame:
+def winners(results: pd.DataFrame, right: dict | None = None) -> pd.DataFrame:
     """Per evaluated split of each dataset, the trained stage(s) of the best accuracy (all of them
-    where they tie), with their gain over the base model."""
+    where they tie), with their gain over the base model; with `right` (each evaluation's
+    {sample id: right}, by (experiment, stage, split)), whether its margin over the runner-up and
+    over the stage it started from (or the base model) is more than chance on the same samples."""
     trained = results[results.experiment != BASE_EXPERIMENT]
     rows = []
     for (dataset, split), jobs in trained.groupby(["dataset", "split"], sort=True):
         best = jobs[jobs.accuracy == jobs.accuracy.max()]
-        rows.append(
-            {
-                "dataset": dataset,
-                "split": split,
-                "best": ", ".join(best.experiment + "/" + best.stage),
-                "accuracy": best.accuracy.iloc[0],
-                "gain_over_base": best.gain_over_base.iloc[0],
-                "runner_up": _runner_up(jobs, best.accuracy.iloc[0]),
-                "n": best.n.iloc[0],
-            }
-        )
+        row = {
+            "dataset": dataset,
+            "split": split,
+            "best": ", ".join(best.experiment + "/" + best.stage),
+            "accuracy": best.accuracy.iloc[0],
+            "gain_over_base": best.gain_over_base.iloc[0],
+            "runner_up": _runner_up(jobs, best.accuracy.iloc[0]),
+            "n": best.n.iloc[0],
+        }
+        if right is not None:
+            row |= _margins(results, jobs, best.iloc[0], right)
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _margins(results: pd.DataFrame, jobs: pd.DataFrame, best, right: dict) -> dict:
+    """The exact McNemar p of the winner against the runner-up and against its start, and what
+    they say (p < 0.05: more than noise)."""
+    answers = lambda experiment, stage: right.get((experiment, stage, best.split))  # noqa: E731
+    won = answers(best.experiment, best.stage)
+    rest = jobs[jobs.accuracy < best.accuracy]
+    second = rest[rest.accuracy == rest.accuracy.max()].iloc[0] if not rest.empty else None
+    start = best.started_from.split("/") if best.started_from else None
+    if start is None:  # a first stage starts from the base model
+        base = results[(results.experiment == BASE_EXPERIMENT) & (results.dataset == best.dataset)]
+        start = [BASE_EXPERIMENT, base.stage.iloc[0]] if not base.empty else None
+    p_second = paired_p_value(won, answers(second.experiment, second.stage)) if second is not None else None
+    p_start = paired_p_value(won, answers(*start)) if start is not None and won else None
+    return {
+        "p_vs_runner_up": p_second,
+        "p_vs_start": p_start,
+        "margin": "; ".join(
+            f"over {name}: {'more than noise' if p < 0.05 else 'within noise'}"
+            for name, p in (("the runner-up", p_second), ("its start", p_start))
+            if p is not None
+        ),
+    }
 
 
 def _runner_up(jobs: pd.DataFrame, best: float) -> str:
@@ -473,6 +513,35 @@ def reward_stages(stages: list[TrainedStage], jobs: pd.DataFrame, results: pd.Da
     )
 
 
+def rests_on_html(stages: list[TrainedStage]) -> str:
+    """What the report rests on: when and with what it was made, the base model, and each stage's
+    settings (those that differ between stages; the rest said once)."""
+    from vlft.provenance import provenance
+
+    facts = provenance()
+    settings = {t.label: json.loads(Path(t.summary).read_text()).get("settings") for t in stages}
+    models = sorted({json.loads(Path(t.summary).read_text()).get("model", {}).get("path", "") for t in stages})
+    known = {label: s for label, s in settings.items() if s}
+    keys = sorted({k for s in known.values() for k in s})
+    differing = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in known.values()}) > 1]
+    shared = {k: next(iter(known.values())).get(k) for k in keys if k not in differing}
+    table = pd.DataFrame(
+        [{"stage": label, **{k: json.dumps(s.get(k)) for k in differing}} for label, s in known.items()]
+    )
+    rows = "".join(
+        f"<li>{html.escape(name)}: <code>{html.escape(str(value))}</code></li>" for name, value in facts.items()
+    )
+    return (
+        "<h2>What this rests on</h2><ul>"
+        + rows
+        + f"<li>base model: <code>{html.escape(', '.join(models))}</code></li></ul>"
+        + "<p>Each stage's settings where stages differ (the rest, the same for all: "
+        + html.escape(json.dumps(shared, sort_keys=True))
+        + ").</p>"
+        + (table_html(table) if known else "<p>The stages' summaries predate their settings.</p>")
+    )
+
+
 def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
@@ -497,6 +566,7 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
             f'<img alt="accuracy during training, one panel per experiment" src="data:image/png;base64,{png}">'
         )
     job_columns = [c for c in JOB_COLUMNS if c in jobs]
+    right = {(e.experiment, e.stage, e.split): answers_right(e) for e in evaluations}
     preferences = preference_stages(jobs, results)
     rewards = reward_stages(stages, jobs, results, output_dir / "reward_curves.png")
     page = f"""<!doctype html>
@@ -507,7 +577,8 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
 Accuracy compares the final answer parsed out of each generated answer with the reference's; for a click stage, it is whether the point answered lands in the target's box.</p>
 <h2>Who won</h2>
 <p>Per evaluated split, the trained stage of the best accuracy (every one, where they tie), its gain over the base model, and the next best.</p>
-{table_html(winners(results))}
+{table_html(winners(results, right))}
+<p><code>p_vs_runner_up</code>, <code>p_vs_start</code>: the exact McNemar test of the winner against the runner-up, and against the stage it started from (the base model for a first stage), on the samples both answered: how likely a split of the samples they answer differently at least this lopsided is by chance. Below 0.05 the margin is more than noise; above it, another draw of as many samples could reverse it. <code>ci95_low</code> and <code>ci95_high</code> in the results: the 95% Wilson interval of each accuracy.</p>
 <h2>Results</h2>
 <p><code>gain_over_start</code>: over the stage it started from (<code>started_from</code>, by <code>init_from</code>), on the same split. <code>repeats</code>: an earlier stage that trained on the very records, in the very order, with the very settings (its filter may read otherwise), whose results these repeat: no second finding.</p>
 {table_html(results_shown)}
@@ -519,6 +590,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 {preferences}
 {rewards}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
+{rests_on_html(stages)}
 <h2>Example answers</h2>
 <p>The first {EXAMPLES_EACH} right and {EXAMPLES_EACH} wrong answers of each evaluation, in the split's order.</p>
 {examples_html(evaluations)}

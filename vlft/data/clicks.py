@@ -113,17 +113,35 @@ def target_text(record: dict, frame: Frame, where: str) -> str:
     return point_text(*frame.to_model(*target_point(record, where)))
 
 
+_N = r"(-?\d+(?:\.\d+)?)"
+# The forms a point or box is given in by these models, boxes first (their centre is taken): a box
+# as four numbers in brackets ("bbox_2d": [x1, y1, x2, y2]) or as two points ((x1,y1),(x2,y2), as
+# Qwen2-VL writes it inside <|box_start|>); a point as (x, y), [x, y] ("point_2d"), <point>x y</point>
+# or x=.., y=... Numbers anywhere else in an answer are no point: the untrained base model scored
+# clicks from stray numbers in its prose ("3 buttons and 2 icons") before these were required.
+POINT_FORMS = [
+    (4, re.compile(rf"\[\s*{_N}\s*,\s*{_N}\s*,\s*{_N}\s*,\s*{_N}\s*\]")),
+    (4, re.compile(rf"\(\s*{_N}\s*,\s*{_N}\s*\)\s*,?\s*\(\s*{_N}\s*,\s*{_N}\s*\)")),
+    (2, re.compile(rf"\(\s*{_N}\s*,\s*{_N}\s*\)")),
+    (2, re.compile(rf"\[\s*{_N}\s*,\s*{_N}\s*\]")),
+    (2, re.compile(rf"<point>\s*{_N}[\s,]+{_N}\s*</point>")),
+    (2, re.compile(rf"\bx\s*[=:]\s*{_N}\s*,?\s*y\s*[=:]\s*{_N}")),
+]
+
+
 def parse_point(text: str) -> tuple[float, float] | None:
-    """The point an answer gives, in the model's units: '(x, y)', '[x, y]', '{"point_2d": [x, y]}',
-    'x=.., y=..', '<point>x y</point>', or a box (four numbers, '(x1,y1),(x2,y2)', "bbox_2d") whose
-    centre is taken; None when it gives none."""
-    numbers = [float(n) for n in NUMBER.findall(final_answer(text))]
-    if len(numbers) >= 4:
-        x1, y1, x2, y2 = numbers[:4]
+    """The point an answer gives, in the model's units, from the first of POINT_FORMS its final
+    answer holds (a box's centre for a box); None when it gives none in any of them."""
+    answer = final_answer(text)
+    found = [(m.start(), count, m) for count, form in POINT_FORMS if (m := form.search(answer))]
+    if not found:
+        return None
+    _, count, match = min(found, key=lambda f: (f[0], -f[1]))  # the first in the text; a box over its corner
+    numbers = [float(n) for n in match.groups()]
+    if count == 4:
+        x1, y1, x2, y2 = numbers
         return (x1 + x2) / 2, (y1 + y2) / 2
-    if len(numbers) >= 2:
-        return numbers[0], numbers[1]
-    return None
+    return numbers[0], numbers[1]
 
 
 # Targets written into an answer as the Qwen families write them: Qwen2.5-VL's and Qwen3-VL's JSON

@@ -378,6 +378,7 @@ def _summary(
         },
         "answering": {k: getattr(settings, k) for k in ANSWERING_KEYS},
         "steps_before": steps_before,
+        "settings": settings.params,  # as the job was given them: what the report says each stage was
     }
     if chosen:
         summary["max_batch_tokens_auto"] = chosen
