@@ -41,24 +41,25 @@ def shell(command: str, cwd: Path, env: dict | None = None) -> str:
 
 
 KVASIR_IMPORTS = [
-    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/*.parquet --out data/kvasir",
-    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/*.parquet --parquet kvasir-vqa/*.parquet "
+    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/data/*.parquet --out data/kvasir",
+    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/data/*.parquet --parquet kvasir-vqa/data/*.parquet "
     "--out data/kvasir-x1",
 ]
 
 
 def published_kvasir(directory: Path, n_images: int = 12) -> None:
     """Kvasir-VQA and Kvasir-VQA-x1 in the files and shapes the Hub publishes, where the README's
-    import commands expect them: kvasir-vqa/*.parquet, kvasir-vqa-x1/{train,test}-*.parquet."""
+    import commands expect them, as `hf download` lays them out: kvasir-vqa/data/*.parquet,
+    kvasir-vqa-x1/data/{train,test}-*.parquet."""
     import pandas as pd
     from test_importers import kvasir_parquet, x1_rows
 
-    (directory / "kvasir-vqa").mkdir(parents=True)
-    kvasir_parquet(directory / "kvasir-vqa/data-00000-of-00001.parquet", n_images=n_images)
-    (directory / "kvasir-vqa-x1").mkdir()
+    (directory / "kvasir-vqa/data").mkdir(parents=True)
+    kvasir_parquet(directory / "kvasir-vqa/data/raw-00000-of-00001.parquet", n_images=n_images)
+    (directory / "kvasir-vqa-x1/data").mkdir(parents=True)
     rows = x1_rows(n_images * 4, images=n_images)
-    pd.DataFrame(rows[: n_images * 3]).to_parquet(directory / "kvasir-vqa-x1/train-00000-of-00001.parquet")
-    pd.DataFrame(rows[n_images * 3 :]).to_parquet(directory / "kvasir-vqa-x1/test-00000-of-00001.parquet")
+    pd.DataFrame(rows[: n_images * 3]).to_parquet(directory / "kvasir-vqa-x1/data/train-00000-of-00001.parquet")
+    pd.DataFrame(rows[n_images * 3 :]).to_parquet(directory / "kvasir-vqa-x1/data/test-00000-of-00001.parquet")
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +338,8 @@ RUNNERS = {
     "snakemake --report report.zip": run_snakemake_report,
     "snakemake --cores all -f results/train/exp4/stage2/adapter": run_retrain,
     "snakemake --cores all -R results/train/exp4/stage2/adapter": run_retrain,
-    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/*.parquet --out data/kvasir": run_import,
-    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/*.parquet --parquet kvasir-vqa/*.parquet "
+    "python scripts/import_dataset.py kvasir-vqa --parquet kvasir-vqa/data/*.parquet --out data/kvasir": run_import,
+    "python scripts/import_dataset.py kvasir-vqa-x1 --x1 kvasir-vqa-x1/data/*.parquet --parquet kvasir-vqa/data/*.parquet "
     "--out data/kvasir-x1": run_import,
     "python scripts/import_dataset.py chat --json chat/train.json --image-root chat/images --out data/chat": run_import,
     "python scripts/import_dataset.py screenspot --json screenspot/screenspot_web.json --out data/screenspot": run_import,

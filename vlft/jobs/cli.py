@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import warnings
 from datetime import datetime
 
 from vlft.jobs import warm_start
@@ -40,9 +41,17 @@ def set_cpu_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
+# Warnings of the libraries' own API changes (transformers' "past_key_values is deprecated",
+# "is_gradient_checkpointing is deprecated", torch's): addressed to this code, not to the researcher
+# reading a job's output, where they were 77 of the demo's lines. Anything else still shows.
+LIBRARY_DEPRECATIONS = r"(transformers|torch|peft|accelerate|huggingface_hub)(\.|$)"
+
+
 def run(main) -> None:
     rank = os.environ.get("RANK")
     script = os.path.basename(sys.argv[0])
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=LIBRARY_DEPRECATIONS)
     try:
         # Said once a job: the processes of a data-parallel job (started with RANK set) say it
         # through the process that started them. On stdout: stderr stays for errors, one line each.
