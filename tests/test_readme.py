@@ -269,6 +269,11 @@ def run_from_own_directory(command, fixture, tmp_path):
     assert (study / "results/my-study/report/index.html").is_file()
 
 
+def run_env(command, fixture, tmp_path):
+    output = shell(command, tmp_path)
+    assert "torch: " in output and "workflow commit: " in output and "GPUs: " in output
+
+
 CLICK_EXAMPLE = "config/examples/click-qwen3-vl-8b.yaml"
 
 
@@ -350,6 +355,7 @@ RUNNERS = {
     "python scripts/import_dataset.py vqa --files vqa-rad/data/*.parquet --out data/vqa-rad": run_import,
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
     "snakemake -s <clone>/Snakefile --configfile my-study.yaml --cores all": run_from_own_directory,
+    "vlft env": run_env,
     "snakemake --cores all results/export/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
     '--question "How many shapes are there?"': run_predict,
