@@ -97,20 +97,25 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
 
     Image.new("RGB", (300, 200), (200, 30, 30)).save(tmp_path / "red.png")
     answer = '<script>document.title = "owned"</script>\x00 <b>red</b>'
+    garbled = "polyp" * 120  # one "word" of 600 letters, as a garbled answer can be
+    rows = [("r1", answer), ("r2", garbled)]
     (tmp_path / "predictions.jsonl").write_text(
-        json.dumps(
-            {
-                "id": "r1",
-                "question": "What <i>colour</i>?",
-                "reference": "red",
-                "prediction": answer,
-                "correct": False,
-                "category": None,
-            }
+        "".join(
+            json.dumps(
+                {
+                    "id": i,
+                    "question": "What <i>colour</i>?",
+                    "reference": "red",
+                    "prediction": said,
+                    "correct": False,
+                    "category": None,
+                }
+            )
+            + "\n"
+            for i, said in rows
         )
-        + "\n"
     )
-    (tmp_path / "prepared.jsonl").write_text(json.dumps({"id": "r1", "image": "red.png"}) + "\n")
+    (tmp_path / "prepared.jsonl").write_text("".join(json.dumps({"id": i, "image": "red.png"}) + "\n" for i, _ in rows))
     metrics = {
         "n": 1,
         "accuracy": 0.0,
@@ -146,6 +151,12 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
     cell = browser.find_element("css selector", "table.examples tr.wrong td:nth-child(4)")
     assert cell.text == '<script>document.title = "owned"</script>\\x00 <b>red</b>'
     assert browser.find_element("css selector", "table.examples tr.wrong td:nth-child(2)").text == "What <i>colour</i>?"
+    # At a laptop's 1,280 pixels no answer spills out of its cell, however long its words.
+    browser.set_window_size(1280, 900)
+    spilled = browser.execute_script(
+        "return [...document.querySelectorAll('table.examples td')].filter(td => td.scrollWidth > td.clientWidth + 1).length"
+    )
+    assert spilled == 0
     image = browser.find_element("css selector", "table.examples img")
     assert max(image.get_property("naturalWidth"), image.get_property("naturalHeight")) == 160
 

@@ -414,7 +414,7 @@ div.scroll table.t { margin-bottom: 0; }
 table.t { border-collapse: collapse; font-size: 0.9rem; margin-bottom: 1.5rem; }
 table.t th, table.t td { padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd; text-align: right; }
 table.t th { background: #f3f3f3; }
-table.examples td, table.examples th { text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; }
+table.examples td, table.examples th { text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; overflow-wrap: anywhere; }
 tr.wrong td:last-child { color: #b00; }
 img { max-width: 100%; }
 </style>"""
