@@ -63,7 +63,7 @@ import os, signal, sys, time  # noqa: E401,E402
 def stop(number, frame):
     # Straight to the file descriptor: the signal may come while the main thread is still inside
     # print("ready")'s flush, and print here would be a reentrant call into the same BufferedWriter.
-    os.write(1, f"stopped by {signal.Signals(number).name}\n".encode())
+    os.write(1, f"stopped by {signal.Signals(number).name}\\n".encode())
     sys.exit(75)
 
 
