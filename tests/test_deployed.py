@@ -1,6 +1,6 @@
-"""The workflow run the ways a deployed workflow is: from a directory of the user's own with `-s`
-pointing at the workflow, and as a `module` of the user's own Snakefile (what snakedeploy writes).
-Its jobs find their scripts from the workflow's location, never the working directory's."""
+"""The workflow run as a deployed workflow is: a `module` of the user's own Snakefile in a directory
+of its own (what snakedeploy writes). Its jobs find their scripts from the workflow's location,
+never the working directory's."""
 
 from __future__ import annotations
 
@@ -34,18 +34,11 @@ def a_study_of_ones_own(directory, tiny_model_dir, config_name="study.yaml"):
     return directory
 
 
-def test_the_workflow_runs_a_study_from_a_directory_of_its_own(tmp_path, tiny_model_dir):
-    clone = copy_workflow(tmp_path / "clone")
-    study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
-    run = snakemake(study, "-s", str(clone / "Snakefile"), "--configfile", "study.yaml", "--cores", "2")
-    assert (study / "results/study/report/index.html").is_file()
-    assert not (study / "scripts").exists() and not (clone / "results").exists()
-    assert "Results of this study: results/study/" in run.stderr
-    assert "The report: results/study/report/index.html" in run.stderr
-
-
-@pytest.mark.parametrize("entry", ["Snakefile", "workflow/Snakefile"])  # the latter: where snakedeploy points
-def test_the_workflow_runs_as_a_module_of_the_users_own_snakefile(tmp_path, tiny_model_dir, entry):
+def test_the_workflow_runs_as_a_module_of_the_users_own_snakefile(tmp_path, tiny_model_dir):
+    """As snakedeploy deploys it: a module whose Snakefile is workflow/Snakefile (which includes the
+    top-level one). A study from a directory of its own with `-s` is the README's command, run by
+    tests/test_readme.py."""
+    entry = "workflow/Snakefile"
     clone = copy_workflow(tmp_path / "clone")
     study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
     (study / "Snakefile").write_text(

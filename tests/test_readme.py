@@ -265,8 +265,11 @@ def run_from_own_directory(command, fixture, tmp_path):
 
     clone = copy_workflow(tmp_path / "clone")
     study = a_study_of_ones_own(tmp_path / "study", fixture("tiny_model_dir"), "my-study.yaml")
-    shell(command.replace("<clone>", str(clone)), study)
+    said = shell(command.replace("<clone>", str(clone)), study)
     assert (study / "results/my-study/report/index.html").is_file()
+    assert not (study / "scripts").exists() and not (clone / "results").exists()
+    assert "Results of this study: results/my-study/" in said
+    assert "The report: results/my-study/report/index.html" in said
 
 
 def run_env(command, fixture, tmp_path):

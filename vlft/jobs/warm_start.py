@@ -74,6 +74,10 @@ PRELOAD = (
     "vlft.caches.vision_cache",
     "vlft.caches.image_cache",
     "vlft.demo.tiny_model",
+    # An evaluation's free-text metrics (vlft.generation.text_metrics): nltk alone takes a second.
+    "nltk.translate.meteor_score",
+    "rouge_score.rouge_scorer",
+    "sacrebleu.tokenizers.tokenizer_13a",
 )
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 PROJECT = Path(__file__).resolve().parents[1]  # the vlft package: its code is part of the key
