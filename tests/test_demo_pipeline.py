@@ -190,7 +190,7 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
     assert all((report / name).stat().st_size > 0 for name in ("loss_curves.png", "accuracy_by_category.png"))
     assert "<script" not in page and 'src="http' not in page  # self-contained: images inline
     results = (report / "results.csv").read_text().splitlines()
-    assert results[0].startswith("experiment,stage,split,accuracy,loss")
+    assert results[0].startswith("experiment,stage,split,accuracy,ci95_low,ci95_high,loss")
     # The shapes' stages and base model on val and test; the click stages and base model on test.
     clicks = sum(experiment in CLICK_EXPERIMENTS for experiment, _ in EXPERIMENT_STAGES)
     assert len(results) == 1 + 2 * (len(EXPERIMENT_STAGES) - clicks + 1) + clicks + 1
@@ -323,8 +323,10 @@ def test_the_run_says_where_its_results_are_first_and_who_won_and_where_the_repo
     said = (demo_workdir.parent / "terminal.txt").read_text().strip().splitlines()
     assert "Results of this study: results/" in said
     expected = winners(pd.read_csv(demo_workdir / "results/report/results.csv", keep_default_na=False))
-    last = said[-(len(expected) + 1) :]
-    assert last[-1] == "The report: results/report/index.html"
-    for line, row in zip(last, expected.itertuples()):
+    # The run's own last words, before Snakemake names its log file.
+    end = said.index("The report: results/report/index.html")
+    assert [line for line in said[end + 1 :] if not line.startswith(("Complete log", "Elapsed time"))] == []
+    last = said[end - len(expected) : end]
+    for line, row in zip(last, expected.itertuples(), strict=True):
         name = f"{row.dataset}/{row.split}" if row.dataset else row.split
         assert line.startswith(f"{name}: {row.best} won, accuracy {row.accuracy:.3f} of {row.n}")

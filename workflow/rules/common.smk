@@ -280,12 +280,23 @@ def report_jobs():
     return sorted(PLAN.evaluations()), sorted(PLAN.stages.values(), key=lambda s: s.id)
 
 
-def reward_chart_output():
-    """The report's chart of rewards per step, an output only where the study has a reward stage."""
-    if not any(s.settings["method"] == "grpo" for s in PLAN.stages.values()):
-        return {}
-    chart = report_path("reward_curves.png")
-    return {"reward_curves": report(chart, caption="../report/reward_curves.rst", category="Plots")}
+def report_outputs():
+    """The report's files, each with its caption in Snakemake's own report; the chart of rewards
+    per step only where the study has a reward stage."""
+    captions = {
+        "html": ("index.html", "index.rst", "Report"),
+        "results": ("results.csv", "results.rst", "Tables"),
+        "categories": ("accuracy_by_category.csv", "categories.rst", "Tables"),
+        "jobs": ("jobs.csv", "jobs.rst", "Tables"),
+        "loss_curves": ("loss_curves.png", "loss_curves.rst", "Plots"),
+        "category_chart": ("accuracy_by_category.png", "accuracy_by_category.rst", "Plots"),
+    }
+    if any(s.settings["method"] == "grpo" for s in PLAN.stages.values()):
+        captions["reward_curves"] = ("reward_curves.png", "reward_curves.rst", "Plots")
+    return {
+        name: report(report_path(file), caption=f"../report/{caption}", category=category)
+        for name, (file, caption, category) in captions.items()
+    }
 
 
 def get_report_inputs(wildcards):
