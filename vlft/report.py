@@ -519,8 +519,9 @@ def rests_on_html(stages: list[TrainedStage]) -> str:
     from vlft.provenance import provenance
 
     facts = provenance()
-    settings = {t.label: json.loads(Path(t.summary).read_text()).get("settings") for t in stages}
-    models = sorted({json.loads(Path(t.summary).read_text()).get("model", {}).get("path", "") for t in stages})
+    summaries = {t.label: json.loads(Path(t.summary).read_text()) for t in stages}
+    settings = {label: summary.get("settings") for label, summary in summaries.items()}
+    models = sorted({summary.get("model", {}).get("path", "") for summary in summaries.values()})
     known = {label: s for label, s in settings.items() if s}
     keys = sorted({k for s in known.values() for k in s})
     differing = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in known.values()}) > 1]

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image
-
 from vlft.errors import InputError
 from vlft.files import atomic_path
 from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
@@ -95,11 +93,13 @@ def import_screenspot(
 
 
 def _size_of(path: Path, where) -> tuple[int, int]:
-    try:
-        with Image.open(path) as image:
-            return image.size
-    except (OSError, ValueError) as err:
-        raise InputError(where[0], f"its image {path} cannot be read ({err})", where[1], "image") from None
+    """The image's size as prepare_split reads it (vlft.data.records.check_image: orientation applied)."""
+    from vlft.data.records import check_image
+
+    size = check_image(path)
+    if isinstance(size, str):
+        raise InputError(where[0], f"its image {path}: {size}", where[1], "image")
+    return size
 
 
 def _click_record(row, where, layout: str, units: str, ids: UniqueIds, size, image_root) -> dict:
