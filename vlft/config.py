@@ -24,7 +24,9 @@ from jsonschema.exceptions import best_match
 
 from vlft.errors import ConfigError
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+# In the package (workflow/schemas/config.schema.yaml links to it): a workflow deployed from a release
+# checks its config with the vlft installed from that release, where no workflow/ is beside it.
+SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
 
 @functools.cache

@@ -22,14 +22,38 @@ one line each; a training job given several GPUs relaunches itself under torchru
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from vlft.jobs import gpus, warm_start
 
 # Where the workflow is (its Snakefile sets it for the jobs it starts): a job's `scripts/<job>.py`
 # is its, whatever the working directory (a study of the user's own, or the workflow as a module).
 WORKFLOW_DIR = "VLFT_WORKFLOW_DIR"
+
+
+def scripts_of(shell_commands) -> list[str]:
+    """The job scripts that rules' shell lines run (`scripts/<job>.py`), each once."""
+    return sorted({name for command in shell_commands for name in re.findall(r"\bscripts/\w+\.py", command)})
+
+
+def scripts_fetched(sources: dict[str, str], directory: str) -> str:
+    """A workflow deployed from a release (a module whose snakefile is `github(...)`) has no files of
+    its own here: Snakemake's source cache fetched each job script (`sources`: `scripts/<job>.py` ->
+    the cached file, whatever its name there); they are laid out as the workflow's, under `directory`,
+    which becomes the jobs' WORKFLOW_DIR. Each copy replaces the last atomically: a SLURM job's own
+    Snakemake writes the same files while others run them."""
+    root = Path(directory).resolve()
+    for name, cached in sources.items():
+        target = root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copyfile(cached, partial)
+        os.replace(partial, target)
+    return str(root)
 
 
 def workflow_script(script: str) -> str:

@@ -7,9 +7,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.sourcecache import LocalSourceFile
 
-from vlft.jobs.launch import WORKFLOW_DIR
 from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
 from vlft.empty_outputs import remove_empty_outputs, still_to_remake
@@ -85,12 +83,6 @@ def adapter_path(experiment, stage):
 def eval_path(experiment, stage, split, name):
     """An evaluation's outputs: predictions.jsonl, metrics.json."""
     return f"{RESULTS}/eval/{experiment}/{stage}/{split}/{name}"
-
-
-# The workflow's own directory, where its jobs' scripts are (vlft.jobs.launch runs `scripts/<job>.py`
-# from it, not from the working directory): a study runs from any directory, or as a module.
-if isinstance(workflow.current_basedir, LocalSourceFile):
-    os.environ[WORKFLOW_DIR] = os.path.normpath(workflow.current_basedir.join("../..").get_path_or_uri(True))
 
 
 def report_path(name):
