@@ -29,7 +29,9 @@ def test_a_job_that_asked_for_a_gpu_and_finds_none_usable_fails_at_once_naming_t
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     assert line == (
         f"error: host {socket.gethostname()}: this job asked for 1 GPU(s), but CUDA is not usable: "
-        f"{cuda_problem()}; set the job's resources gpus to 0 to run it on the CPU"
+        f"{cuda_problem()}; to run on the CPU, set `cpu_fallback: true` in the config (every job that asks "
+        "for a GPU runs without one), or set to 0 each key that asks for one: `resources.gpus` of the stage "
+        "or of `defaults` (training and vision caches) and `evaluation.resources.gpus` (evaluations)"
     )
     # A hidden GPU and a CUDA torch give CUDA's own words; here at least the build says why.
     assert cuda_problem()

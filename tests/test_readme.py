@@ -157,6 +157,17 @@ def run_kvasir_on_slurm(command, fixture, tmp_path):
         assert "runtime=420" in resources and "gpu=1" in resources
 
 
+def run_slurm_trial(command, fixture, tmp_path):
+    # The test cluster (scripts/slurm_cluster.sh, which CI starts): the demo planned as written,
+    # no max-threads; the demo run through it is tests/test_slurm.py's.
+    fixture("slurm_cluster")
+    cpus = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%c"], capture_output=True, text=True).stdout.split()[0]
+    output = shell(command, copy_workflow(tmp_path / "trial"))
+    assert "rule train:" in output and "rule report:" in output
+    capped = f"partition debug: its nodes have {cpus} CPUs, so jobs that ask for more threads"
+    assert (capped in output) == (int(cpus) < 8)  # the rules ask for up to 8
+
+
 REPORT_FILES = (
     "index.html",
     "results.csv",
@@ -343,6 +354,8 @@ RUNNERS = {
     f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --default-resources slurm_account=myaccount "
     "slurm_partition=gpu": run_kvasir_on_slurm,
     f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --profile ~/my-site": run_kvasir_on_slurm,
+    "snakemake all --profile profiles/slurm --default-resources slurm_account=demo slurm_partition=debug "
+    "--dry-run": run_slurm_trial,
     "snakemake --report report.zip": run_snakemake_report,
     "snakemake --cores all -f results/train/exp4/stage2/adapter": run_retrain,
     "snakemake --cores all -R results/train/exp4/stage2/adapter": run_retrain,

@@ -361,3 +361,45 @@ def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_w
     assert (slurm_demo / "results/report/index.html").stat().st_mtime > report
     again = slurm_run(slurm_demo, profile, "all", "--dry-run")
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_a_plan_says_what_the_partition_cannot_give_and_caps_threads_at_its_cpus(slurm_cluster, tmp_path):
+    """The README's trial as written (no max-threads): jobs asking for more threads than the test
+    cluster's node has CPUs get its CPUs, and a stage asking for more GPUs and evaluations asking for
+    more memory than its node has are each named in one line, with the keys that set them, before
+    anything is submitted (a dry run)."""
+    from conftest import REPO, copy_workflow
+
+    partition = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%c|%m|%G"], capture_output=True, text=True)
+    cpus, mem_mb, _ = partition.stdout.split("\n")[0].split("|")
+    workdir = copy_workflow(tmp_path / "study")
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["experiments"]["exp1"]["stages"][0]["resources"] = {"gpus": 4}
+    config["evaluation"]["resources"] = {"mem_mb": int(mem_mb) + 1}
+    config["evaluation"]["threads"] = int(cpus) + 4
+    (workdir / "big.yaml").write_text(yaml.safe_dump(config))
+    profile = site_profile(tmp_path / "site")
+    settings = yaml.safe_load((profile / "config.yaml").read_text())
+    del settings["max-threads"]
+    (profile / "config.yaml").write_text(yaml.safe_dump(settings))
+
+    # --cores: a dry run without it shows every job 1 thread (the driver's own cores bound them).
+    run = slurm_run(
+        workdir, profile, "all", "--configfile", "big.yaml", "--dry-run", "--printshellcmds", "--cores", "256"
+    )
+    said = [line for line in run.stderr.splitlines() if line.startswith("partition debug")]
+    # Each once, in the order Snakemake plans the jobs.
+    assert sorted(said) == sorted(
+        [
+            f"partition debug: its nodes have {cpus} CPUs, so jobs that ask for more threads (the rules' threads, "
+            f"evaluation.threads) get {cpus}; a partition of larger nodes gives them more",
+            "partition debug offers at most 2 of GPUs a job, but train exp1/main asks for 4 (resources.gpus of the "
+            "stage or of defaults): it would wait in the queue forever or be refused",
+            f"partition debug offers at most {mem_mb} MB of memory a job, but evaluate asks for {int(mem_mb) + 1} MB "
+            "(evaluation.resources.mem_mb): it would wait in the queue forever or be refused",
+        ]
+    )
+    # What would be submitted: the jobs that asked for more threads (8, and evaluation.threads) get
+    # the node's CPUs, as their shell lines say.
+    threads = [int(n) for n in re.findall(r"vlft\.jobs\.launch .* --threads (\d+)", run.stdout + run.stderr)]
+    assert threads and max(threads) == int(cpus)

@@ -43,7 +43,9 @@ def require_gpus(count: int, cpu_fallback: bool) -> None:
     if not cpu_fallback:
         raise DeviceError(
             f"{where}: this job asked for {count} GPU(s), but CUDA is not usable: {problem}; "
-            "set the job's resources gpus to 0 to run it on the CPU"
+            "to run on the CPU, set `cpu_fallback: true` in the config (every job that asks for a GPU "
+            "runs without one), or set to 0 each key that asks for one: `resources.gpus` of the stage "
+            "or of `defaults` (training and vision caches) and `evaluation.resources.gpus` (evaluations)"
         )
     if os.environ.get("RANK") in (None, "0"):
         print(f"{where}: no usable GPU ({problem}): running on the CPU, as cpu_fallback allows", flush=True)

@@ -7,9 +7,9 @@ rule cache_images:
         directory(cache_path("{dataset}", "{split}", "{pixels}")),
     log:
         f"{RESULTS}/logs/cache_images/{{dataset}}/{{split}}/{{pixels}}.log",
-    threads: 8
+    threads: job_threads(8)
     resources:
-        mem_mb=8000,
+        mem_mb=rule_memory("cache_images", 8000),
         runtime=120,
     params:
         # The image processor's settings are all of the model it reads (vlft.digests).
@@ -36,7 +36,7 @@ rule cache_vision:
         directory(vision_cache_path("{dataset}", "{split}", "{pixels}")),
     log:
         f"{RESULTS}/logs/cache_vision/{{dataset}}/{{split}}/{{pixels}}.log",
-    threads: 8
+    threads: job_threads(8)
     resources:
         runtime=get_stage_resource("runtime", default=True),
         mem_mb=get_stage_resource("mem_mb", default=True),

@@ -1,5 +1,6 @@
 # Config -> plan, output paths, and the get_* input functions of every rule. (What the driver's own
 # process sets up is vlft.jobs.driver's, called from the Snakefile.)
+import functools
 import json
 import os
 import shlex
@@ -12,6 +13,7 @@ from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
 from vlft.empty_outputs import remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError, InputError
+from vlft.jobs.partition import Request, cpu_line, over_line, read_partition
 from vlft.model_files import model_dir_problem
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 
@@ -209,10 +211,14 @@ def get_stage_resource(key, default=False):
 
     def resource(wildcards, attempt):
         if default:
-            value = PLAN.defaults["resources"][key]
+            value, job, keys = PLAN.defaults["resources"][key], "a vision cache", f"defaults.resources.{key}"
         else:
             value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
-        return retry_runtime(value, attempt, config["max_runtime"]) if key == "runtime" else value
+            job, keys = (
+                f"train {wildcards.experiment}/{wildcards.stage}",
+                f"resources.{key} of the stage or of defaults",
+            )
+        return checked_request(job, key, value, keys, attempt)
 
     return resource
 
@@ -222,9 +228,19 @@ def get_eval_resource(key):
 
     def resource(wildcards, attempt):
         value = config["evaluation"]["resources"][key]
-        return retry_runtime(value, attempt, config["max_runtime"]) if key == "runtime" else value
+        return checked_request("evaluate", key, value, f"evaluation.resources.{key}", attempt)
 
     return resource
+
+
+def checked_request(job, key, value, keys, attempt):
+    """A GPU job's request for its attempt (runtime grows with each retry, up to max_runtime), checked
+    against the SLURM partition's nodes, max_runtime too (the last retries ask for it)."""
+    resource = "gpu" if key == "gpus" else key
+    if key == "runtime":
+        within_partition("the retries of train and evaluate", "runtime", config["max_runtime"], "max_runtime")
+        value = retry_runtime(value, attempt, config["max_runtime"])
+    return within_partition(job, resource, value, keys)
 
 
 def get_eval_settings(wildcards):
@@ -341,3 +357,49 @@ def outputs_to_remake():
         return dataset in datasets and split in datasets[dataset]["splits"]
 
     return [path for path in still_to_remake(TO_REMAKE) if planned(path)]
+
+
+@functools.cache
+def slurm_partition():
+    """The SLURM partition the jobs go to, as sinfo describes it, under the SLURM executor (and in its
+    dry runs, where a partition is named); None elsewhere (vlft.jobs.partition)."""
+    named = (workflow.resource_settings.default_resources or {}).get("slurm_partition")
+    executor = workflow.executor_plugin.name if workflow.executor_plugin is not None else None
+    if named is None or executor not in ("slurm", "dryrun"):
+        return None
+    return read_partition(str(named.raw).strip("'\""))
+
+
+def within_partition(job, resource, value, keys):
+    """A job's request, unchanged; where it is more than the SLURM partition offers (the job would
+    wait in the queue forever), one line says so at plan time, naming `keys`, what sets it."""
+    partition = slurm_partition()
+    if partition is not None and (line := over_line(partition, Request(job, resource, value, keys))):
+        say_once(line)
+    return value
+
+
+@functools.cache
+def say_once(line):
+    print(line, file=sys.stderr)
+
+
+def job_threads(count):
+    """A rule's threads: `count`, or the CPUs of the SLURM partition's nodes where they have fewer (a
+    job asking for more would wait in the queue forever), said once."""
+
+    def threads(wildcards):
+        partition = slurm_partition()
+        if partition is None or partition.cpus >= count:
+            return count
+        say_once(cpu_line(partition))
+        return partition.cpus
+
+    return threads
+
+
+def rule_memory(name, mb):
+    """A rule's own memory request (mem_mb), checked against the SLURM partition's nodes."""
+    return lambda wildcards: within_partition(
+        name, "mem_mb", mb, f"the {name} rule's own; set-resources {name}: mem_mb"
+    )

@@ -12,7 +12,7 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
         log:
             f"{RESULTS}/logs/make_demo_{demo_name}.log",
         resources:
-            mem_mb=2000,
+            mem_mb=rule_memory(f"make_demo_{demo_name}", 2000),
             runtime=10,
         params:
             kind=demo_spec["kind"],
@@ -37,7 +37,7 @@ rule make_tiny_model:
     log:
         f"{RESULTS}/logs/make_tiny_model.log",
     resources:
-        mem_mb=2000,
+        mem_mb=rule_memory("make_tiny_model", 2000),
         runtime=10,
     params:
         seed=config["demo"]["model"]["seed"],

@@ -7,7 +7,7 @@ rule evaluate:
         metrics=eval_path("{experiment}", "{stage}", "{split}", "metrics.json"),
     log:
         f"{RESULTS}/logs/evaluate/{{experiment}}/{{stage}}/{{split}}.log",
-    threads: config["evaluation"]["threads"]
+    threads: job_threads(config["evaluation"]["threads"])
     resources:
         runtime=get_eval_resource("runtime"),
         mem_mb=get_eval_resource("mem_mb"),

@@ -8,7 +8,7 @@ rule export:
         f"{RESULTS}/logs/export/{{experiment}}/{{stage}}.log",
     resources:
         # On the CPU: the base weights in their dtype, twice over while merging (an 8B: some 40 GB).
-        mem_mb=64000,
+        mem_mb=rule_memory("export", 64000),
         runtime=60,
     params:
         model=model_content("whole"),

@@ -6,9 +6,9 @@ rule prepare_split:
         prepared_path("{dataset}", "{split}"),
     log:
         f"{RESULTS}/logs/prepare_split/{{dataset}}/{{split}}.log",
-    threads: 4
+    threads: job_threads(4)
     resources:
-        mem_mb=4000,
+        mem_mb=rule_memory("prepare_split", 4000),
         runtime=60,
     params:
         # What it computes from: the content of the records and images (a change reruns it) ...

@@ -9,7 +9,7 @@ rule report:
     log:
         f"{RESULTS}/logs/report.log",
     resources:
-        mem_mb=2000,
+        mem_mb=rule_memory("report", 2000),
         runtime=10,
     params:
         labels=get_report_labels,
