@@ -289,10 +289,11 @@ def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
     assert_close_normwise(logits[DECODE_ATTENTION], logits["sdpa"], rtol=1e-5, msg="compiled flex step")
 
 
-def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path):
+def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path, capsys):
     """The validation loss the evaluate rule reports (batches of 4, the head applied to answer
     tokens alone through the fused loss) is the model's own forward over one padded batch of all
-    14 records, full logits, cross-entropy summed over the answer tokens and divided by their count."""
+    14 records, full logits, cross-entropy summed over the answer tokens and divided by their count.
+    Its progress is one line on stderr, answers counted as they end."""
     from vlft.generation.evaluate import evaluate_split
 
     name, root = family
@@ -323,6 +324,9 @@ def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path):
     # 1/n = 4e-3; measured 2e-8 to 6e-8).
     assert metrics["loss"] == pytest.approx(plain.item(), rel=answer_tokens * torch.finfo(FLOAT32).eps), name
     assert answer_tokens > 100
+    # One line (its updates `\r`-separated), ending at all 14 answered.
+    [progress] = [line for line in capsys.readouterr().err.split("\n") if "answers:" in line]
+    assert progress.split("\r")[-1].startswith("answers: 100%") and "14/14" in progress
 
 
 def test_sampled_answers_are_generates_with_the_same_draws_in_any_rows(family):

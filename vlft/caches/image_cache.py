@@ -19,6 +19,7 @@ from transformers.image_utils import load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlft.files import atomic_path, read_jsonl
+from vlft.jobs.progress import progress_line
 from vlft.caches.shards import ShardedCache, ShardWriter, finish_cache
 
 
@@ -95,10 +96,12 @@ def build_image_cache(
         with ThreadPoolExecutor(max_workers=threads) as pool:
             # map() keeps the input order, so shards are written in that order.
             resized = pool.map(lambda path: load_resized(path, settings), files.values())
-            for image, pixels in zip(files, resized):
-                height, width = pixels.shape[:2]
-                grid = [1, height // settings.patch_size, width // settings.patch_size]
-                writer.add({"id": image, "grid_thw": grid}, torch.from_numpy(pixels.copy()))
+            with progress_line(len(files), "images") as progress:
+                for image, pixels in zip(files, resized):
+                    height, width = pixels.shape[:2]
+                    grid = [1, height // settings.patch_size, width // settings.patch_size]
+                    writer.add({"id": image, "grid_thw": grid}, torch.from_numpy(pixels.copy()))
+                    progress.update(1)
         return finish_cache(tmp, writer, ImageCache.KIND, settings=asdict(settings))
 
 

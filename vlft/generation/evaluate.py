@@ -15,6 +15,7 @@ import torch
 from vlft.data import clicks
 
 from vlft.jobs import distributed
+from vlft.jobs.progress import progress_line
 from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
@@ -68,9 +69,24 @@ def evaluate_split(
     starts = list(range(group.rank * batch_size, len(data.records), group.size * batch_size))
     mine = [i for start in starts for i in range(start, min(start + batch_size, len(data.records)))]
     loaded = _synchronized_time(device)
-    texts, losses = answer_records(
-        model, data, mine, builder, tokenizer, settings, answer_lengths, stats, share_images, device, dtype
-    )
+    # The main process's answers count for all: every process answers about as many.
+    with progress_line(
+        len(mine), f"answers ({group.size} processes)" if group.size > 1 else "answers", shown=group.is_main
+    ) as progress:
+        texts, losses = answer_records(
+            model,
+            data,
+            mine,
+            builder,
+            tokenizer,
+            settings,
+            answer_lengths,
+            stats,
+            share_images,
+            device,
+            dtype,
+            on_answered=progress.update,
+        )
     if stats is not None:
         stats["load_s"], stats["generate_s"] = loaded - started, _synchronized_time(device) - loaded
     answered = []
@@ -113,13 +129,15 @@ def answer_records(
     share_images: bool = True,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    on_answered=None,
 ) -> tuple[dict[int, str], dict[int, tuple[float, int]]]:
     """Greedy answers to the records at `indices` of `data`, `settings["batch_size"]` at a time
     (vlft.generation.engine), and the loss of their reference answers in the format the stage was trained
     on, from the same forward that prefills each prompt: the prompt is computed once for both, the
     questions on one image with its prefix once, and each record's loss is the one it gets alone.
     By record index: the answer's text; (loss sum, answer tokens). `model`: a model as it stands,
-    with an adapter merged or not (the evaluation during training answers with the adapter it trains)."""
+    with an adapter merged or not (the evaluation during training answers with the adapter it trains).
+    `on_answered(1)` is called as each answer ends (the job's progress line)."""
     device = device or model.device
     dtype = dtype or model.dtype
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
@@ -138,6 +156,8 @@ def answer_records(
 
     def answer(index: int, ids: list[int]) -> None:
         texts[index] = tokenizer.decode(ids, skip_special_tokens=True)
+        if on_answered is not None:
+            on_answered(1)
         if stats is not None:  # a benchmark compares the very tokens
             stats.setdefault("answer_ids", {})[data.records[index]["id"]] = ids
 

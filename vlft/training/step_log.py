@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from vlft.jobs.progress import progress_line
 
 from vlft.files import storage_error
 from vlft.training.curves import Curves
@@ -36,7 +36,7 @@ class StepLog:
         metrics: tuple[str, ...] = (),
     ):
         self.path, self.device, self.is_main = path, device, is_main
-        self.progress = tqdm(total=total_steps, initial=first_step, desc=name, mininterval=5, disable=not is_main)
+        self.progress = progress_line(total_steps, name, initial=first_step, shown=is_main)
         # A curriculum's curves go on from the steps of the stages it starts from.
         self.curves = Curves(curves_dir, first_step, steps_before, metrics) if curves_dir and is_main else None
         self.clock = time.time()  # a step's time runs from the end of the one before: waits included
