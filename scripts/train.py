@@ -34,6 +34,9 @@ def main():
     )
     parser.add_argument("--tensorboard", help="where the stage's TensorBoard run goes, written as it trains")
     parser.add_argument(
+        "--report-to", default="tensorboard", help="the config's report_to, comma-separated: tensorboard, wandb, mlflow"
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         type=int,
         choices=[0, 1],
@@ -84,6 +87,7 @@ def main():
             stop=stop,
             reuse_finished=args.attempt > 1,
             curves_dir=args.tensorboard,
+            report_to=tuple(filter(None, args.report_to.split(","))),
             activation_checkpointing=bool(args.activation_checkpointing),
             evaluation=evaluation,
         )

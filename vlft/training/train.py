@@ -21,7 +21,7 @@ config's evaluation settings) says. `reuse_finished`: this job is a retry that m
 just after publishing a finished run, which it then restores. `dtype`: the model's, by default the
 device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts of one
 computation beyond float32 rounding. `curves_dir`: where the stage's TensorBoard run goes
-(vlft.training.curves). `activation_checkpointing`: recompute activations in the backward pass (less
+(vlft.training.curves); `report_to`: the trackers its curves go to (vlft.training.trackers). `activation_checkpointing`: recompute activations in the backward pass (less
 memory, the same result: a setting of how the job runs, not of what it computes). In a data-parallel
 job every process calls it; the main one alone writes files.
 """
@@ -92,6 +92,7 @@ def train_stage(
     dtype: torch.dtype | None = None,
     reuse_finished: bool = False,
     curves_dir: str | Path | None = None,
+    report_to: tuple[str, ...] = ("tensorboard",),
     activation_checkpointing: bool = False,
     evaluation: dict | None = None,
 ) -> dict:
@@ -129,7 +130,17 @@ def train_stage(
     todo = range(first_step, len(steps))
     name = outputs.adapter.parent.name
     with StepLog(
-        run.running_log, len(steps), first_step, name, curves_dir, steps_before, device, group.is_main, method.logged
+        run.running_log,
+        len(steps),
+        first_step,
+        name,
+        curves_dir,
+        steps_before,
+        device,
+        group.is_main,
+        method.logged,
+        report_to,
+        params,
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         for step, (groups, micro_batches) in zip(todo, _step_batches(method, steps, todo, batcher)):

@@ -15,6 +15,7 @@ from vlft.empty_outputs import remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError, InputError
 from vlft.jobs.partition import Request, cpu_line, over_line, read_partition
 from vlft.model_files import model_dir_problem
+from vlft.training.trackers import PACKAGES, missing_packages
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 
 try:
@@ -30,6 +31,11 @@ try:
     model_path = Path(config["model"]["path"])
     if "model" not in config.get("demo", {}) and model_path.exists() and (problem := model_dir_problem(model_path)):
         raise ConfigError(f"model.path: {model_path} {problem}")
+    if missing := missing_packages(config["report_to"]):
+        raise ConfigError(
+            f"report_to: {', '.join(missing)} is not installed here (pip install -e '.[trackers]', or pip install "
+            f"{' '.join(PACKAGES[m] for m in missing)})"
+        )
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
 
@@ -238,7 +244,8 @@ def checked_request(job, key, value, keys, attempt):
     against the SLURM partition's nodes, max_runtime too (the last retries ask for it)."""
     resource = "gpu" if key == "gpus" else key
     if key == "runtime":
-        within_partition("the retries of train and evaluate", "runtime", config["max_runtime"], "max_runtime")
+        if config["max_runtime"] is not None:
+            within_partition("the retries of train and evaluate", "runtime", config["max_runtime"], "max_runtime")
         value = retry_runtime(value, attempt, config["max_runtime"])
     return within_partition(job, resource, value, keys)
 

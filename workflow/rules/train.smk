@@ -20,6 +20,8 @@ rule train:
         # A retry (attempt 2 on) restores the outputs of an attempt that finished its steps.
         attempt=lambda wildcards, attempt: attempt,
         cpu_fallback=CPU_FALLBACK,
+        # Where the curves go, not what is trained: a resource, so naming a tracker reruns nothing.
+        report_to=",".join(config["report_to"]) or "none",
     params:
         model=model_content("whole"),
         model_path=model_path,
@@ -45,5 +47,5 @@ rule train:
         # (vlft.jobs.stopping).
         "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} scripts/train.py --model {params.model_path:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --report-to {resources.report_to} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"

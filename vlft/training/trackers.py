@@ -1,0 +1,86 @@
+"""Experiment trackers beside TensorBoard: the config's `report_to` (transformers' and LLaMA-Factory's
+name), any of tensorboard, wandb and mlflow. Each is the library's own client, configured the way its
+users configure it everywhere else, by its environment variables: W&B's WANDB_PROJECT (default: the
+study's results directory's name), WANDB_MODE=offline, WANDB_DIR; MLflow's MLFLOW_TRACKING_URI
+(default: ./mlruns), MLFLOW_EXPERIMENT_NAME (default: as W&B's project).
+
+One run a stage, named <experiment>/<stage>, with the stage's settings as its config/params; every
+scalar the TensorBoard run gets goes to each tracker at the same step (vlft.training.curves). A stage
+resumed from a checkpoint goes on in the same W&B run (its id is the stage's); MLflow starts a run
+per attempt, as its runs cannot be reopened across processes without the id, named the same.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # what each tracker imports
+
+
+def missing_packages(report_to: list[str]) -> list[str]:
+    """The trackers named whose package is not installed here (checked as a study is planned)."""
+    return [name for name in report_to if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """Nested settings as one level of `a.b` keys (MLflow's params are flat)."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class WandbRun:
+    def __init__(self, study: str, run: str, settings: dict, directory: Path):
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", study),
+            name=run,
+            # The stage's own id: a resumed attempt goes on in the same run.
+            id=f"{study}-{run}".replace("/", "-"),
+            resume="allow",
+            config=settings,
+            dir=os.environ.get("WANDB_DIR", str(directory)),
+        )
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowRun:
+    def __init__(self, study: str, run: str, settings: dict):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", study))
+        self.run = mlflow.start_run(run_name=run)
+        mlflow.log_params({k: str(v)[:6000] for k, v in flat(settings).items()})
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.mlflow.log_metrics({name: float(value) for name, value in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def open_trackers(report_to: list[str], log_dir: Path, settings: dict) -> list:
+    """The trackers other than TensorBoard (vlft.training.curves writes that one), for the stage whose
+    TensorBoard run is `log_dir` (<results>/tensorboard/<experiment>/<stage>)."""
+    results, run = log_dir.parents[2], f"{log_dir.parent.name}/{log_dir.name}"
+    opened = []
+    if "wandb" in report_to:
+        opened.append(WandbRun(results.resolve().name, run, settings, results / "wandb"))
+    if "mlflow" in report_to:
+        opened.append(MlflowRun(results.resolve().name, run, settings))
+    return opened
