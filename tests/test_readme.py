@@ -325,6 +325,19 @@ def run_export(command, fixture, tmp_path):
     }
 
 
+def run_chat(command, fixture, tmp_path):
+    """Typed lines, in the demo's directory: the first answer is the evaluation's to that record."""
+    import json
+
+    demo = fixture("demo_workdir")
+    said = subprocess.run(
+        command, shell=True, cwd=demo, input="How many shapes are there?\n/quit\n", capture_output=True, text=True
+    )
+    assert said.returncode == 0, said.stderr
+    evaluated = json.loads((demo / "results/eval/exp5/main/test/predictions.jsonl").open().readline())
+    assert said.stdout.splitlines()[-1] == evaluated["prediction"]
+
+
 def run_predict(command, fixture, tmp_path):
     """In a directory of its own beside the demo's results: the answer is the evaluation's to that
     record (the first of the test split), and a click is drawn."""
@@ -372,6 +385,7 @@ RUNNERS = {
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
     "snakemake -s <clone>/Snakefile --configfile my-study.yaml --cores all": run_from_own_directory,
     "vlft env": run_env,
+    "vlft chat results/train/exp5/main --image results/demo/shapes/images/test/00000.png": run_chat,
     "snakemake --cores all results/export/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
     '--question "How many shapes are there?"': run_predict,

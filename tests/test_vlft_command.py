@@ -54,3 +54,34 @@ def test_predict_answers_as_the_stages_evaluation_did(demo_workdir):
     answers = [json.loads(line) for line in said.stdout.splitlines() if line.startswith("{")]
     evaluated = json.loads((demo_workdir / "results/eval/exp5/main/test/predictions.jsonl").open().readline())
     assert [a["answer"] for a in answers] == [evaluated["prediction"]]
+
+
+@pytest.mark.slow
+def test_chat_answers_each_line_with_the_conversation_so_far_and_loads_the_model_once(demo_workdir):
+    """The first question about the evaluation's first test image gets the evaluation's answer; the
+    next ones are asked with the conversation so far as their history; `/image` starts another
+    conversation. The model is loaded once for all of them."""
+    asked = "How many shapes are there?\nAnd what color is the largest?\n/image results/demo/shapes/images/test/00001.png\nHow many shapes are there?\n/quit\n"
+    said = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlft.cli",
+            "chat",
+            "results/train/exp5/main",
+            "--image",
+            "results/demo/shapes/images/test/00000.png",
+        ],
+        cwd=demo_workdir,
+        input=asked,
+        capture_output=True,
+        text=True,
+    )
+    assert said.returncode == 0, said.stderr
+    answers = [line for line in said.stdout.splitlines() if not line.startswith("chat.py: host")]
+    assert len(answers) == 3
+    evaluated = [json.loads(line) for line in (demo_workdir / "results/eval/exp5/main/test/predictions.jsonl").open()]
+    assert evaluated[0]["question"] == "How many shapes are there?"
+    assert answers[0] == evaluated[0]["prediction"]
+    assert "now about results/demo/shapes/images/test/00001.png" in said.stderr
+    assert said.stderr.count("Loading weights: 100%") == 1

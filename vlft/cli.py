@@ -2,6 +2,7 @@
 
     vlft run [snakemake's arguments]      the study, through Snakemake and the workflow's own Snakefile
     vlft predict STAGE --image X --question Q   answer with a trained stage (scripts/predict.py)
+    vlft chat STAGE --image X              talk with a trained stage about an image (scripts/chat.py)
     vlft export STAGE [snakemake's arguments]   the stage merged into its base model (results/export/...)
     vlft env                               what a result made here would rest on: versions, GPUs, commit
 
@@ -15,7 +16,7 @@ import runpy
 import sys
 from pathlib import Path
 
-VERBS = ("run", "predict", "export", "env")
+VERBS = ("run", "predict", "chat", "export", "env")
 
 
 def workflow_dir() -> Path:
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         if not rest:
             sys.exit("vlft export STAGE [snakemake's arguments]: STAGE is results/train/<experiment>/<stage>")
         snakemake([export_target(rest[0]), *rest[1:]])
-    elif verb == "predict":
-        script = workflow_dir() / "scripts/predict.py"
+    elif verb in ("predict", "chat"):
+        script = workflow_dir() / f"scripts/{verb}.py"
         sys.argv = [str(script), *rest]
         runpy.run_path(str(script), run_name="__main__")
     else:

@@ -40,19 +40,17 @@ def evaluate_split(
     answer_lengths: dict[str, int] | None = None,
     stats: dict | None = None,
     share_images: bool = True,
+    loaded: tuple | None = None,
 ) -> dict:
     """`answer_lengths` (for benchmarks) stops each answer after this many tokens, by record id, as if
     the model had ended it there; `stats`, where given, gets the generation's timings and each
-    answer's token ids; `share_images` false (for benchmarks) computes every question's image anew."""
+    answer's token ids; `share_images` false (for benchmarks) computes every question's image anew;
+    `loaded`: (tokenizer, model) as load_answering_model gives them, for a caller that asks again
+    (a chat), instead of loading them here."""
     started = time.time()
     group = distributed.join()
     device, dtype = pick_device()
-    tokenizer = load_tokenizer(model_dir, trust_remote_code)
-    model = load_base_model(model_dir, device, dtype, trust_remote_code)
-    if adapter:
-        # Merged weights generate faster and give the same outputs.
-        model = with_adapter(model, adapter, trainable=False).merge_and_unload()
-    model.eval()
+    tokenizer, model = loaded or load_answering_model(model_dir, adapter, trust_remote_code, device, dtype)
     builder = PromptBuilder(tokenizer, model.config.image_token_id)
     data = load_stage_data(
         [prepared],
@@ -115,6 +113,16 @@ def evaluate_split(
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
+
+
+def load_answering_model(model_dir: str, adapter: str | None, trust_remote_code: bool, device, dtype) -> tuple:
+    """The tokenizer, and the base model with the adapter merged (merged weights generate faster and
+    give the same outputs), in eval mode."""
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    model = load_base_model(model_dir, device, dtype, trust_remote_code)
+    if adapter:
+        model = with_adapter(model, adapter, trainable=False).merge_and_unload()
+    return tokenizer, model.eval()
 
 
 def answer_records(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vlft.data.answers import AnswerFormat
 from vlft.errors import InputError
-from vlft.generation.evaluate import evaluate_split
+from vlft.generation.evaluate import evaluate_split, load_answering_model
 from vlft.files import read_jsonl, write_jsonl
 from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
@@ -74,47 +74,69 @@ def check_images(questions: list[dict]) -> None:
             )
 
 
+class Predictor:
+    """A trained stage answering questions, its model loaded once (the first time it is asked) and
+    kept for the questions after: `vlft chat` asks one at a time."""
+
+    def __init__(self, stage_dir: str | Path, threads: int = 4):
+        self.stage = TrainedStage.at(stage_dir)
+        self.summary = stage_settings(self.stage)
+        self.model_dir = base_model_dir(self.summary["model"], self.stage.summary)
+        self.clicks = self.summary["answering"]["answer_format"] == AnswerFormat.CLICK
+        self.threads, self.loaded = threads, None
+
+    def answer(self, questions: list[dict], max_new_tokens: int, batch_size: int = 16) -> list[dict]:
+        """Each question ({image: path, question: text, and its conversation's earlier rounds as
+        `history` where it has any}) with the stage's answer, and for a click stage the point answered,
+        in pixels of the image."""
+        from vlft.modeling import pick_device
+
+        answering, model = self.summary["answering"], self.summary["model"]
+        check_images(questions)
+        if self.loaded is None:
+            device, dtype = pick_device()
+            self.loaded = load_answering_model(
+                self.model_dir, str(self.stage.adapter), model["trust_remote_code"], device, dtype
+            )
+        with tempfile.TemporaryDirectory(prefix="vlft-predict-") as work:
+            work = Path(work)
+            records = [
+                {"id": str(i), "image": str(Path(q["image"]).resolve()), "question": q["question"]}
+                | ({"history": q["history"]} if q.get("history") else {})
+                | ({"answer": NO_REFERENCE["answer"]} | ({"point": NO_REFERENCE["point"]} if self.clicks else {}))
+                for i, q in enumerate(questions)
+            ]
+            write_jsonl(work / "asked.jsonl", records)
+            # The images where the questions name them: absolute paths, under the root of the file system.
+            prepare_split(work / "asked.jsonl", "/", work / "prepared.jsonl", self.threads)
+            processor = load_image_processor(self.model_dir, model["trust_remote_code"])
+            pixels = PixelSettings.from_processor(processor, answering["min_pixels"], answering["max_pixels"])
+            build_image_cache(work / "prepared.jsonl", "/", work / "cache", pixels, self.threads)
+            settings = answering | {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
+            evaluate_split(
+                self.model_dir,
+                str(self.stage.adapter),
+                str(work / "prepared.jsonl"),
+                str(work / "cache"),
+                settings,
+                work / "predictions.jsonl",
+                work / "metrics.json",
+                model["trust_remote_code"],
+                loaded=self.loaded,
+            )
+            answers = read_jsonl(work / "predictions.jsonl")
+        return [
+            {"image": q["image"], "question": q["question"], "answer": a["prediction"]}
+            | ({"point": a["point"]} if self.clicks else {})
+            for q, a in zip(questions, answers)
+        ]
+
+
 def predict(
     stage_dir: str | Path, questions: list[dict], max_new_tokens: int, batch_size: int = 16, threads: int = 4
 ) -> list[dict]:
-    """Each question ({image: path, question: text}) with the stage's answer, and for a click stage
-    the point answered, in pixels of the image."""
-    stage = TrainedStage.at(stage_dir)
-    summary = stage_settings(stage)
-    answering, model = summary["answering"], summary["model"]
-    model_dir = base_model_dir(model, stage.summary)
-    clicks = answering["answer_format"] == AnswerFormat.CLICK
-    check_images(questions)
-    with tempfile.TemporaryDirectory(prefix="vlft-predict-") as work:
-        work = Path(work)
-        records = [
-            {"id": str(i), "image": str(Path(q["image"]).resolve()), "question": q["question"]}
-            | ({"answer": NO_REFERENCE["answer"]} | ({"point": NO_REFERENCE["point"]} if clicks else {}))
-            for i, q in enumerate(questions)
-        ]
-        write_jsonl(work / "asked.jsonl", records)
-        # The images where the questions name them: absolute paths, under the root of the file system.
-        prepare_split(work / "asked.jsonl", "/", work / "prepared.jsonl", threads)
-        processor = load_image_processor(model_dir, model["trust_remote_code"])
-        pixels = PixelSettings.from_processor(processor, answering["min_pixels"], answering["max_pixels"])
-        build_image_cache(work / "prepared.jsonl", "/", work / "cache", pixels, threads)
-        settings = answering | {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
-        evaluate_split(
-            model_dir,
-            str(stage.adapter),
-            str(work / "prepared.jsonl"),
-            str(work / "cache"),
-            settings,
-            work / "predictions.jsonl",
-            work / "metrics.json",
-            model["trust_remote_code"],
-        )
-        answers = read_jsonl(work / "predictions.jsonl")
-    return [
-        {"image": q["image"], "question": q["question"], "answer": a["prediction"]}
-        | ({"point": a["point"]} if clicks else {})
-        for q, a in zip(questions, answers)
-    ]
+    """Each question answered by the stage (Predictor.answer)."""
+    return Predictor(stage_dir, threads).answer(questions, max_new_tokens, batch_size)
 
 
 def draw_click(image: str | Path, point: list[float] | None, output: str | Path) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 from tqdm import tqdm
 
 EVERY_S = 5
+# Set by a process whose work is short and interactive (a chat's turns): no lines at all.
+hidden = False
 
 
 def progress_line(total: int, what: str, *, initial: int = 0, shown: bool = True) -> tqdm:
     """`shown` false (a process other than the main one of a multi-GPU job): nothing is printed."""
-    return tqdm(total=total, initial=initial, desc=what, mininterval=EVERY_S, disable=not shown)
+    return tqdm(total=total, initial=initial, desc=what, mininterval=EVERY_S, disable=hidden or not shown)
