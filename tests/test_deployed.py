@@ -4,7 +4,10 @@ never the working directory's; from a tagged release, through Snakemake's source
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,3 +77,53 @@ def test_a_tagged_release_runs_as_a_module_its_files_read_from_the_tag(tmp_path,
     # Snakemake reads git through, strips the file's last newline).
     tagged = subprocess.run(git + ["show", "v1.0.0:scripts/train.py"], capture_output=True, text=True, check=True)
     assert (study / ".snakemake/vlft/scripts/train.py").read_text().rstrip() == tagged.stdout.rstrip()
+
+
+def hub_cache_holding(home, hub_id, model_dir, commit="0123456789abcdef0123456789abcdef01234567"):
+    """A Hugging Face cache (HF_HOME) that holds `hub_id` at `commit` as the Hub's client lays it out:
+    blobs by content, a snapshot of links to them, refs/main naming the commit."""
+    import hashlib
+
+    repo = home / "hub" / f"models--{hub_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for file in sorted(Path(model_dir).rglob("*")):
+        if file.is_file():
+            blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(file.read_bytes())
+            link = snapshot / file.relative_to(model_dir)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs/main").write_text(commit)
+    return snapshot
+
+
+def snakemake_with(env, workdir, *args):
+    done = subprocess.run(
+        [sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True, env=os.environ | env
+    )
+    assert done.returncode == 0, f"snakemake {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout + done.stderr
+
+
+def test_a_model_named_by_its_hub_id_is_fetched_by_a_local_rule_before_any_job_reads_it(tmp_path, tiny_model_dir):
+    """model.hub_id: a local rule (where the driver runs) takes it through huggingface_hub from the
+    Hub's cache (offline here: what the cache holds, as on a machine that fetched it before) and
+    links it at models/<hub_id>; the stage trains from it; the next plan has nothing to do."""
+    clone = copy_workflow(tmp_path / "clone")
+    study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
+    snapshot = hub_cache_holding(tmp_path / "hf-home", "tiny-org/tiny-qwen3-vl", tiny_model_dir)
+    config = yaml.safe_load((study / "study.yaml").read_text())
+    config["model"] = {"hub_id": "tiny-org/tiny-qwen3-vl"}
+    (study / "study.yaml").write_text(yaml.safe_dump(config))
+    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    plan = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "-n")
+    assert "rule fetch_model:" in plan
+    ran = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "--cores", "2")
+    assert "localrule fetch_model:" in ran  # where the driver runs, also under SLURM
+    link = study / "models/tiny-org/tiny-qwen3-vl"
+    assert link.is_symlink() and link.resolve() == snapshot.resolve()
+    assert (study / "results/study/train/only/main/adapter").is_dir()
+    again = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "-n")
+    assert "Nothing to be done" in again

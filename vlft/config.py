@@ -156,6 +156,11 @@ def resolve_config(config: dict) -> dict:
         raise ConfigError(_sentence(error))
     resolved = copy.deepcopy(config)
     _fill_defaults(load_schema(), resolved)
+    model = resolved["model"]
+    if "path" not in model and "hub_id" not in model:
+        raise ConfigError("model: set path (a local model directory) or hub_id (the model's Hugging Face Hub id)")
+    # A model named by its Hub id is read through a link in the working directory (vlft.model_files).
+    model.setdefault("path", f"models/{model.get('hub_id')}")
     return resolved
 
 

@@ -79,3 +79,37 @@ def checkpoint_pixels(model_dir: str | Path) -> tuple[int, int]:
             model_dir / "preprocessor_config.json", "names no pixel range (size or min_pixels / max_pixels)"
         )
     return low, high
+
+
+def hub_processor_dir(hub_id: str, revision: str | None) -> Path:
+    """Where Hugging Face's cache holds `hub_id`'s image processor settings, fetched alone (a few KB,
+    by the plan, where the driver runs) while the model itself is not fetched yet."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            return Path(hf_hub_download(hub_id, name, revision=revision)).parent
+        except EntryNotFoundError:
+            continue
+    raise InputError(hub_id, "has no preprocessor_config.json or processor_config.json on the Hub")
+
+
+def fetch_model(hub_id: str, revision: str | None, link: str | Path) -> Path:
+    """The model `hub_id` at `revision` (its main branch where None) from the Hugging Face Hub, into
+    Hugging Face's own cache (HF_HOME: shared with every other tool, downloaded once however many
+    studies use it; HF_TOKEN for gated models; HF_HUB_OFFLINE=1 takes what the cache holds), and
+    `link` made a symbolic link to that snapshot, the model directory the study's jobs read. Replaced
+    atomically: a job never sees it half made. Checked as every model directory is."""
+    from huggingface_hub import snapshot_download
+
+    snapshot = Path(snapshot_download(hub_id, revision=revision))
+    if problem := model_dir_problem(snapshot):
+        raise InputError(snapshot, f"{hub_id} {problem}")
+    link = Path(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    partial = link.with_name(f".{link.name}.partial")
+    partial.unlink(missing_ok=True)
+    partial.symlink_to(snapshot.resolve(), target_is_directory=True)
+    partial.replace(link)
+    return snapshot

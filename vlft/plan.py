@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vlft.config import METHOD_DEFAULTS, stage_defaults
 from vlft.errors import ConfigError, InputError
-from vlft.model_files import checkpoint_pixels, model_dir_problem
+from vlft.model_files import checkpoint_pixels, hub_processor_dir, model_dir_problem
 from vlft.data.answers import AnswerFormat
 from vlft.data.records import selection_problem
 
@@ -172,7 +172,7 @@ def build_plan(config: dict) -> Plan:
                 f"defaults.dataset: must name one of the config's datasets ({', '.join(sorted(datasets))})"
             )
         defaults["dataset"] = next(iter(datasets))
-    _checkpoint_pixels(defaults, config["model"]["path"])
+    _checkpoint_pixels(defaults, config["model"])
     if BASE_STAGE in datasets and defaults["dataset"] != BASE_STAGE:
         # The base model's evaluations on a dataset other than the defaults' are named after it.
         raise ConfigError(f"datasets.{BASE_STAGE}: the name is reserved unless it is the defaults' dataset")
@@ -236,15 +236,19 @@ def _resolve_method_defaults(settings: dict, key: str) -> None:
         raise ConfigError(f"{key}.beta: dpo's β must be above 0 (its loss divides nothing without it)")
 
 
-def _checkpoint_pixels(defaults: dict, model_dir: str) -> None:
+def _checkpoint_pixels(defaults: dict, model: dict) -> None:
     """min_pixels and max_pixels that the config leaves out are the checkpoint's own (its image
     processor's), read now so that they are part of every stage's settings: another checkpoint
-    with other values reruns what it changes."""
+    with other values reruns what it changes. A model named by its Hub id and not fetched yet: its
+    image processor's settings alone, from the Hub."""
     if defaults["min_pixels"] is not None and defaults["max_pixels"] is not None:
         return
+    model_dir = model["path"]
     if Path(model_dir).exists() and (problem := model_dir_problem(model_dir)):
         raise ConfigError(f"model.path: {model_dir} {problem}")  # what a partial copy lacks, not its symptom
     try:
+        if not Path(model_dir).exists() and "hub_id" in model:
+            model_dir = hub_processor_dir(model["hub_id"], model.get("revision"))
         low, high = checkpoint_pixels(model_dir)
     except InputError as err:
         raise ConfigError(

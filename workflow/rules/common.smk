@@ -52,8 +52,8 @@ TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"
 CPU_FALLBACK = int(config["cpu_fallback"])
 # The datasets the demo builds, by name: {kind, sizes, seed}.
 DEMO_DATASETS = config.get("demo", {}).get("datasets", {})
-# The model, made by a rule of this workflow (the demo's) rather than given.
-MODEL_MADE_HERE = "model" in config.get("demo", {})
+# The model, made by a rule of this workflow (the demo's, or one fetched by its Hub id) rather than given.
+MODEL_MADE_HERE = "model" in config.get("demo", {}) or "hub_id" in config["model"]
 # Digests of the model's and the datasets' content, kept between plans beside Snakemake's own
 # records of the jobs (vlft.digests): a plan writes nothing under the results.
 DIGESTS = DigestMemo(".snakemake/vlft/digests.json")
