@@ -112,7 +112,7 @@ def make_study(work: Path, arch: str, n_train: int, n_val: int, max_new_tokens: 
 KVASIR_CATEGORIES = ["yes/no", "single choice", "multiple choice", "color", "location", "count"]
 
 
-def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int) -> Path:
+def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int, save_model: bool = True) -> Path:
     """The Kvasir example's config on data of its two datasets' shapes, `images` training images each."""
     tokenizer = make_tokenizer()
     val_images = max(1, images // 6)
@@ -132,7 +132,7 @@ def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int) -
             "image_root": str(work / name / "images"),
             "splits": {split: str(work / name / f"{split}.jsonl") for split in splits},
         }
-    model_dir = save_checkpoint(work / "model", arch, tokenizer)
+    model_dir = save_checkpoint(work / "model", arch, tokenizer) if save_model else work / "model"
 
     config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-qwen3-vl-8b.yaml").read_text())
     config |= {"results": "results", "model": {"path": str(model_dir)}, "datasets": datasets}
@@ -140,6 +140,34 @@ def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int) -
     path = work / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+SMOKE_HUB_ID = "Qwen/Qwen3-VL-8B-Instruct"
+
+
+def make_kvasir_smoke(work: Path, workdir: Path, arch: str, images: int) -> tuple[Path, dict]:
+    """config/examples/kvasir-vqa-smoke.yaml as written, in the workflow's directory: the two
+    datasets' imports at data/kvasir and data/kvasir-x1 (Kvasir's shapes, `images` training images
+    each), sampled by the README's commands; the model a random-weight `arch` laid out in a Hugging
+    Face cache (HF_HOME) under the Hub id the config names, offline, so that its fetch_model job
+    takes it as on a machine that fetched it. Returns the config and the environment to run with."""
+    config = yaml.safe_load(make_kvasir_study(work, arch, images, 256, save_model=False).read_text())
+    for name in ("kvasir", "kvasir-x1"):
+        (workdir / "data" / name).mkdir(parents=True, exist_ok=True)
+        for split, records in config["datasets"][name]["splits"].items():
+            (workdir / "data" / name / f"{split}.jsonl").write_text(Path(records).read_text())
+        (workdir / "data" / name / "images").symlink_to(config["datasets"][name]["image_root"])
+    readme = (REPO / "README.md").read_text()
+    samples = [line for line in readme.splitlines() if line.startswith("python scripts/import_dataset.py sample")]
+    assert len(samples) == 2, samples
+    for command in samples:
+        subprocess.run(command, shell=True, cwd=workdir, check=True)
+    home = work / "hf-home"
+    snapshot = home / f"hub/models--{SMOKE_HUB_ID.replace('/', '--')}/snapshots/{'0' * 40}"
+    save_checkpoint(snapshot, arch, make_tokenizer())
+    (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
+    (snapshot.parents[1] / "refs/main").write_text("0" * 40)
+    return REPO / "config/examples/kvasir-vqa-smoke.yaml", {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
 
 
 def gpu_busy(samples: Path) -> dict:
@@ -159,17 +187,17 @@ def gpu_busy(samples: Path) -> dict:
     }
 
 
-def rule_times(workdir: Path) -> list[dict]:
+def rule_times(results: Path) -> list[dict]:
     """Each job's rule, target and wall time, from its log: started (first line) to last write."""
     rows = []
-    for log in sorted((workdir / "results/logs").rglob("*.log")):
+    for log in sorted((results / "logs").rglob("*.log")):
         if log.name.endswith(".attempts.log"):
             continue
         match = STARTED.search(log.read_text(errors="replace")[:2000])
         if not match:
             continue
         started = datetime.fromisoformat(match.group(1)).timestamp()
-        rel = log.relative_to(workdir / "results/logs")
+        rel = log.relative_to(results / "logs")
         rows.append(
             {"rule": Path(rel.parts[0]).stem, "job": str(rel.with_suffix("")), "wall_s": log.stat().st_mtime - started}
         )
@@ -203,7 +231,7 @@ def snakemake_timeline(log: Path) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
-    parser.add_argument("--study", choices=["two-experiments", "kvasir"], default="two-experiments")
+    parser.add_argument("--study", choices=["two-experiments", "kvasir", "kvasir-smoke"], default="two-experiments")
     parser.add_argument("--kvasir-images", type=int, default=48, help="training images in each dataset")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-workflow"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
@@ -227,17 +255,22 @@ def main():
     for part in WORKFLOW_PARTS:
         subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
     started = time.time()
+    extra_env = {}
     if args.study == "kvasir":
         config = make_kvasir_study(work, args.arch, args.kvasir_images, args.max_new_tokens)
+    elif args.study == "kvasir-smoke":
+        config, extra_env = make_kvasir_smoke(work, workdir, args.arch, args.kvasir_images)
     else:
         config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
     build_s = time.time() - started
+    results = workdir / ("results/kvasir-smoke" if args.study == "kvasir-smoke" else "results")
 
     command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
     command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
     # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
     env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
+    env |= extra_env
     started = time.time()
     snakemake_log = args.out / f"workflow_gpu-{args.study}-{args.arch}.log"
     busy_samples = work / "gpu-samples.csv"
@@ -257,20 +290,20 @@ def main():
     if sampler:
         sampler.terminate()
 
-    times = rule_times(workdir)
+    times = rule_times(results)
     timeline = snakemake_timeline(snakemake_log)
     warm_jobs = sum(
         "run by a warm process" in log.read_text(errors="replace")[:4000]
-        for log in (workdir / "results/logs").rglob("*.log")
+        for log in (results / "logs").rglob("*.log")
         if not log.name.endswith(".attempts.log")  # a training job's log again, across its attempts
     )
     by_rule: dict[str, list[float]] = {}
     for row in times:
         by_rule.setdefault(row["rule"], []).append(row["wall_s"])
     summaries = {}
-    for path in sorted((workdir / "results/train").rglob("summary.json")):
+    for path in sorted((results / "train").rglob("summary.json")):
         summary = json.loads(path.read_text())
-        summaries[str(path.parent.relative_to(workdir / "results/train"))] = {
+        summaries[str(path.parent.relative_to(results / "train"))] = {
             k: summary.get(k)
             for k in (
                 "steps",
@@ -284,17 +317,17 @@ def main():
             )
         }
         if "evaluations_during_training" in summary:  # (step, accuracy, loss, seconds) of each
-            summaries[str(path.parent.relative_to(workdir / "results/train"))]["during"] = [
+            summaries[str(path.parent.relative_to(results / "train"))]["during"] = [
                 (r["step"], round(r["accuracy"], 4), round(r["loss"], 4), round(r["seconds"], 1))
                 for r in summary["evaluations_during_training"]
             ]
     evaluations = {}
-    for path in sorted((workdir / "results/eval").rglob("metrics.json")):
+    for path in sorted((results / "eval").rglob("metrics.json")):
         metrics = json.loads(path.read_text())
-        evaluations[str(path.parent.relative_to(workdir / "results/eval"))] = {
+        evaluations[str(path.parent.relative_to(results / "eval"))] = {
             k: metrics.get(k) for k in ("n", "wall_time_s", "samples_per_s")
         }
-    jobs_csv = workdir / "results/report/jobs.csv"
+    jobs_csv = results / "report/jobs.csv"
     result = {
         "arch": args.arch,
         "study": args.study,
@@ -317,9 +350,9 @@ def main():
     (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
     # The jobs' own logs and per-step training logs beside it, for where each job's time went.
     logs = args.out / f"workflow_gpu-{args.study}-{args.arch}-logs"
-    subprocess.run(["cp", "-r", str(workdir / "results/logs"), str(logs)], check=False)
-    for path in (workdir / "results/train").rglob("log.jsonl"):
-        target = logs / "train-steps" / path.parent.relative_to(workdir / "results/train")
+    subprocess.run(["cp", "-r", str(results / "logs"), str(logs)], check=False)
+    for path in (results / "train").rglob("log.jsonl"):
+        target = logs / "train-steps" / path.parent.relative_to(results / "train")
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", str(path), str(target)], check=False)
     print(f"data and model built in {build_s:.0f} s; snakemake: exit {returncode} after {run_s:.0f} s")

@@ -65,6 +65,12 @@ def main():
     pairs = formats.add_parser("pairs", help="flat preference pairs as RLAIF-V publishes them (parquet)")
     pairs.add_argument("--parquet", nargs="+", required=True, help="rows of image, question, chosen, rejected")
     pairs.add_argument("--split", default="train", help="the split the records form")
+    sample = formats.add_parser(
+        "sample", help="the first N images of each split of an imported dataset (a smoke study)"
+    )
+    sample.add_argument("--from", dest="source", required=True, help="an importer's output directory")
+    sample.add_argument("--images", nargs="+", required=True, metavar="SPLIT=N", help="images kept of each split")
+    sample.add_argument("--out", required=True, help="a new directory for the sampled split JSONL files")
     for sub in (kvasir, x1, chat, clicks, vqa, pairs):
         sub.add_argument("--out", required=True, help="a new directory for the split JSONL files (and images)")
         sub.add_argument(
@@ -95,6 +101,13 @@ def main():
             pairs_of(parser, args.split_map, "--split-map"),
             args.skip_bad_rows,
         )
+    elif args.format == "sample":
+        from vlft.data.importers.sample import sample_splits
+
+        counts = pairs_of(parser, args.images, "--images")
+        if bad := [n for n in counts.values() if not n.isdigit() or int(n) < 1]:
+            parser.error(f"--images takes SPLIT=N with N a positive whole number, not {' '.join(bad)}")
+        summary = sample_splits(args.source, args.out, {k: int(v) for k, v in counts.items()})
     elif args.format == "pairs":
         summary = importers.import_pairs(args.parquet, args.out, args.split, args.skip_bad_rows)
     else:

@@ -144,6 +144,39 @@ def run_kvasir_plan(command, fixture, tmp_path):
     return output
 
 
+SMOKE_SAMPLES = [
+    "python scripts/import_dataset.py sample --from data/kvasir --images train=32 val=8 test=8 --out data/kvasir-smoke",
+    "python scripts/import_dataset.py sample --from data/kvasir-x1 --images train=12 val=4 test=4 --out "
+    "data/kvasir-x1-smoke",
+]
+
+
+def run_kvasir_smoke(command, fixture, tmp_path):
+    """The samples, from the README's imports; the smoke study planned (its GPU jobs run on the GPU:
+    benchmarks/workflow_gpu.py --study kvasir-smoke), its model from a Hugging Face cache holding
+    the tiny Qwen3-VL under the Hub id it names, as on a machine that fetched it."""
+    import json
+
+    from test_deployed import hub_cache_holding
+
+    workdir = fixture("kvasir_workdir")
+    for sample in SMOKE_SAMPLES:
+        summary = json.loads(shell(sample, workdir).strip().splitlines()[-1])
+        out = workdir / sample.split("--out ")[1]
+        assert all(
+            summary[split]["records"] == len((out / f"{split}.jsonl").read_text().splitlines()) for split in summary
+        )
+        assert 0 < summary["train"]["images"] <= 32
+    if command in SMOKE_SAMPLES:
+        return
+    home = tmp_path / "hf-home"
+    hub_cache_holding(home, "Qwen/Qwen3-VL-8B-Instruct", fixture("tiny_model_dir"))
+    output = shell(command + " -n", workdir, env={"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"})
+    jobs = re.findall(r"^rule (\w+):", output, re.MULTILINE)
+    assert jobs.count("fetch_model") == 1 and jobs.count("train") == 4 and "report" in jobs
+    assert jobs.count("evaluate") == 6  # 4 stages and the base model on each dataset's val
+
+
 def run_kvasir_on_slurm(command, fixture, tmp_path):
     # The site profile the README describes, in the home directory `~` names.
     site = fixture("kvasir_workdir") / "home/my-site"
@@ -369,6 +402,8 @@ RUNNERS = {
     f"snakemake all --configfile {EXAMPLE} --profile profiles/slurm --profile ~/my-site": run_kvasir_on_slurm,
     "snakemake all --profile profiles/slurm --default-resources slurm_account=demo slurm_partition=debug "
     "--dry-run": run_slurm_trial,
+    **{sample: run_kvasir_smoke for sample in SMOKE_SAMPLES},
+    "snakemake --configfile config/examples/kvasir-vqa-smoke.yaml --cores all": run_kvasir_smoke,
     "snakemake --report report.zip": run_snakemake_report,
     "snakemake --cores all -f results/train/exp4/stage2/adapter": run_retrain,
     "snakemake --cores all -R results/train/exp4/stage2/adapter": run_retrain,
