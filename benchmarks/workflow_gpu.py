@@ -46,6 +46,12 @@ STARTED = re.compile(r"; started (\S+ \S+)")
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
 
 
+def copy_workflow(workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
+
+
 def save_checkpoint(model_dir: Path, arch: str, tokenizer) -> Path:
     """A random-weight model of `arch` saved as a local checkpoint directory, as a downloaded one is."""
     import torch
@@ -145,12 +151,13 @@ def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int, s
 SMOKE_HUB_ID = "Qwen/Qwen3-VL-8B-Instruct"
 
 
-def make_kvasir_smoke(work: Path, workdir: Path, arch: str, images: int) -> tuple[Path, dict]:
+def make_kvasir_smoke(work: Path, workdir: Path, arch: str, images: int, max_new_tokens: int) -> tuple[Path, dict]:
     """config/examples/kvasir-vqa-smoke.yaml as written, in the workflow's directory: the two
     datasets' imports at data/kvasir and data/kvasir-x1 (Kvasir's shapes, `images` training images
     each), sampled by the README's commands; the model a random-weight `arch` laid out in a Hugging
     Face cache (HF_HOME) under the Hub id the config names, offline, so that its fetch_model job
-    takes it as on a machine that fetched it. Returns the config and the environment to run with."""
+    takes it as on a machine that fetched it. The evaluations answer in at most `max_new_tokens`
+    (random weights never end an answer early). Returns the config and the environment to run with."""
     config = yaml.safe_load(make_kvasir_study(work, arch, images, 256, save_model=False).read_text())
     for name in ("kvasir", "kvasir-x1"):
         (workdir / "data" / name).mkdir(parents=True, exist_ok=True)
@@ -167,7 +174,11 @@ def make_kvasir_smoke(work: Path, workdir: Path, arch: str, images: int) -> tupl
     save_checkpoint(snapshot, arch, make_tokenizer())
     (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
     (snapshot.parents[1] / "refs/main").write_text("0" * 40)
-    return REPO / "config/examples/kvasir-vqa-smoke.yaml", {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-smoke.yaml").read_text())
+    config["evaluation"]["max_new_tokens"] = max_new_tokens
+    path = work / "kvasir-vqa-smoke.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
 
 
 def gpu_busy(samples: Path) -> dict:
@@ -247,26 +258,34 @@ def main():
     parser.add_argument(
         "--warm-start", choices=["on", "off"], default="on", help="jobs run by a warm process (vlft.jobs.warm_start)"
     )
+    parser.add_argument("--resume", action="store_true", help="carry on with the study an earlier run left in --work")
     args = parser.parse_args()
 
     work = args.work / args.arch
     workdir = work / "workflow"
-    workdir.mkdir(parents=True, exist_ok=True)
-    for part in WORKFLOW_PARTS:
-        subprocess.run(["cp", "-r", str(REPO / part), str(workdir)], check=True)
     started = time.time()
     extra_env = {}
-    if args.study == "kvasir":
+    if args.resume:
+        # The study a run stopped by its time limit left, carried on where it stopped: the machine
+        # must have kept --work (a warm one keeps ignored paths of the repository between calls).
+        config = work / ("kvasir-vqa-smoke.yaml" if args.study == "kvasir-smoke" else "study.yaml")
+        home = work / "hf-home"
+        extra_env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"} if home.is_dir() else {}
+    elif args.study == "kvasir":
         config = make_kvasir_study(work, args.arch, args.kvasir_images, args.max_new_tokens)
     elif args.study == "kvasir-smoke":
-        config, extra_env = make_kvasir_smoke(work, workdir, args.arch, args.kvasir_images)
+        copy_workflow(workdir)
+        config, extra_env = make_kvasir_smoke(work, workdir, args.arch, args.kvasir_images, args.max_new_tokens)
     else:
         config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
+    if not args.resume and args.study != "kvasir-smoke":
+        copy_workflow(workdir)
     build_s = time.time() - started
     results = workdir / ("results/kvasir-smoke" if args.study == "kvasir-smoke" else "results")
 
     command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
     command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
+    command += ["--rerun-incomplete"] if args.resume else []
     # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
     env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
