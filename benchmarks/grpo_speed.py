@@ -70,6 +70,60 @@ def answer_requests_timed(*args, **kwargs):
     ENGINE_CALLS.append(stats)
 
 
+def save_full_processor(model, tokenizer, image_processor, model_dir: Path) -> None:
+    """The processor files a published Qwen3-VL has (image and video processors, chat template),
+    which TRL loads with AutoProcessor (benchmarks/peers.py saves its checkpoint the same way)."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    vision = model.config.vision_config
+    video = Qwen3VLVideoProcessor(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video,
+        chat_template=tokenizer.chat_template,
+    )
+    processor.save_pretrained(model_dir)
+
+
+def run_trl(args, model_dir: Path, prompts: Path) -> dict:
+    """benchmarks/grpo_trl.py in a process of its own, TRL's site first on PYTHONPATH; its answers a
+    second over the steps after --warmup, or the error's last lines where it failed."""
+    import os
+    import subprocess
+
+    result = args.work / "trl.json"
+    result.unlink(missing_ok=True)
+    command = [sys.executable, str(REPO / "benchmarks/grpo_trl.py"), "--model", str(model_dir)]
+    command += ["--questions", str(prompts / "raw.jsonl"), "--images", str(args.work / "images")]
+    command += ["--prompts", str(args.prompts), "--generations", str(args.generations)]
+    command += ["--max-completion-length", str(args.max_completion_length), "--steps", str(args.steps)]
+    command += ["--result", str(result)]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([args.trl_site, os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    (args.out / "trl.log").parent.mkdir(parents=True, exist_ok=True)
+    (args.out / "trl.log").write_text((done.stdout + done.stderr)[-20000:])
+    if done.returncode != 0 or not result.exists():
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-3:], "job_s": time.time() - started}
+    run = json.loads(result.read_text())
+    measured = run["step_s"][args.warmup :]
+    return {
+        "trl": run["trl"],
+        "transformers": run["transformers"],
+        "s_per_step": sum(measured) / len(measured),
+        "answers_per_s": run["completions_per_step"] * len(measured) / sum(measured),
+        "peak_gib": run["peak_gib"],
+        "steps_measured": len(measured),
+        "job_s": time.time() - started,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
@@ -84,6 +138,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--commit")
+    parser.add_argument(
+        "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
@@ -98,6 +155,8 @@ def main() -> None:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     image_processor.save_pretrained(model_dir)
+    if args.trl_site:
+        save_full_processor(model, tokenizer, image_processor, model_dir)
     for directory in (prompts, answers):
         (directory / "images").symlink_to(args.work / "images", target_is_directory=True)
         build_caches(directory, image_processor, model)
@@ -159,6 +218,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
     sft, grpo_run = results.values()
+    if args.trl_site:
+        results["trl"] = run_trl(args, model_dir, prompts)
+        ours_rate = grpo_run["answers_per_s"]
+        results["trl"]["ours_over_trl"] = (
+            ours_rate / results["trl"]["answers_per_s"] if results["trl"].get("answers_per_s") else None
+        )
+        print("trl", json.dumps(results["trl"]), flush=True)
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),

@@ -1,0 +1,124 @@
+"""TRL's GRPOTrainer on grpo_speed.py's workload (run by it with --trl-site, in a process of its own
+with TRL's pinned packages first on PYTHONPATH): the same checkpoint, the same questions on the same
+images, G answers sampled to each by TRL's own generation (transformers' `generate`; vLLM cannot be
+installed on the GPU machine), the same reward's cost class (a cheap function of the text), LoRA
+r=16 (alpha 32, no dropout) on the language model's linear layers, bf16, β 0 (no reference pass, as
+ours), one update a rollout (num_iterations 1), P questions an optimizer step: TRL generates the
+step's P x G answers at once (generation_batch_size) and computes its loss one question's G answers
+a micro-batch (per_device_train_batch_size G, gradient accumulation P), as its documentation lays out
+a step of P prompts. Each optimizer step is timed with the GPU synchronized at its start and end
+(rollout, log-probabilities and update together), as peer_timer.py times the peers' SFT steps.
+
+    python benchmarks/grpo_trl.py --model DIR --questions prompts/raw.jsonl --images DIR --prompts 4 \\
+        --generations 8 --max-completion-length 20 --steps 6 --result trl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+# The project's language-model linear layers (vlft.modeling's LoRA targets): not the vision tower's.
+TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--questions", required=True, help="raw JSONL: image (relative to --images), question")
+    parser.add_argument("--images", required=True)
+    parser.add_argument("--prompts", type=int, required=True, help="questions an optimizer step")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--gradient-checkpointing", type=int, choices=[0, 1], default=0)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from peft import LoraConfig
+
+    rows = [json.loads(line) for line in Path(args.questions).read_text().splitlines()]
+    rows = rows[: args.prompts * args.steps]
+    dataset = datasets.Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
+                "image": str(Path(args.images) / r["image"]),
+            }
+            for r in rows
+        ]
+    ).cast_column("image", datasets.Image())
+
+    def answer_length(completions, **kwargs):
+        """As cheap as our `format` reward: a function of each answer's text."""
+        return [float(len(c[0]["content"]) % 7) for c in completions]
+
+    gpu = torch.cuda.is_available()
+    config = trl.GRPOConfig(
+        output_dir=str(Path(args.result).parent / "trl-out"),
+        per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=args.prompts,
+        num_generations=args.generations,
+        max_completion_length=args.max_completion_length,
+        max_prompt_length=None,  # the image's tokens are the prompt's: never cut
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=gpu,
+        use_cpu=not gpu,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        seed=0,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
+    steps: list[float] = []
+    synchronize = torch.cuda.synchronize if gpu else (lambda: None)
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            synchronize()
+            steps.append(time.perf_counter() - self.start)
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        args.model, dtype=torch.bfloat16 if gpu else torch.float32
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=answer_length,
+        args=config,
+        train_dataset=dataset,
+        processing_class=transformers.AutoProcessor.from_pretrained(args.model),
+        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS),
+        callbacks=[StepTimer()],
+    )
+    trainer.train()
+    result = {
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "step_s": steps,
+        "completions_per_step": args.prompts * args.generations,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
+    }
+    Path(args.result).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
