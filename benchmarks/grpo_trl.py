@@ -16,6 +16,7 @@ a step of P prompts. Each optimizer step is timed with the GPU synchronized at i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ def main() -> None:
         return [float(len(c[0]["content"]) % 7) for c in completions]
 
     gpu = torch.cuda.is_available()
-    config = trl.GRPOConfig(
+    settings = dict(
         output_dir=str(Path(args.result).parent / "trl-out"),
         per_device_train_batch_size=args.generations,
         gradient_accumulation_steps=args.prompts,
@@ -85,6 +86,9 @@ def main() -> None:
         shuffle_dataset=False,
         dataloader_num_workers=0,
     )
+    # Settings a TRL release no longer has (0.29 dropped max_prompt_length: it never cuts prompts).
+    known = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    config = trl.GRPOConfig(**{k: v for k, v in settings.items() if k in known})
     steps: list[float] = []
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
 
@@ -115,6 +119,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "step_s": steps,
         "completions_per_step": args.prompts * args.generations,
+        "settings_not_in_this_trl": sorted(set(settings) - known),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
     }
     Path(args.result).write_text(json.dumps(result))
