@@ -104,12 +104,16 @@ def main() -> None:
     model = transformers.AutoModelForImageTextToText.from_pretrained(
         args.model, dtype=torch.bfloat16 if gpu else torch.float32
     )
+    # Left padding, as TRL's own loading sets it: a processor given to it is the caller's to set
+    # (huggingface/trl#5785; right padding broke Qwen3-VL's rope index in generate).
+    processor = transformers.AutoProcessor.from_pretrained(args.model, padding_side="left")
+    processor.tokenizer.padding_side = "left"
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=answer_length,
         args=config,
         train_dataset=dataset,
-        processing_class=transformers.AutoProcessor.from_pretrained(args.model),
+        processing_class=processor,
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS),
         callbacks=[StepTimer()],
     )
