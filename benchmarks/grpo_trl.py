@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=20)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--gradient-checkpointing", type=int, choices=[0, 1], default=0)
+    # TRL's default; without it the 8B's micro-batch of 8 answers (each with its image) ran out of an
+    # H100's memory in the loss's forward (2026-11-26).
+    parser.add_argument("--gradient-checkpointing", type=int, choices=[0, 1], default=1)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
 
