@@ -64,6 +64,23 @@ def questions(work: Path, images: int, per_image: int, generations: int, tokeniz
 ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats)
 
 
+COLLECTIONS: list[tuple[int, float]] = []  # each rollout's collections: (generation, seconds)
+
+
+class TimedGc:
+    """The gc module as vlft.training.grpo sees it, each collection timed (the benchmark's own)."""
+
+    def __getattr__(self, name):
+        return getattr(gc, name)
+
+    @staticmethod
+    def collect(generation: int = 2) -> int:
+        started = time.perf_counter()
+        found = gc.collect(generation)
+        COLLECTIONS.append((generation, time.perf_counter() - started))
+        return found
+
+
 def answer_requests_timed(*args, **kwargs):
     stats: dict = {}
     vlft.generation.engine.answer_requests(*args, stats=stats, **kwargs)
@@ -144,6 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
+    vlft.training.grpo.gc = TimedGc()
 
     tokenizer = make_tokenizer()
     per_image = args.questions_per_image
@@ -207,6 +225,12 @@ def main() -> None:
             parts = {k: sum(r[k] for r in run["log"]) / len(run["log"]) for k in TIMING}
             parts["update"] = results[name]["s_per_step"] - sum(parts.values())
             results[name]["parts_s"] = parts
+            # Over all the run's rollouts (one a step), the first's included.
+            results[name]["collections"] = {
+                "full_ones": sum(g == 2 for g, _ in COLLECTIONS),
+                "young_ones": sum(g != 2 for g, _ in COLLECTIONS),
+                "s_a_rollout": sum(t for _, t in COLLECTIONS) / args.steps,
+            }
             results[name]["engine_s"] = {
                 k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
                 for k in sorted({k for c in ENGINE_CALLS for k in c})
