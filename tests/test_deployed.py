@@ -58,27 +58,6 @@ def test_the_workflow_runs_as_a_module_of_the_users_own_snakefile(tmp_path, tiny
     assert (study / "results/report/index.html").is_file() and (study / "results/train/only/main/adapter").is_dir()
 
 
-def test_a_tagged_release_runs_as_a_module_its_files_read_from_the_tag(tmp_path, tiny_model_dir):
-    """snakedeploy's `github("<owner>/<repo>", path="workflow/Snakefile", tag=...)`, with a local
-    repository in GitHub's place (`gitfile`: Snakemake's source cache reads both from git, tag by
-    tag). The clone's working tree is broken after tagging: every file the run reads, Snakefiles and
-    job scripts alike, must come from the tag."""
-    release = copy_workflow(tmp_path / "release")
-    git = ["git", "-C", str(release), "-c", "user.name=t", "-c", "user.email=t@t"]
-    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "release"], ["tag", "v1.0.0"]):
-        subprocess.run(git + command, check=True)
-    for script in (release / "scripts").glob("*.py"):
-        script.write_text("raise SystemExit('read from the working tree, not the tag')\n")
-    study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
-    a_module_of(study, f'gitfile("{release}", path="workflow/Snakefile", tag="v1.0.0")')
-    snakemake(study, "--cores", "2")
-    assert (study / "results/report/index.html").is_file() and (study / "results/train/only/main/adapter").is_dir()
-    # The jobs ran the tag's scripts, fetched into the study's own .snakemake/ (GitPython, which
-    # Snakemake reads git through, strips the file's last newline).
-    tagged = subprocess.run(git + ["show", "v1.0.0:scripts/train.py"], capture_output=True, text=True, check=True)
-    assert (study / ".snakemake/vlft/scripts/train.py").read_text().rstrip() == tagged.stdout.rstrip()
-
-
 def hub_cache_holding(home, hub_id, model_dir, commit="0123456789abcdef0123456789abcdef01234567"):
     """A Hugging Face cache (HF_HOME) that holds `hub_id` at `commit` as the Hub's client lays it out:
     blobs by content, a snapshot of links to them, refs/main naming the commit."""
@@ -107,23 +86,36 @@ def snakemake_with(env, workdir, *args):
     return done.stdout + done.stderr
 
 
-def test_a_model_named_by_its_hub_id_is_fetched_by_a_local_rule_before_any_job_reads_it(tmp_path, tiny_model_dir):
-    """model.hub_id: a local rule (where the driver runs) takes it through huggingface_hub from the
-    Hub's cache (offline here: what the cache holds, as on a machine that fetched it before) and
-    links it at models/<hub_id>; the stage trains from it; the next plan has nothing to do."""
-    clone = copy_workflow(tmp_path / "clone")
+def test_a_tagged_release_runs_as_a_module_its_model_fetched_by_its_hub_id(tmp_path, tiny_model_dir):
+    """snakedeploy's `github("<owner>/<repo>", path="workflow/Snakefile", tag=...)`, with a local
+    repository in GitHub's place (`gitfile`: Snakemake's source cache reads both from git, tag by
+    tag). The clone's working tree is broken after tagging: every file the run reads, Snakefiles and
+    job scripts alike, must come from the tag. The study names its model by a Hub id: a local rule
+    (where the driver runs) takes it through huggingface_hub from the Hub's cache (offline here: what
+    the cache holds, as on a machine that fetched it before) and links it at models/<hub_id>; the
+    stage trains from it; the next plan has nothing to do."""
+    release = copy_workflow(tmp_path / "release")
+    git = ["git", "-C", str(release), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "release"], ["tag", "v1.0.0"]):
+        subprocess.run(git + command, check=True)
+    for script in (release / "scripts").glob("*.py"):
+        script.write_text("raise SystemExit('read from the working tree, not the tag')\n")
     study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
     snapshot = hub_cache_holding(tmp_path / "hf-home", "tiny-org/tiny-qwen3-vl", tiny_model_dir)
     config = yaml.safe_load((study / "study.yaml").read_text())
     config["model"] = {"hub_id": "tiny-org/tiny-qwen3-vl"}
     (study / "study.yaml").write_text(yaml.safe_dump(config))
+    a_module_of(study, f'gitfile("{release}", path="workflow/Snakefile", tag="v1.0.0")')
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
-    plan = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "-n")
-    assert "rule fetch_model:" in plan
-    ran = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "--cores", "2")
+
+    assert "rule fetch_model:" in snakemake_with(env, study, "-n")
+    ran = snakemake_with(env, study, "--cores", "2")
     assert "localrule fetch_model:" in ran  # where the driver runs, also under SLURM
     link = study / "models/tiny-org/tiny-qwen3-vl"
     assert link.is_symlink() and link.resolve() == snapshot.resolve()
-    assert (study / "results/study/train/only/main/adapter").is_dir()
-    again = snakemake_with(env, study, "-s", f"{clone}/Snakefile", "--configfile", "study.yaml", "-n")
-    assert "Nothing to be done" in again
+    assert (study / "results/report/index.html").is_file() and (study / "results/train/only/main/adapter").is_dir()
+    # The jobs ran the tag's scripts, fetched into the study's own .snakemake/ (GitPython, which
+    # Snakemake reads git through, strips the file's last newline).
+    tagged = subprocess.run(git + ["show", "v1.0.0:scripts/train.py"], capture_output=True, text=True, check=True)
+    assert (study / ".snakemake/vlft/scripts/train.py").read_text().rstrip() == tagged.stdout.rstrip()
+    assert "Nothing to be done" in snakemake_with(env, study, "-n")
