@@ -141,6 +141,93 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     }
 
 
+def run_swift(args, model_dir: Path, prompts: Path, tokenizer) -> dict:
+    """ms-swift's `swift rlhf --rlhf_type grpo` with its own engine (no vLLM) through peer_timer.py,
+    on the same questions: its documented multimodal rows, P questions a step (per-device batch G,
+    gradient accumulation P), G answers of at most --max-completion-length tokens, its `format`
+    reward, β 0, LoRA r=16 on all linear layers of the language model (vision tower and aligner
+    frozen), gradient checkpointing (as TRL needed for the 8B). Its answers a second over the steps
+    after --warmup, or the error's last lines."""
+    import os
+    import subprocess
+
+    work = args.work / "swift"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = read_jsonl(prompts / "raw.jsonl")
+    data = work / "grpo.jsonl"
+    write_jsonl(
+        data,
+        [
+            {
+                "messages": [{"role": "user", "content": "<image>" + r["question"]}],
+                "images": [str(args.work / "images" / r["image"])],
+            }
+            for r in rows
+        ],
+    )
+    settings = {
+        "rlhf_type": "grpo",
+        "model": model_dir,
+        "model_type": "qwen3_vl",
+        "check_model": "false",
+        "dataset": data,
+        "split_dataset_ratio": 0,
+        "tuner_type": "lora",
+        "lora_rank": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0,
+        "target_modules": "all-linear",
+        "freeze_vit": "true",
+        "freeze_aligner": "true",
+        "torch_dtype": "bfloat16",
+        "gradient_checkpointing": "true",
+        "num_generations": args.generations,
+        "max_completion_length": args.max_completion_length,
+        "per_device_train_batch_size": args.generations,
+        "gradient_accumulation_steps": args.prompts,
+        "reward_funcs": "format",
+        "beta": 0,
+        "temperature": 1.0,
+        "use_vllm": "false",
+        "learning_rate": 1e-4,
+        "lr_scheduler_type": "constant",
+        "warmup_ratio": 0,
+        "weight_decay": 0,
+        "dataset_shuffle": "false",
+        "train_dataloader_shuffle": "false",
+        "max_steps": args.steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": 0,
+        "output_dir": work / "out",
+    }
+    argv = [word for key, value in settings.items() for word in (f"--{key}", str(value))]
+    result = work / "timer.json"
+    result.unlink(missing_ok=True)
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([args.swift_site, os.environ.get("PYTHONPATH", "")]),
+        "PEER_VISION_START_ID": str(tokenizer.convert_tokens_to_ids("<|vision_start|>")),
+        "PEER_PAD_ID": str(tokenizer.pad_token_id),
+        "HF_HUB_OFFLINE": "1",
+        "MODELSCOPE_OFFLINE": "1",
+    }
+    started = time.time()
+    command = [sys.executable, str(REPO / "benchmarks/peer_timer.py"), str(result), "swift-rlhf", *argv]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work)
+    (args.out / "swift.log").write_text((done.stdout + done.stderr)[-20000:])
+    if done.returncode != 0 or not result.exists():
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-3:], "job_s": time.time() - started}
+    measured = [s["s"] for s in json.loads(result.read_text())["steps"][args.warmup :]]
+    return {
+        "s_per_step": sum(measured) / len(measured),
+        "answers_per_s": args.prompts * args.generations * len(measured) / sum(measured),
+        "peak_gib": json.loads(result.read_text())["peak_gib"],
+        "steps_measured": len(measured),
+        "job_s": time.time() - started,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
@@ -158,6 +245,7 @@ def main() -> None:
     parser.add_argument(
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
+    parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
@@ -249,6 +337,11 @@ def main() -> None:
             ours_rate / results["trl"]["answers_per_s"] if results["trl"].get("answers_per_s") else None
         )
         print("trl", json.dumps(results["trl"]), flush=True)
+    if args.swift_site:
+        results["ms-swift"] = run_swift(args, model_dir, prompts, tokenizer)
+        if results["ms-swift"].get("answers_per_s"):
+            results["ms-swift"]["ours_over_swift"] = grpo_run["answers_per_s"] / results["ms-swift"]["answers_per_s"]
+        print("ms-swift", json.dumps(results["ms-swift"]), flush=True)
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),

@@ -64,10 +64,12 @@ def install(result_path: str, vision_start_id: int, pad_id: int) -> None:
 
     @functools.wraps(training_step)
     def step(self, model, inputs, *args, **kwargs):
-        ids = inputs["input_ids"]
-        counts["samples"] += int((ids == vision_start_id).sum())
-        counts["tokens"] += int((ids != pad_id).sum())
-        counts["computed"] += ids.numel()
+        # A GRPO trainer's step takes its prompts, not a batch of ids: its answers are counted by the caller.
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if ids is not None:
+            counts["samples"] += int((ids == vision_start_id).sum())
+            counts["tokens"] += int((ids != pad_id).sum())
+            counts["computed"] += ids.numel()
         return training_step(self, model, inputs, *args, **kwargs)
 
     transformers.Trainer.__init__ = init
