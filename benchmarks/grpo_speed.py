@@ -73,8 +73,11 @@ class TimedGc:
     def __getattr__(self, name):
         return getattr(gc, name)
 
-    @staticmethod
-    def collect(generation: int = 2) -> int:
+    full_only = False  # --full-collections: every collection a full one, as before the young ones
+
+    @classmethod
+    def collect(cls, generation: int = 2) -> int:
+        generation = 2 if cls.full_only else generation
         started = time.perf_counter()
         found = gc.collect(generation)
         COLLECTIONS.append((generation, time.perf_counter() - started))
@@ -245,11 +248,15 @@ def main() -> None:
     parser.add_argument(
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
+    parser.add_argument(
+        "--full-collections", action="store_true", help="each rollout ends with a full collection (the earlier way)"
+    )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
     vlft.training.grpo.gc = TimedGc()
+    TimedGc.full_only = args.full_collections
 
     tokenizer = make_tokenizer()
     per_image = args.questions_per_image
