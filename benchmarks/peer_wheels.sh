@@ -28,7 +28,7 @@ get common liger_kernel==0.8.5 dill==0.4.1 multiprocess==0.70.19 modelscope==1.4
   typing-inspection==0.4.5 zstandard==0.25.0 json_repair==0.64.6 qwen-vl-utils==0.0.14
 # ms-swift 4.6.0: transformers<5.20 (the machine's 5.17 serves), peft<0.21, trl<1.0, datasets<4.8.5.
 get swift ms-swift==4.6.0 peft==0.20.0 trl==0.29.1 datasets==4.8.4 addict==2.4.0 attrdict==2.0.1 \
-  binpacking==2.0.1 cpm-kernels==1.0.11 dacite==1.9.2 rouge==1.0.1 nltk==3.10.4 simplejson==3.20.2 msgspec
+  binpacking==2.0.1 cpm-kernels==1.0.11 dacite==1.9.2 rouge==1.0.1 nltk==3.10.4 simplejson==3.20.2 msgspec==0.22.0
 # LLaMA-Factory 0.9.5: transformers<=5.6.0 (with tokenizers<=0.23.0), peft<=0.18.1, trl<=0.24.0,
 # datasets<=4.0.0, accelerate<=1.11.0.
 get llamafactory llamafactory==0.9.5 transformers==5.6.0 tokenizers==0.22.2 peft==0.18.1 trl==0.24.0 \
