@@ -218,6 +218,7 @@ def run_swift(args, model_dir: Path, prompts: Path, tokenizer) -> dict:
     started = time.time()
     command = [sys.executable, str(REPO / "benchmarks/peer_timer.py"), str(result), "swift-rlhf", *argv]
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work)
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "swift.log").write_text((done.stdout + done.stderr)[-20000:])
     if done.returncode != 0 or not result.exists():
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-3:], "job_s": time.time() - started}
