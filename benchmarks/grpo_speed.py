@@ -168,21 +168,11 @@ def run_swift(args, model_dir: Path, prompts: Path, tokenizer) -> dict:
             for r in rows
         ],
     )
+    from peers import swift_model_and_lora
+
     settings = {
         "rlhf_type": "grpo",
-        "model": model_dir,
-        "model_type": "qwen3_vl",
-        "check_model": "false",
-        "dataset": data,
-        "split_dataset_ratio": 0,
-        "tuner_type": "lora",
-        "lora_rank": 16,
-        "lora_alpha": 32,
-        "lora_dropout": 0,
-        "target_modules": "all-linear",
-        "freeze_vit": "true",
-        "freeze_aligner": "true",
-        "torch_dtype": "bfloat16",
+        **swift_model_and_lora(model_dir, data),
         "gradient_checkpointing": "true",
         "num_generations": args.generations,
         "max_completion_length": args.max_completion_length,

@@ -197,9 +197,10 @@ def write_peer_data(records: list[dict], images: Path, work: Path) -> tuple[Path
     return swift, lf_dir
 
 
-def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int, method: str) -> list[str]:
-    args = {
-        **({"rlhf_type": "dpo", "beta": DPO_BETA, "loss_type": "sigmoid"} if method == "dpo" else {}),
+def swift_model_and_lora(model_dir: Path, data: Path) -> dict:
+    """ms-swift's arguments for the benchmark's checkpoint, data and LoRA (the vision tower and
+    aligner frozen), shared by its SFT, DPO (here) and GRPO (grpo_speed.py) runs."""
+    return {
         "model": model_dir,
         "model_type": "qwen3_vl",
         "check_model": "false",
@@ -213,6 +214,13 @@ def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: 
         "freeze_vit": "true",
         "freeze_aligner": "true",
         "torch_dtype": "bfloat16",
+    }
+
+
+def swift_command(setting: dict, model_dir: Path, data: Path, out: Path, steps: int, method: str) -> list[str]:
+    args = {
+        **({"rlhf_type": "dpo", "beta": DPO_BETA, "loss_type": "sigmoid"} if method == "dpo" else {}),
+        **swift_model_and_lora(model_dir, data),
         "attn_impl": setting["attn_impl"],
         "packing": setting["packing"],
         "padding_free": setting["padding_free"],
