@@ -90,27 +90,6 @@ def answer_requests_timed(*args, **kwargs):
     ENGINE_CALLS.append(stats)
 
 
-def save_full_processor(model, tokenizer, image_processor, model_dir: Path) -> None:
-    """The processor files a published Qwen3-VL has (image and video processors, chat template),
-    which TRL loads with AutoProcessor (benchmarks/peers.py saves its checkpoint the same way)."""
-    from transformers import Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    vision = model.config.vision_config
-    video = Qwen3VLVideoProcessor(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-    )
-    processor = Qwen3VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video,
-        chat_template=tokenizer.chat_template,
-    )
-    processor.save_pretrained(model_dir)
-
-
 def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     """benchmarks/grpo_trl.py in a process of its own, TRL's site first on PYTHONPATH; its answers a
     second over the steps after --warmup, or the error's last lines where it failed."""
@@ -260,6 +239,8 @@ def main() -> None:
     tokenizer.save_pretrained(model_dir)
     image_processor.save_pretrained(model_dir)
     if args.trl_site:
+        from peers import save_full_processor
+
         save_full_processor(model, tokenizer, image_processor, model_dir)
     for directory in (prompts, answers):
         (directory / "images").symlink_to(args.work / "images", target_is_directory=True)

@@ -137,16 +137,12 @@ def qwen_numbered_tokenizer():
     return tokenizer
 
 
-def save_checkpoint(arch: str, tokenizer, model_dir: Path):
-    """The random-weight model as a checkpoint directory with the processor files a published
-    Qwen3-VL has (image and video processors, chat template), which the peers load."""
-    import torch
+def save_full_processor(model, tokenizer, image_processor, model_dir: Path) -> None:
+    """The processor files a published Qwen3-VL has (image and video processors, chat template),
+    which the peers (and TRL) load with AutoProcessor."""
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    model = build_model(arch, tokenizer, "cuda")
-    model.save_pretrained(model_dir)
-    image_processor = image_processor_for(model)
     vision = model.config.vision_config
     video_processor = Qwen3VLVideoProcessor(
         patch_size=vision.patch_size,
@@ -159,6 +155,17 @@ def save_checkpoint(arch: str, tokenizer, model_dir: Path):
         video_processor=video_processor,
         chat_template=tokenizer.chat_template,
     ).save_pretrained(model_dir)
+
+
+def save_checkpoint(arch: str, tokenizer, model_dir: Path):
+    """The random-weight model as a checkpoint directory with the processor files a published
+    Qwen3-VL has, which the peers load."""
+    import torch
+
+    model = build_model(arch, tokenizer, "cuda")
+    model.save_pretrained(model_dir)
+    image_processor = image_processor_for(model)
+    save_full_processor(model, tokenizer, image_processor, model_dir)
     tokenizer.save_pretrained(model_dir)
     image_processor.save_pretrained(model_dir)
     del model

@@ -66,11 +66,10 @@ def evaluate_split(
     # This process's batches: every N-th of the split, as one process forms them.
     starts = list(range(group.rank * batch_size, len(data.records), group.size * batch_size))
     mine = [i for start in starts for i in range(start, min(start + batch_size, len(data.records)))]
-    loaded = _synchronized_time(device)
+    ready = _synchronized_time(device)
     # The main process's answers count for all: every process answers about as many.
-    with progress_line(
-        len(mine), f"answers ({group.size} processes)" if group.size > 1 else "answers", shown=group.is_main
-    ) as progress:
+    what = f"answers ({group.size} processes)" if group.size > 1 else "answers"
+    with progress_line(len(mine), what, shown=group.is_main) as progress:
         texts, losses = answer_records(
             model,
             data,
@@ -86,33 +85,44 @@ def evaluate_split(
             on_answered=progress.update,
         )
     if stats is not None:
-        stats["load_s"], stats["generate_s"] = loaded - started, _synchronized_time(device) - loaded
-    answered = []
-    for start in starts:
-        batch = range(start, min(start + batch_size, len(data.records)))
-        predictions = [prediction_of(data.records[i], texts[i], data) for i in batch]
-        # Each batch's loss summed in record order: the same sums however the prefills fell.
-        loss, tokens = 0.0, 0
-        for i in batch:
-            loss, tokens = loss + losses[i][0], tokens + losses[i][1]
-        answered.append((start, predictions, loss, tokens))
-
+        stats["load_s"], stats["generate_s"] = ready - started, _synchronized_time(device) - ready
+    answered = _answered_batches(data, starts, batch_size, texts, losses)
     if group.size > 1:
         answered = [batch for part in distributed.gathered(answered) for batch in part]
         if not group.is_main:
             return {}
-    # In the split's order, the loss summed as one process sums it: the same figures however many ran.
-    answered.sort(key=lambda batch: batch[0])
-    predictions = [p for _, batch, _, _ in answered for p in batch]
-    loss_sum, loss_tokens = 0.0, 0
-    for _, _, loss, tokens in answered:
-        loss_sum, loss_tokens = loss_sum + loss, loss_tokens + tokens
+    predictions, loss_sum, loss_tokens = _in_split_order(answered)
     wall = time.time() - started
     metrics = scores(predictions, loss_sum, loss_tokens, settings["answer_format"])
     metrics |= {"wall_time_s": wall, "samples_per_s": len(predictions) / wall, "dataset": settings.get("dataset")}
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics
+
+
+def _answered_batches(data: StageData, starts: list[int], batch_size: int, texts: dict, losses: dict) -> list:
+    """This process's batches as (start, predictions, loss sum, answer tokens), each batch's loss
+    summed in record order: the same sums however the prefills fell."""
+    answered = []
+    for start in starts:
+        batch = range(start, min(start + batch_size, len(data.records)))
+        predictions = [prediction_of(data.records[i], texts[i], data) for i in batch]
+        loss, tokens = 0.0, 0
+        for i in batch:
+            loss, tokens = loss + losses[i][0], tokens + losses[i][1]
+        answered.append((start, predictions, loss, tokens))
+    return answered
+
+
+def _in_split_order(answered: list) -> tuple[list[dict], float, int]:
+    """Every batch's predictions in the split's order, and the loss summed as one process sums it:
+    the same figures however many processes ran."""
+    answered = sorted(answered, key=lambda batch: batch[0])
+    predictions = [p for _, batch, _, _ in answered for p in batch]
+    loss_sum, loss_tokens = 0.0, 0
+    for _, _, loss, tokens in answered:
+        loss_sum, loss_tokens = loss_sum + loss, loss_tokens + tokens
+    return predictions, loss_sum, loss_tokens
 
 
 def load_answering_model(model_dir: str, adapter: str | None, trust_remote_code: bool, device, dtype) -> tuple:

@@ -82,7 +82,10 @@ class Predictor:
         self.stage = TrainedStage.at(stage_dir)
         self.summary = stage_settings(self.stage)
         self.model_dir = base_model_dir(self.summary["model"], self.stage.summary)
-        self.clicks = self.summary["answering"]["answer_format"] == AnswerFormat.CLICK
+        answering, model = self.summary["answering"], self.summary["model"]
+        self.clicks = answering["answer_format"] == AnswerFormat.CLICK
+        processor = load_image_processor(self.model_dir, model["trust_remote_code"])
+        self.pixels = PixelSettings.from_processor(processor, answering["min_pixels"], answering["max_pixels"])
         self.threads, self.loaded = threads, None
 
     def answer(self, questions: list[dict], max_new_tokens: int, batch_size: int = 16) -> list[dict]:
@@ -109,9 +112,7 @@ class Predictor:
             write_jsonl(work / "asked.jsonl", records)
             # The images where the questions name them: absolute paths, under the root of the file system.
             prepare_split(work / "asked.jsonl", "/", work / "prepared.jsonl", self.threads)
-            processor = load_image_processor(self.model_dir, model["trust_remote_code"])
-            pixels = PixelSettings.from_processor(processor, answering["min_pixels"], answering["max_pixels"])
-            build_image_cache(work / "prepared.jsonl", "/", work / "cache", pixels, self.threads)
+            build_image_cache(work / "prepared.jsonl", "/", work / "cache", self.pixels, self.threads)
             settings = answering | {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
             evaluate_split(
                 self.model_dir,

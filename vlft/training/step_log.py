@@ -29,22 +29,14 @@ class StepLog:
         total_steps: int,
         first_step: int,
         name: str,
-        curves_dir: str | Path | None,
-        steps_before: int,
+        curves: Curves | None,
         device: torch.device,
         is_main: bool,
-        metrics: tuple[str, ...] = (),
-        report_to: tuple[str, ...] = ("tensorboard",),
-        settings: dict | None = None,
     ):
+        """`curves`: the main process's live curves, closed with the log (None: none)."""
         self.path, self.device, self.is_main = path, device, is_main
         self.progress = progress_line(total_steps, name, initial=first_step, shown=is_main)
-        # A curriculum's curves go on from the steps of the stages it starts from.
-        self.curves = (
-            Curves(curves_dir, first_step, steps_before, metrics, report_to, settings)
-            if curves_dir and is_main
-            else None
-        )
+        self.curves = curves
         self.clock = time.time()  # a step's time runs from the end of the one before: waits included
 
     def __enter__(self) -> "StepLog":

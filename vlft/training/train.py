@@ -67,6 +67,7 @@ from vlft.training.rewards import Rewards
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
+from vlft.training.curves import Curves
 from vlft.training.step_log import StepLog, throughput
 from vlft.training.steps import image_of, plan_steps
 
@@ -128,19 +129,9 @@ def train_stage(
     # The loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
     todo = range(first_step, len(steps))
-    name = outputs.adapter.parent.name
+    curves = _setup_curves(curves_dir, report_to, params, first_step, steps_before, method.logged, group)
     with StepLog(
-        run.running_log,
-        len(steps),
-        first_step,
-        name,
-        curves_dir,
-        steps_before,
-        device,
-        group.is_main,
-        method.logged,
-        report_to,
-        params,
+        run.running_log, len(steps), first_step, outputs.adapter.parent.name, curves, device, group.is_main
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         for step, (groups, micro_batches) in zip(todo, _step_batches(method, steps, todo, batcher)):
@@ -166,6 +157,14 @@ def train_stage(
     result = run.publish(outputs)
     distributed.barrier()
     return result
+
+
+def _setup_curves(curves_dir, report_to, params: dict, first_step: int, steps_before: int, metrics, group):
+    """The stage's live curves (TensorBoard, and the trackers `report_to` names), the main process's
+    alone; a curriculum's go on from the steps of the stages it starts from."""
+    if not curves_dir or not group.is_main:
+        return None
+    return Curves(curves_dir, first_step, steps_before, metrics, report_to, params)
 
 
 def _step_batches(method, steps: list, todo: range, batcher):
