@@ -5,6 +5,8 @@ refilled while others still answer, several questions on one image prefilled wit
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -398,3 +400,194 @@ def test_sampled_answers_are_generates_with_the_same_draws_in_any_rows(family):
     greedy = answers(4, in_order, None)
     assert sampled != greedy  # the draws are not the greedy tokens
     assert answers(4, in_order, Sampling(temperature=1.0, top_k=1)) == greedy, name
+
+
+def test_cascade_attention_is_softmax_over_the_prefix_and_the_row_within_its_rounding():
+    """The cascade's attention (vlft.generation.shared_prefixes) against plain softmax attention over
+    each row's prefix and own keys together, in float64: three slots of prefixes ending inside,
+    at and past a block edge (one empty), 4 seats each (some empty), 7 rows (one seated nowhere),
+    grouped-query heads as Qwen3-VL has them.
+
+    The bound: each way computes o = sum_i p_i v_i with p the softmax of the scores. With n keys,
+    scores spanning R, one max shift, exp's error at most (|x| + 1) u for a shifted score x, a sum of
+    n positive terms off by at most n u relatively and one division, either result is within
+    (2 n + 2 R + 4) u max|v| of the exact one; the merge adds two exps of shifted log-sum-exps (each
+    within R + log n of the top) and three roundings. Twice that covers the two results' distance."""
+    from vlft.generation.shared_prefixes import PrefixLayer, cascade_attention
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, rows, seats, own = 4, 2, 16, 7, 4, KV_BLOCK
+    prefix_lengths = [KV_BLOCK - 1, 0, KV_BLOCK + 9]  # slot 1 empty
+    length = 2 * KV_BLOCK
+    double = torch.float64
+    keys, values = torch.randn(3, kv_heads, length, dim, dtype=double), torch.randn(
+        3, kv_heads, length, dim, dtype=double
+    )
+    own_keys, own_values = torch.randn(rows, kv_heads, own, dim, dtype=double), torch.randn(
+        rows, kv_heads, own, dim, dtype=double
+    )
+    query = torch.randn(rows, heads, 1, dim, dtype=double) * 2
+    write_at = torch.tensor([0, 5, KV_BLOCK - 1, 17, 3, 60, 9])
+    seat_at = {0: (0, 0), 1: (0, 2), 2: (2, 0), 3: (2, 1), 4: (2, 3), 6: (0, 1)}  # row 5 seated nowhere
+    seated = torch.full((3, seats), rows)
+    seat_of = torch.full((rows,), 3 * seats)
+    for row, (slot, seat) in seat_at.items():
+        seated[slot, seat], seat_of[row] = row, slot * seats + seat
+    last = torch.tensor(prefix_lengths) - 1
+    prefixes = PrefixLayer(keys, values, seated, seat_of, live_blocks(last, length, queries=seats))
+    scale = dim**-0.5
+    got, _ = cascade_attention(
+        None, query, own_keys, own_values, None, scale, live=live_blocks(write_at, own), prefixes=prefixes
+    )
+
+    u = torch.finfo(double).eps / 2
+    for row in range(rows):
+        slot = seat_at.get(row, (None,))[0]
+        prefix = prefix_lengths[slot] if slot is not None else 0
+        row_keys = torch.cat(
+            [keys[slot, :, :prefix] if prefix else keys[0, :, :0], own_keys[row, :, : write_at[row] + 1]], 1
+        )
+        row_values = torch.cat(
+            [values[slot, :, :prefix] if prefix else values[0, :, :0], own_values[row, :, : write_at[row] + 1]], 1
+        )
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            scores = (query[row, head, 0] @ row_keys[kv].T) * scale
+            want = torch.softmax(scores, 0) @ row_values[kv]
+            n, spread = scores.numel(), float(scores.max() - scores.min())
+            bound = 2 * (2 * n + 3 * spread + math.log(n) + 10) * u * float(row_values[kv].abs().max())
+            error = float((got[row, 0, head] - want).abs().max())
+            assert error <= bound, (row, head, error, bound)
+    # A wrong merge (a part's weight, a seat's row) is off by the parts' difference, far above it.
+    assert bound < 1e-10
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_answers_with_shared_prefixes_are_the_unshared_ones(family, sampled):
+    """The engine with each shared prefix kept once and read once a step (vlft.generation.shared_prefixes),
+    in float64: the same tokens as without, greedy (the unshared ones are `generate`'s, above) and
+    drawn with each prompt's seed. Three seats a prefix split the image of four questions, two
+    prefix slots keep some prompts waiting for a slot, rows end and take new prompts."""
+    from vlft.generation.sampling import Sampling
+    from vlft.generation.shared_prefixes import Cascade
+
+    name, root = family
+    model = load_base_model(root / "model", CPU, torch.float64).eval()
+    tokenizer, builder, data = stage_data(root, model)
+    samples = [data.samples[r["key"]] for r in data.records]
+    sampling = Sampling(temperature=1.2, top_p=0.95, top_k=20) if sampled else None
+
+    def answers(cascade):
+        def requests():
+            for index, sample in enumerate(samples):
+                request = prompt_request(
+                    index, sample, data, builder, 0, model, CPU, torch.float64, LIMITS[index % len(LIMITS)]
+                )
+                request.seed = 1000 + index
+                yield request
+
+        found, stats = {}, {}
+        with torch.no_grad():
+            answer_requests(
+                model,
+                requests(),
+                slots=4,
+                end_id=builder.end_of_turn,
+                max_length=max(s.prompt_length for s in samples) + max(LIMITS),
+                on_answer=found.__setitem__,
+                sampling=sampling,
+                cascade=cascade,
+                stats=stats,
+            )
+        return found, stats
+
+    plain, _ = answers(None)
+    shared, stats = answers(Cascade(seats=3, prefixes=2))
+    assert shared == plain, name
+    assert len({len(ids) for ids in plain.values()}) >= 3  # rows ended at different steps
+    assert stats["prefills"] >= 5  # the slots held prompts back: more prefills than the 5 images
+
+
+def test_a_cascade_step_gives_the_unshared_steps_logits(family):
+    """Four questions on one image in one prefill, three seated at one prefix slot and the fourth at
+    another (3 seats a slot), against the same four rows holding their prompts whole, for eight
+    steps, in float64: each step's logits within 1e-11 of their norm (u = 1.1e-16; the attention
+    bound above, about 1e-13 over a few hundred keys, through two layers whose weights scale it
+    by less than 100), and the same greedy tokens."""
+    from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, seat_plan
+
+    name, root = family
+    model = load_base_model(root / "model", CPU, torch.float64).eval()
+    tokenizer, builder, data = stage_data(root, model)
+    group = [
+        prompt_request(n, data.samples[data.records[n]["key"]], data, builder, 0, model, CPU, torch.float64, 8)
+        for n in range(4)  # records 0-3 ask about one image
+    ]
+    rows = [0, 1, 2, 3]
+    steps = {}
+    with torch.no_grad():
+        use_packed_attention(model)
+        prefilled = prefill(model, group)
+        assert min(prefilled.shared) > 0
+        for shared in (False, True):
+            cache = SlotCache(model, 4, 2 * KV_BLOCK)
+            skip = None
+            if shared:
+                cascade = Cascade(seats=3, prefixes=2)
+                cache.prefixes = SharedPrefixes(model, cascade, 2 * KV_BLOCK, 4)
+                skip = prefilled.shared
+                cache.prefixes.fill(prefilled, seat_plan(group, cascade.seats), skip, rows)
+            cache.fill(rows, prefilled, skip)
+            step = DecodeStep(model, cache, attention=DECODE_ATTENTION)
+            step.tokens.copy_(torch.tensor(prefilled.firsts))
+            step.positions.copy_(torch.stack([r.positions.max() + 1 for r in group]))
+            steps[shared] = []
+            for _ in range(8):
+                logits = step.logits()
+                steps[shared].append(logits)
+                step.tokens.copy_(logits.argmax(-1))
+                cache.write_at += 1
+                step.positions += 1
+        model.set_attn_implementation({"text_config": "sdpa"})
+    for n, (got, want) in enumerate(zip(steps[True], steps[False])):
+        assert_close_normwise(got, want, rtol=1e-11, msg=f"{name}, step {n}")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), (name, n)
+
+
+def test_the_cascade_step_compiled_gives_its_eager_logits(tmp_path, monkeypatch):
+    """The cascade step as a GPU runs it, its layers compiled, against the same step eager, over
+    random keys and values: prefixes of 200 and 75 positions, two of the three slots used, rows at
+    own lengths across block edges. One graph serves every layer: a recompile for the second
+    layer is an error here. (The CPU's inductor has no flex_attention with its log-sum-exp, so the
+    graph is traced as on a GPU and run by AOT autograd's eager backend; the GPU's kernels are
+    checked against the unshared step by benchmarks/shared_prefix_decode.py.)"""
+    from functools import partial
+
+    from vlft.demo.tiny_model import make_tiny_model
+    from vlft.generation import runner
+
+    monkeypatch.setattr(runner.torch, "compile", partial(torch.compile, backend="aot_eager"))
+    from vlft.generation.shared_prefixes import Cascade, SharedPrefixes
+
+    make_tiny_model(tmp_path / "model", family="qwen3_vl")
+    model = load_base_model(tmp_path / "model", CPU, FLOAT32).eval()
+    logits = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        cache = SlotCache(model, 4, 2 * KV_BLOCK)
+        cache.prefixes = store = SharedPrefixes(model, Cascade(seats=3, prefixes=3), 2 * KV_BLOCK, 4)
+        for tensor in cache.keys + cache.values + store.keys + store.values:
+            tensor.normal_()
+        cache.write_at.copy_(torch.tensor([0, KV_BLOCK + 2, 7, KV_BLOCK - 1]))
+        store.seated.copy_(torch.tensor([[0, 3, 4], [4, 4, 4], [1, 4, 4]]))  # row 2 seated nowhere
+        store.seat_of.copy_(torch.tensor([0, 6, 9, 1]))
+        store.last.copy_(torch.tensor([199, -1, 74]))
+        refresh_live_blocks(store.live, store.last)
+        step = DecodeStep(model, cache, compile=compiled)
+        step.tokens.copy_(torch.tensor([5, 17, 33, 2]))
+        step.positions.copy_(cache.write_at + 240)
+        # (Eager, each flex_attention call compiles its own wrapper: the two parts' shapes differ.)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=compiled):
+            logits[compiled] = step.logits()
+    # float32 over sums of at most 331 terms in 2 layers, as in the tests above.
+    assert_close_normwise(logits[True], logits[False], rtol=1e-5, msg="compiled cascade step")

@@ -41,6 +41,7 @@ from vlft.generation.requests import Request
 from vlft.generation.runner import PACKED_ROW_TOKENS, DecodeStep, layer_calls, prefill
 from vlft.generation.sampling import Sampling, sampler_for
 from vlft.generation.scheduler import Row, Scheduler
+from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, own_length, seat_plan
 from vlft.modeling import unwrapped
 from vlft.training.packing import use_packed_attention
 
@@ -56,6 +57,7 @@ def answer_requests(
     stats: dict | None = None,
     on_loss: Callable[[int, float, int], None] | None = None,
     sampling: Sampling | None = None,
+    cascade: Cascade | None = None,
 ) -> None:
     """Answer every request, greedily (`sampling` None) or drawn with its seed, `slots` at a time; `on_answer(key, token_ids)` as each ends
     (its ids end with `end_id` where the model said it, else at the request's token limit), and
@@ -68,7 +70,8 @@ def answer_requests(
     seconds of each phase (setting up, reading prompts, prefills, choosing rows, steps, their
     bookkeeping, handing answers over; the step's compile and capture apart), the steps, and the
     rows busy over all steps (synchronizing the device around each, which a benchmark can
-    afford)."""
+    afford). `cascade`, where given, keeps the prefix that rows share once and reads it once a
+    step for all of them (vlft.generation.shared_prefixes)."""
     text = language_model(model)
     config = text.config
     weight = text.embed_tokens.weight
@@ -76,7 +79,9 @@ def answer_requests(
     timer.start()
     # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
     max_length = -(-max_length // 256) * 256
-    cache = SlotCache(model, slots, max_length)
+    cache = SlotCache(model, slots, own_length(cascade, max_length) if cascade else max_length)
+    if cascade:
+        cache.prefixes = SharedPrefixes(model, cascade, max_length, slots)
     prefill_attention = config._attn_implementation
     use_packed_attention(model)
     try:
@@ -116,11 +121,12 @@ class Generation:
         # With flex_attention's live blocks a step reads each row only to its own length, so it
         # computes on the whole cache (one shape, one CUDA graph); otherwise on the rows and length in use.
         self.whole = step.live is not None
+        self.prefixes = cache.prefixes
 
     def run(self) -> None:
         while True:
             free = self.scheduler.free()
-            while free and (group := self.scheduler.next_group(len(free))):
+            while free and (group := self.scheduler.next_group(len(free), self._free_prefixes())):
                 self.timer.stop("read_s")
                 self.start(group, free)
             self.timer.stop("read_s")
@@ -130,6 +136,9 @@ class Generation:
             if not self.scheduler.answering():
                 return
             self.decode()
+
+    def _free_prefixes(self) -> tuple[int, int] | None:
+        return None if self.prefixes is None else (len(self.prefixes.free), self.prefixes.seats)
 
     def start(self, group: list[Request], free: list[int]) -> None:
         """Prefill `group` and give each prompt a free row, unless its first token answered it."""
@@ -150,8 +159,17 @@ class Generation:
             self.step.positions[slot] = request.positions[..., : request.prompt].max() + 1
             self.step.sampler.start(slot, request, self.step.positions[slot])
             self.active[slot] = 1
-        for slot, length in zip([s for s in slots_of if s is not None], self.cache.fill(slots_of, prefilled)):
+        skip = None
+        if self.prefixes is not None:  # each prefix once, in its slot; each row holds what follows it
+            skip = [shared or request.prompt for shared, request in zip(prefilled.shared, group)]
+            self.prefixes.fill(prefilled, seat_plan(group, self.prefixes.seats), skip, slots_of)
+        for slot, length in zip([s for s in slots_of if s is not None], self.cache.fill(slots_of, prefilled, skip)):
             rows[slot].written = length
+            if length + rows[slot].request.max_new_tokens > self.cache.keys[0].shape[2]:
+                raise ValueError(
+                    f"a prompt's {length} tokens past its shared prefix and its {rows[slot].request.max_new_tokens}"
+                    f" answer tokens do not fit the {self.cache.keys[0].shape[2]} a row holds (Cascade.own_length)"
+                )
         self.timer.add("prefill_tokens", prefilled.tokens)  # shared prefixes once
         del prefilled
         self.timer.stop("prefill_s")
@@ -183,6 +201,8 @@ class Generation:
                 self.on_answer(row.request.key, row.answer)
                 rows[slot] = None
                 self.active[slot], self.cache.write_at[slot] = 0, 0
+                if self.prefixes is not None:
+                    self.prefixes.leave(slot)
         self.timer.stop("answers_s")
 
     def move(self, source: int, target: int) -> None:

@@ -27,6 +27,8 @@ class SlotCache:
         self.values = [torch.zeros(shape, device=weight.device, dtype=weight.dtype) for _ in text.layers]
         self.rows = torch.arange(slots, device=weight.device)
         self.write_at = torch.zeros(slots, dtype=torch.long, device=weight.device)
+        # Where the rows' shared prefixes lie once (vlft.generation.shared_prefixes); None: each row holds its own.
+        self.prefixes = None
 
     @staticmethod
     def bytes_per_token(model) -> int:
@@ -35,30 +37,22 @@ class SlotCache:
         config = text.config
         return 2 * len(text.layers) * config.num_key_value_heads * head_dim(config) * text.embed_tokens.weight.itemsize
 
-    def fill(self, slots: list[int], prefilled) -> list[int]:
-        """Copy each prompt of a packed prefill (vlft.generation.runner.Prefilled) into its row of `slots` (None: not kept), its
-        stretches in order, so that its next token goes after them; one indexed copy a layer for
-        all of them. Returns each kept prompt's length."""
-        rows, to, at = [], [], []
-        for slot, spans in zip(slots, prefilled.spans):
-            if slot is None:
-                continue
-            source = torch.cat([torch.arange(start, end) for start, end in spans])
-            rows.append(torch.full_like(source, slot))
-            to.append(torch.arange(len(source)))
-            at.append(source)
-        lengths = [len(positions) for positions in to]
-        if not rows:
-            return lengths
-        device = self.rows.device
-        rows, to, at = (torch.cat(index).to(device) for index in (rows, to, at))
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            source = prefilled.cache.layers[layer]
-            # (heads, positions, dim) gathered, written as (positions, heads, dim) at (row, position).
-            keys[rows, :, to] = source.keys[0].index_select(1, at).transpose(0, 1)
-            values[rows, :, to] = source.values[0].index_select(1, at).transpose(0, 1)
-        kept = [slot for slot in slots if slot is not None]
-        self.write_at[torch.tensor(kept, device=device)] = torch.tensor(lengths, device=device)
+    def fill(self, slots: list[int], prefilled, skip: list[int] | None = None) -> list[int]:
+        """Copy each prompt of a packed prefill (vlft.generation.runner.Prefilled) into its row of
+        `slots` (None: not kept), its stretches in order, so that its next token goes after them,
+        past its first `skip` positions where given (they lie in its shared prefix,
+        vlft.generation.shared_prefixes); one indexed copy a layer for all of them. Returns each
+        kept prompt's length in its row."""
+        skip = skip or [0] * len(slots)
+        pieces = [
+            (slot, prompt_positions(spans)[drop:])
+            for slot, spans, drop in zip(slots, prefilled.spans, skip)
+            if slot is not None
+        ]
+        lengths = write_positions(self.keys, self.values, prefilled.cache, pieces)
+        if pieces:
+            kept = torch.tensor([slot for slot, _ in pieces], device=self.rows.device)
+            self.write_at[kept] = torch.tensor(lengths, device=self.rows.device)
         return lengths
 
     def move(self, source: int, target: int) -> None:
@@ -114,10 +108,10 @@ class LayerWindow:
 KV_BLOCK = 128
 
 
-def live_blocks(write_at: torch.Tensor, length: int) -> BlockMask:
-    """flex_attention's block mask over a cache of `length` positions a row: each row attends to
-    its positions up to `write_at` (where its newest token goes), and the kernel reads none of the
-    blocks past it. `refresh_live_blocks` keeps it in step as the rows grow."""
+def live_blocks(write_at: torch.Tensor, length: int, queries: int = 1) -> BlockMask:
+    """flex_attention's block mask over a cache of `length` positions a row: each row's `queries`
+    attend to its positions up to `write_at` (where its newest token goes; -1: none), and the
+    kernel reads none of the blocks past it. `refresh_live_blocks` keeps it in step as the rows grow."""
     if length % KV_BLOCK:
         raise ValueError(f"a GPU's decode step needs a cache length that is a multiple of {KV_BLOCK}, not {length}")
     slots, blocks = write_at.shape[0], length // KV_BLOCK
@@ -131,7 +125,7 @@ def live_blocks(write_at: torch.Tensor, length: int) -> BlockMask:
         every_block.contiguous(),
         BLOCK_SIZE=KV_BLOCK,
         mask_mod=within,
-        seq_lengths=(1, length),
+        seq_lengths=(queries, length),
         compute_q_blocks=False,  # nothing is differentiated
     )
     refresh_live_blocks(mask, write_at)
@@ -140,6 +134,31 @@ def live_blocks(write_at: torch.Tensor, length: int) -> BlockMask:
 
 def refresh_live_blocks(mask: BlockMask, write_at: torch.Tensor) -> None:
     mask.kv_num_blocks.copy_((write_at // KV_BLOCK + 1).view(-1, 1, 1))
+
+
+def prompt_positions(spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The packed prefill's positions of a prompt laid out in `spans`, in order."""
+    return torch.cat([torch.arange(start, end) for start, end in spans])
+
+
+def write_positions(keys: list[torch.Tensor], values: list[torch.Tensor], source, pieces) -> list[int]:
+    """For each (slot, positions) of `pieces`, the keys and values of a packed prefill's cache
+    (`source`) at those positions written at the start of that slot of `keys` and `values` (a
+    tensor a layer: slots, heads, positions, dim); one indexed copy a layer for all. Returns each
+    piece's length."""
+    lengths = [len(positions) for _, positions in pieces]
+    if not pieces or not sum(lengths):
+        return lengths
+    device = keys[0].device
+    slot = torch.cat([torch.full_like(positions, slot) for slot, positions in pieces]).to(device)
+    to = torch.cat([torch.arange(len(positions)) for _, positions in pieces]).to(device)
+    at = torch.cat([positions for _, positions in pieces]).to(device)
+    for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+        written = source.layers[layer]
+        # (heads, positions, dim) gathered, written as (positions, heads, dim) at (slot, position).
+        layer_keys[slot, :, to] = written.keys[0].index_select(1, at).transpose(0, 1)
+        layer_values[slot, :, to] = written.values[0].index_select(1, at).transpose(0, 1)
+    return lengths
 
 
 def language_model(model):

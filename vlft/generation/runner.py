@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from vlft.generation.kv_cache import SlotCache, language_model, live_blocks, refresh_live_blocks
 from vlft.generation.requests import Request
 from vlft.generation.sampling import Greedy
+from vlft.generation.shared_prefixes import CASCADE_ATTENTION
 from vlft.modeling import unwrapped
 from vlft.training.image_groups import RowLayout, common_prefix
 from vlft.training.loss import linear_cross_entropy_sums
@@ -28,13 +29,15 @@ DECODE_ATTENTION = "vlft_slot_decode"
 class Prefilled:
     """What one packed prefill gives: each prompt's first answer token, the cache it filled, each
     prompt's stretches of that cache in order (a shared prefix, then its own), each scored
-    request's (loss sum, answer tokens) or None, and the tokens the forward computed."""
+    request's (loss sum, answer tokens) or None, the tokens the forward computed, and the length of
+    the prefix each prompt shares with those beside it on its image (0: none)."""
 
     firsts: list[int]
     cache: object
     spans: list[list[tuple[int, int]]]
     losses: list[tuple[float, int] | None]
     tokens: int
+    shared: list[int]
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, live=None, **kwargs):
@@ -100,10 +103,14 @@ class DecodeStep:
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # its next text position
         self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
         self.columns = torch.arange(length, device=device)
-        # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them.
+        # transformers' own SDPA on a CPU, for answers exactly as `generate` gives them; with
+        # shared prefixes, the cascade's attention on either (its two parts are flex_attention's).
+        self.prefixes = cache.prefixes
         self.attention = attention or (DECODE_ATTENTION if device.type == "cuda" else "sdpa")
+        if self.prefixes is not None:
+            self.attention = CASCADE_ATTENTION
         # flex_attention's live blocks cover every row to the cache's length: its steps do too.
-        self.live = live_blocks(cache.write_at, length) if self.attention == DECODE_ATTENTION else None
+        self.live = live_blocks(cache.write_at, length) if self.attention != "sdpa" else None
         # torch.compile fuses the elementwise work between a layer's matmuls (norms, rotary,
         # residuals) and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a
         # few. It compiles one decoder layer, which every layer then runs with its own weights and
@@ -113,9 +120,12 @@ class DecodeStep:
         # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
         # graph per (rows, length) bucket, the benchmark did not finish in 280 s for the 8B or the 2B.
         self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
-        # Where compiled, each layer is called through the compiled layer while the step runs.
-        self.compiled_calls = (
-            [partial(self._compiled_layer_call, i) for i in range(len(self.text.layers))] if compile else None
+        # Where compiled, or reading shared prefixes (a layer's own, handed to it with its call),
+        # each layer is called through the step's layer call while the step runs.
+        self.layer_calls = (
+            [partial(self._layer_call, i) for i in range(len(self.text.layers))]
+            if compile or self.prefixes is not None
+            else None
         )
         self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -130,16 +140,20 @@ class DecodeStep:
         prefill_attention = config._attn_implementation
         config._attn_implementation = self.attention
         try:
-            with layer_calls(self.text.layers, self.compiled_calls) if self.compiled_calls else nullcontext():
+            with layer_calls(self.text.layers, self.layer_calls) if self.layer_calls else nullcontext():
                 yield
         finally:
             config._attn_implementation = prefill_attention
 
-    def _compiled_layer_call(self, index: int, *args, **kwargs):
-        # The layer's own part of the cache window, under the name this transformers passes it by.
+    def _layer_call(self, index: int, *args, **kwargs):
+        # The layer's own part of the cache window, under the name this transformers passes it by,
+        # and its part of the shared prefixes.
         name = "cache" if "cache" in kwargs else "past_key_values"
         kwargs[name] = kwargs[name].layer(index)
-        return self.compiled_layer(self.text.layers[index], *args, **kwargs)
+        if self.prefixes is not None:
+            kwargs["prefixes"] = self.prefixes.layer(index)
+        layer = self.text.layers[index]
+        return self.compiled_layer(layer, *args, **kwargs) if self.compiled_layer else layer._call_impl(*args, **kwargs)
 
     def _run(self, rows: int, length: int) -> None:
         with self._as_the_step():
@@ -259,7 +273,8 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
         losses = [(sums[i], counts[i]) if r.loss_targets is not None else None for i, r in enumerate(group)]
     # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
     prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
-    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1])
+    shared = [prefix for prefix, run in runs for _ in run]
+    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1], shared)
 
 
 def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:

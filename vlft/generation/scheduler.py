@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from vlft.generation.requests import Request
+from vlft.generation.shared_prefixes import seat_plan
 
 
 @dataclass
@@ -48,10 +49,13 @@ class Scheduler:
         """No prompt is left to fill a free row."""
         return self.exhausted and not self.queue
 
-    def next_group(self, most: int) -> list[Request]:
+    def next_group(self, most: int, prefixes: tuple[int, int] | None = None) -> list[Request]:
         """Requests for `most` free rows, at most `prefill_tokens` tokens computed in their prefill
-        (one prompt at least; a prompt after one on its image counts its own tokens)."""
+        (one prompt at least; a prompt after one on its image counts its own tokens); with shared
+        prefixes, (free prefix slots, seats a slot), no more prefixes than there are free slots."""
         group, tokens = [], 0
+        if prefixes is not None and not prefixes[0]:
+            return group
         answering = any(row is not None for row in self.rows)
         while len(group) < most and (self.queue or self._read_one()):
             request = self.queue[0]
@@ -64,6 +68,8 @@ class Scheduler:
             if group and request.image is not None and group[-1].image == request.image:
                 length -= request.image_tokens
             if group and tokens + length > self.prefill_tokens:
+                break
+            if prefixes is not None and seat_plan(group + [request], prefixes[1])[-1] >= prefixes[0]:
                 break
             group.append(self.queue.popleft())
             tokens += length
