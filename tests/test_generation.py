@@ -567,6 +567,7 @@ def test_the_cascade_step_compiled_gives_its_eager_logits(tmp_path, monkeypatch)
     from vlft.generation import runner
 
     monkeypatch.setattr(runner.torch, "compile", partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()  # the unshared step's layer, compiled by a test before, is another graph
     from vlft.generation.shared_prefixes import Cascade, SharedPrefixes
 
     make_tiny_model(tmp_path / "model", family="qwen3_vl")
