@@ -239,7 +239,7 @@ def selection_problem(
     named = ", ".join(str(p) for p in jsonl_paths)
     needed = set(filters) | ({order_field} if order_field else set()) | ({pair_field} if pair_field else set())
     fields_seen, selected = set(), False
-    for record in _raw_objects(jsonl_paths):
+    for record in raw_objects(jsonl_paths):
         fields_seen.update(k for k, v in record.items() if v is not None)
         selected = selected or selected_by(record, filters)
         if selected and needed <= fields_seen:  # all it can know: stop reading (this runs at every start)
@@ -256,7 +256,7 @@ def selection_problem(
     return None
 
 
-def _raw_objects(jsonl_paths: list[str | Path]):
+def raw_objects(jsonl_paths: list[str | Path]):
     """The JSON objects of raw splits, lines that do not parse left out (prepare_split names them)."""
     for path in jsonl_paths:
         for _, line in text_lines(path, errors="replace"):

@@ -17,6 +17,7 @@ from vlft.jobs.partition import Request, cpu_line, over_line, read_partition
 from vlft.model_files import model_dir_problem
 from vlft.training.trackers import PACKAGES, missing_packages
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
+from vlft.trained_once import shared_lines, trained_once
 
 try:
     # Snakemake has read the files already, keeping the last of a key written twice: say so instead.
@@ -57,6 +58,15 @@ MODEL_MADE_HERE = "model" in config.get("demo", {}) or "hub_id" in config["model
 # Digests of the model's and the datasets' content, kept between plans beside Snakemake's own
 # records of the jobs (vlft.digests): a plan writes nothing under the results.
 DIGESTS = DigestMemo(".snakemake/vlft/digests.json")
+# Stages that would compute one adapter, trained once: stage id -> the stage trained for it, whose
+# outputs are its outputs (`stage_path`, `eval_path`). One that has outputs of its own keeps them.
+TRAINED_ONCE = trained_once(
+    PLAN,
+    lambda dataset, split: config["datasets"][dataset]["splits"][split],
+    lambda stage: Path(f"{RESULTS}/train/{stage.experiment}/{stage.name}/summary.json").exists(),
+)
+for sentence in shared_lines(TRAINED_ONCE):
+    print(sentence, file=sys.stderr)
 
 
 wildcard_constraints:
@@ -79,9 +89,14 @@ def vision_cache_path(dataset, split, pixels):
     return f"{RESULTS}/cache/vision/{dataset}/{split}/{pixels}"
 
 
+def trained_as(experiment, stage):
+    """The stage whose outputs are this one's: itself, or the one trained for it (TRAINED_ONCE)."""
+    return TRAINED_ONCE.get(f"{experiment}/{stage}", f"{experiment}/{stage}")
+
+
 def stage_path(experiment, stage, name):
     """A trained stage's outputs: adapter (directory), log.jsonl, summary.json."""
-    return f"{RESULTS}/train/{experiment}/{stage}/{name}"
+    return f"{RESULTS}/train/{trained_as(experiment, stage)}/{name}"
 
 
 def adapter_path(experiment, stage):
@@ -90,7 +105,7 @@ def adapter_path(experiment, stage):
 
 def eval_path(experiment, stage, split, name):
     """An evaluation's outputs: predictions.jsonl, metrics.json."""
-    return f"{RESULTS}/eval/{experiment}/{stage}/{split}/{name}"
+    return f"{RESULTS}/eval/{trained_as(experiment, stage)}/{split}/{name}"
 
 
 def report_path(name):
