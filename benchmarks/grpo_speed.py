@@ -42,6 +42,7 @@ from train_speed import (  # noqa: E402
     our_settings,
     run_ours,
 )
+from peers import qwen_numbered_tokenizer, save_full_processor  # noqa: E402
 from vlft.data.records import prepare_split  # noqa: E402
 import vlft.generation.engine  # noqa: E402
 import vlft.training.grpo  # noqa: E402
@@ -228,7 +229,9 @@ def main() -> None:
     vlft.training.grpo.gc = TimedGc()
     TimedGc.full_only = args.full_collections
 
-    tokenizer = make_tokenizer()
+    # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
+    # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).
+    tokenizer = qwen_numbered_tokenizer() if args.swift_site else make_tokenizer()
     per_image = args.questions_per_image
     images = args.prompts * args.steps // per_image
     prompts, answers = questions(args.work, images, per_image, args.generations, tokenizer)
@@ -238,9 +241,7 @@ def main() -> None:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     image_processor.save_pretrained(model_dir)
-    if args.trl_site:
-        from peers import save_full_processor
-
+    if args.trl_site or args.swift_site:  # the processor files a published checkpoint has
         save_full_processor(model, tokenizer, image_processor, model_dir)
     for directory in (prompts, answers):
         (directory / "images").symlink_to(args.work / "images", target_is_directory=True)
