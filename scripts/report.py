@@ -1,6 +1,7 @@
 """Write the comparative report: results/report/index.html and its CSV tables."""
 
 import argparse
+import json
 
 from vlft.jobs.cli import run
 from vlft.errors import InputError
@@ -23,6 +24,9 @@ def main():
         "--init-from", nargs="+", required=True, help="experiment/stage each started from ('-' for none), in order"
     )
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument(
+        "--sweeps", default="7b7d", help="each sweep's experiments: JSON (vlft.plan.Plan.sweeps), in hex"
+    )
     args = parser.parse_args()
     per_evaluation = (args.metrics, args.predictions, args.prepared, args.image_roots, args.evaluations)
     if not (
@@ -43,7 +47,12 @@ def main():
         TrainedStage(*label.split("/"), summary, log, "" if start == "-" else start)
         for label, summary, log, start in zip(args.stages, args.summaries, args.logs, args.init_from)
     ]
-    write_report(evaluations=evaluations, stages=stages, output_dir=args.output_dir)
+    write_report(
+        evaluations=evaluations,
+        stages=stages,
+        output_dir=args.output_dir,
+        sweeps=json.loads(bytes.fromhex(args.sweeps)),
+    )
     print(f"wrote {args.output_dir}/index.html")
 
 

@@ -1,7 +1,7 @@
 """Stages that would compute the very same adapter are trained once (vlft.trained_once): the demo's
 exp3/stage1 and exp4/stage1 select the same records through different filters, and a study may
-repeat a stage outright; every job of the repeat reads the stage trained for it, and changing
-either one apart splits them again."""
+repeat a stage outright; changing either one apart splits them again. (tests/test_sweeps.py runs a
+study whose arms share a stage through Snakemake: the jobs after it read the one trained.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vlft.config import resolve_config
 from vlft.demo.shapes import make_dataset
 from vlft.plan import build_plan
 from vlft.trained_once import shared_lines, trained_once
-from conftest import REPO, copy_workflow, planned_outputs, snakemake
+from conftest import REPO
 
 
 def demo_config(root: Path) -> dict:
@@ -72,41 +72,3 @@ def test_stages_that_compute_one_adapter_are_found_however_their_configs_say_it(
     repeat["stages"][2]["learning_rate"] = 1e-3
     config["experiments"]["exp8"] = repeat
     assert shared(config) == {"exp3/stage1": "exp4/stage1", "exp8/stage1": "exp4/stage1", "exp8/stage2": "exp3/stage2"}
-
-
-def test_a_dry_run_trains_a_repeated_stage_once_and_its_jobs_read_the_one_trained(tmp_path):
-    """A study of the demo's data with exp8 repeating exp3 but for its last stage: the dry run plans
-    one training and one set of evaluations for each shared stage, exp8/stage3 starts from
-    exp3/stage2's adapter, and the plan says which stages share; set apart, exp8 trains its own."""
-    workdir = copy_workflow(tmp_path / "wf")
-    config = demo_config(workdir / "data")
-    make_demo_shapes(config)
-    config["model"]["path"] = "results/demo/tiny-qwen3-vl"
-    config["demo"]["datasets"].pop("shapes")  # made above, before the plan
-    repeat = copy.deepcopy(config["experiments"]["exp3"])
-    repeat["stages"][2]["learning_rate"] = 1e-3
-    config["experiments"] = {"exp3": config["experiments"]["exp3"], "exp8": repeat}
-    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
-
-    planned = planned_outputs(workdir, "--configfile", "study.yaml", "--cores", "1")
-    trained = sorted(p for p in planned if p.startswith("results/train/"))
-    assert trained == [
-        f"results/train/{stage}/adapter" for stage in ("exp3/stage1", "exp3/stage2", "exp3/stage3", "exp8/stage3")
-    ]
-    evaluated = sorted(p.split("/eval/")[1].rsplit("/", 2)[0] for p in planned if p.startswith("results/eval/"))
-    assert evaluated == ["base/base", "base/base", "exp3/stage1", "exp3/stage1", "exp3/stage2", "exp3/stage2"] + [
-        "exp3/stage3",
-        "exp3/stage3",
-        "exp8/stage3",
-        "exp8/stage3",
-    ]
-    dry = snakemake(workdir, "--dry-run", "--configfile", "study.yaml", "--cores", "1", "-p")
-    text = dry.stdout + dry.stderr
-    assert "exp8/stage2 trains on the same records with the same settings as exp3/stage2" in text
-    (job,) = [block for block in text.split("\nrule ") if "output: results/train/exp8/stage3/adapter" in block]
-    assert "--init-adapter results/train/exp3/stage2/adapter " in job
-
-    config["experiments"]["exp8"]["stages"][0]["seed"] = 1
-    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
-    planned = planned_outputs(workdir, "--configfile", "study.yaml", "--cores", "1")
-    assert len([p for p in planned if p.startswith("results/train/")]) == 6

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlft.config import METHOD_DEFAULTS, stage_defaults
+from vlft.config import METHOD_DEFAULTS, load_schema, stage_defaults
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, hub_processor_dir, model_dir_problem
 from vlft.data.answers import AnswerFormat
 from vlft.data.records import selection_problem
+from vlft.sweeps import expand_sweeps
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
@@ -87,6 +88,8 @@ class Stage:
 class Plan:
     stages: dict[str, Stage] = field(default_factory=dict)
     defaults: dict = field(default_factory=dict)
+    # Each experiment a sweep expanded into (vlft.sweeps): the sweep's name, its values, its last stage.
+    sweeps: dict[str, dict] = field(default_factory=dict)
 
     def stage(self, experiment: str, name: str) -> Stage:
         return self.stages[f"{experiment}/{name}"]
@@ -176,9 +179,10 @@ def build_plan(config: dict) -> Plan:
     if BASE_STAGE in datasets and defaults["dataset"] != BASE_STAGE:
         # The base model's evaluations on a dataset other than the defaults' are named after it.
         raise ConfigError(f"datasets.{BASE_STAGE}: the name is reserved unless it is the defaults' dataset")
-    plan = Plan(defaults=defaults)
+    experiments, sweeps = expand_sweeps(config, load_schema())
+    plan = Plan(defaults=defaults, sweeps=sweeps)
 
-    for experiment, spec in config.get("experiments", {}).items():
+    for experiment, spec in experiments.items():
         if experiment == BASE_EXPERIMENT:
             raise ConfigError(f"experiments.{BASE_EXPERIMENT}: the name is reserved for the untrained base model")
         names = set()

@@ -513,6 +513,73 @@ def reward_stages(stages: list[TrainedStage], jobs: pd.DataFrame, results: pd.Da
     )
 
 
+def sweep_results(results: pd.DataFrame, sweeps: dict[str, dict]) -> pd.DataFrame:
+    """Each sweep's experiments (vlft.sweeps), their final stage on each split: the swept values
+    beside its accuracy and the accuracy's 95% interval."""
+    rows = []
+    for experiment, sweep in sweeps.items():
+        final = results[(results.experiment == experiment) & (results.stage == sweep["final"])]
+        for row in final.itertuples():
+            rows.append(
+                {"sweep": sweep["experiment"], **sweep["values"], "experiment": experiment, "stage": row.stage}
+                | {"split": row.split, "accuracy": row.accuracy, "ci95_low": row.ci95_low, "ci95_high": row.ci95_high}
+            )
+    return pd.DataFrame(rows)
+
+
+def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path) -> str:
+    """The section on sweeps, where the study has any: each sweep's final stages by their values,
+    and each split's accuracy (with its 95% interval) against the swept value, a panel per sweep
+    (where several settings are swept, against their combinations in order)."""
+    if not sweeps:
+        return ""
+    table = sweep_results(results, sweeps)
+    if table.empty:  # no final stage evaluated: the chart the workflow expects says so
+        fig, ax = plt.subplots(figsize=(5.5, 1.5))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no sweep's final stage is evaluated (eval_splits)", ha="center", va="center")
+        _save_png(fig, path)
+        return "<h2>Sweeps</h2><p>No sweep's final stage is evaluated (its <code>eval_splits</code> are empty).</p>"
+    names = list(dict.fromkeys(table.sweep))
+    fig, axes = _panels(names)
+    for ax, name in zip(axes.flat, names):
+        rows = table[table.sweep == name]
+        keys = list(next(s["values"] for s in sweeps.values() if s["experiment"] == name))
+        numeric = len(keys) == 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rows[keys[0]])
+        for split, points in rows.groupby("split", sort=True):
+            points = points.sort_values(keys)
+            if numeric:
+                x = points[keys[0]].tolist()
+            else:
+                x = list(range(len(points)))
+                ax.set_xticks(x, [", ".join(str(r[k]) for k in keys) for _, r in points.iterrows()], fontsize=7)
+            ax.errorbar(
+                x,
+                points.accuracy,
+                yerr=[points.accuracy - points.ci95_low, points.ci95_high - points.accuracy],
+                marker="o",
+                capsize=3,
+                label=split,
+            )
+        if numeric and min(rows[keys[0]]) > 0 and max(rows[keys[0]]) >= 10 * min(rows[keys[0]]):
+            ax.set_xscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(" x ".join(keys))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("accuracy of the final stage (95% interval)", fontsize=8)
+    fig.tight_layout()
+    png = _save_png(fig, path)
+    return (
+        "<h2>Sweeps</h2><p>Each sweep's experiments (a stage's <code>sweep</code>), their final stage on each "
+        "split, by the values swept; the stages they share were trained once (<code>repeats</code> in the "
+        "results).</p>"
+        + table_html(table)
+        + f'<img alt="accuracy against the swept values, one panel per sweep" src="data:image/png;base64,{png}">'
+    )
+
+
 def rests_on_html(stages: list[TrainedStage]) -> str:
     """What the report rests on: when and with what it was made, the base model, and each stage's
     settings (those that differ between stages; the rest said once)."""
@@ -543,7 +610,9 @@ def rests_on_html(stages: list[TrainedStage]) -> str:
     )
 
 
-def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path) -> None:
+def write_report(
+    evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path, sweeps: dict | None = None
+) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
     for name, table in (("results.csv", results), ("accuracy_by_category.csv", categories), ("jobs.csv", jobs)):
@@ -570,6 +639,7 @@ def write_report(evaluations: list[Evaluation], stages: list[TrainedStage], outp
     right = {(e.experiment, e.stage, e.split): answers_right(e) for e in evaluations}
     preferences = preference_stages(jobs, results)
     rewards = reward_stages(stages, jobs, results, output_dir / "reward_curves.png")
+    swept = sweep_section(results, sweeps or {}, output_dir / "sweeps.png")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 {STYLE}</head><body>
@@ -590,6 +660,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 {accuracy_over_steps}
 {preferences}
 {rewards}
+{swept}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 {rests_on_html(stages)}
 <h2>Example answers</h2>

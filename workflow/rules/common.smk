@@ -323,6 +323,8 @@ def report_outputs():
     }
     if any(s.settings["method"] == "grpo" for s in PLAN.stages.values()):
         captions["reward_curves"] = ("reward_curves.png", "reward_curves.rst", "Plots")
+    if PLAN.sweeps:
+        captions["sweeps"] = ("sweeps.png", "sweeps.rst", "Plots")
     return {
         name: report(report_path(file), caption=f"../report/{caption}", category=category)
         for name, (file, caption, category) in captions.items()

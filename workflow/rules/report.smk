@@ -11,6 +11,10 @@ rule report:
     resources:
         mem_mb=rule_memory("report", 2000),
         runtime=10,
+        # How the report groups the experiments, not what any job computed: a resource, so that a
+        # study without a sweep reruns nothing for it (a sweep's experiments are the report's inputs).
+        # In hex: a job's resources travel on the command lines SLURM's jobs start Snakemake with.
+        sweeps=json.dumps(PLAN.sweeps, sort_keys=True).encode().hex(),
     params:
         labels=get_report_labels,
         image_roots=get_report_image_roots,
@@ -20,4 +24,4 @@ rule report:
         "--prepared {input.prepared:q} --image-roots {params.image_roots} --evaluations {params.labels[evaluations]} "
         "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
         "--init-from {params.labels[init_from]} "
-        "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
+        "--sweeps {resources.sweeps} --output-dir {params.output_dir:q} 2>&1 | tee {log:q}"

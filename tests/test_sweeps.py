@@ -1,0 +1,109 @@
+"""Sweeps (vlft.sweeps): a stage's setting given as a list expands into one experiment per value (per
+combination), named by their values, checked as the stage's own setting would be; the stages they
+share are trained once, and the report plots each split's accuracy against the swept values."""
+
+from __future__ import annotations
+
+import copy
+
+import pandas as pd
+import pytest
+import yaml
+
+from vlft.config import resolve_config
+from vlft.errors import ConfigError
+from vlft.plan import build_plan
+from conftest import copy_workflow, planned_outputs, snakemake
+from test_trained_once import demo_config, make_demo_shapes
+
+CURRICULUM = {
+    "description": "Two stages, the second's learning rate swept.",
+    "stages": [
+        {"name": "stage1", "epochs": 1},
+        {"name": "stage2", "init_from": "stage1", "epochs": 1, "sweep": {"learning_rate": [1.0e-4, 2.0e-3]}},
+    ],
+}
+
+
+def plan_with(experiment: dict, tmp_path):
+    config = demo_config(tmp_path)
+    config["experiments"] = {"lr": experiment}
+    return build_plan(resolve_config(config))
+
+
+def test_a_sweep_expands_into_experiments_named_by_their_values_and_checked_as_settings(tmp_path):
+    plan = plan_with(CURRICULUM, tmp_path)
+    arms = ["lr.learning_rate-0.0001", "lr.learning_rate-0.002"]
+    assert sorted(plan.stages) == sorted(f"{arm}/{stage}" for arm in arms for stage in ("stage1", "stage2"))
+    assert plan.stage(arms[1], "stage2").settings["learning_rate"] == 2.0e-3
+    assert plan.stage(arms[1], "stage2").init_from == f"{arms[1]}/stage1"
+    assert plan.stage(arms[0], "stage1").train_params() == plan.stage(arms[1], "stage1").train_params()
+    assert plan.sweeps[arms[0]] == {"experiment": "lr", "values": {"stage2.learning_rate": 1.0e-4}, "final": "stage2"}
+
+    # Several settings: one experiment per combination; one setting swept in two stages names its stage.
+    both = copy.deepcopy(CURRICULUM)
+    both["stages"][0]["sweep"] = {"learning_rate": [1.0e-3, 3.0e-3], "warmup_ratio": [0.0, 0.1]}
+    plan = plan_with(both, tmp_path)
+    assert len(plan.sweeps) == 8
+    assert "lr.stage1.learning_rate-0.001.warmup_ratio-0.1.stage2.learning_rate-0.0001" in plan.sweeps
+
+    for sweep, error in (
+        ({"learnin_rate": [1, 2]}, "sweep.learnin_rate: not a setting a stage can sweep (did you mean learning_rate?)"),
+        ({"learning_rate": ["fast", 1.0e-3]}, "sweep.learning_rate[0]: 'fast' is not of type 'number'"),
+        ({"epochs": [1, 1]}, "sweep.epochs: a value is listed twice"),
+        ({"init_from": ["stage1", "stage0"]}, "sweep.init_from: not a setting a stage can sweep"),
+    ):
+        bad = copy.deepcopy(CURRICULUM)
+        bad["stages"][1]["sweep"] = sweep
+        with pytest.raises(ConfigError) as raised:
+            plan_with(bad, tmp_path)
+        assert str(raised.value).startswith(f"experiments.lr.stages[1].{error}"), str(raised.value)
+    bad = copy.deepcopy(CURRICULUM)
+    bad["stages"][1]["sweep"] = {"learning_rate": [1.0e-3]}
+    with pytest.raises(
+        ConfigError, match=r"experiments.lr.stages\[1\].sweep.learning_rate: .*(too short|non-empty|at least)"
+    ):
+        plan_with(bad, tmp_path)
+
+
+def test_a_sweep_trains_its_shared_stage_once_and_the_report_plots_accuracy_against_its_values(tmp_path):
+    """Through Snakemake: the dry run plans stage1 once and a stage2 per value; the run's report has
+    the sweep's table and chart, each final stage on each split by its learning rate."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = demo_config(workdir / "data")
+    make_demo_shapes(config)
+    config["model"]["path"] = "results/demo/tiny-qwen3-vl"
+    config["demo"]["datasets"].pop("shapes")
+    config["defaults"]["eval_splits"] = ["test"]
+    config["experiments"] = {"lr": CURRICULUM}
+    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
+    arms = ["lr.learning_rate-0.0001", "lr.learning_rate-0.002"]
+
+    planned = planned_outputs(workdir, "--configfile", "study.yaml", "--cores", "1")
+    assert sorted(p for p in planned if p.startswith("results/train/")) == [
+        f"results/train/{arms[0]}/stage1/adapter",
+        *(f"results/train/{arm}/stage2/adapter" for arm in arms),
+    ]
+    dry = snakemake(workdir, "--configfile", "study.yaml", "--cores", "1", "--dry-run", "-p")
+    (job,) = [b for b in dry.stdout.split("\nrule ") if f"output: results/train/{arms[1]}/stage2/adapter" in b]
+    assert f"--init-adapter results/train/{arms[0]}/stage1/adapter " in job  # the stage1 trained, not its own
+    result = snakemake(workdir, "--configfile", "study.yaml", "--cores", "2")
+    assert f"{arms[1]}/stage1 trains on the same records with the same settings as {arms[0]}/stage1" in result.stderr
+
+    report = workdir / "results/report"
+    assert (report / "sweeps.png").stat().st_size > 0
+    page = (report / "index.html").read_text()
+    assert "<h2>Sweeps</h2>" in page and 'alt="accuracy against the swept values' in page
+    results = pd.read_csv(report / "results.csv")
+    finals = results[(results.stage == "stage2") & (results.split == "test")].set_index("experiment")
+    assert sorted(finals.index) == arms
+    # Stage 1 trained once; each stage 2 from it with its own learning rate, to its own adapter.
+    assert not (workdir / f"results/train/{arms[1]}/stage1").exists()
+    adapters = [
+        (workdir / f"results/train/{arm}/stage2/adapter/adapter_model.safetensors").read_bytes() for arm in arms
+    ]
+    assert adapters[0] != adapters[1]
+    section = page[page.index("<h2>Sweeps</h2>") :].split("<h2>")[1]
+    assert "stage2.learning_rate" in section and all(arm in section for arm in arms)
+    again = snakemake(workdir, "--configfile", "study.yaml", "--cores", "1", "--dry-run")
+    assert "Nothing to be done" in again.stdout + again.stderr
