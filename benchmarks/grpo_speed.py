@@ -74,11 +74,8 @@ class TimedGc:
     def __getattr__(self, name):
         return getattr(gc, name)
 
-    full_only = False  # --full-collections: every collection a full one, as before the young ones
-
     @classmethod
     def collect(cls, generation: int = 2) -> int:
-        generation = 2 if cls.full_only else generation
         started = time.perf_counter()
         found = gc.collect(generation)
         COLLECTIONS.append((generation, time.perf_counter() - started))
@@ -219,15 +216,11 @@ def main() -> None:
     parser.add_argument(
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
-    parser.add_argument(
-        "--full-collections", action="store_true", help="each rollout ends with a full collection (the earlier way)"
-    )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
     vlft.training.grpo.gc = TimedGc()
-    TimedGc.full_only = args.full_collections
 
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
     # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).

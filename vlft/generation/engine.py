@@ -101,7 +101,9 @@ def answer_requests(
         timer.add("compile_s", step.capture_s)
         timer.add("step_s", -step.capture_s)
         timer.add("graphs", len(step.graphs or {}))
+        step.release()
     finally:
+        cache.release()
         unwrapped(model).set_attn_implementation({"text_config": prefill_attention})
         timer.stop("setup_s")  # once a job, before the first prompt and after the last answer
 

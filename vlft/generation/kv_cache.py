@@ -63,6 +63,15 @@ class SlotCache:
             values[target, :, :length] = values[source, :, :length]
         self.write_at[target] = length
 
+    def release(self) -> None:
+        """Its keys and values freed now, though the engine's objects that hold it sit in reference
+        cycles (the decode step's layer calls) that only a collection would free."""
+        self.keys.clear()
+        self.values.clear()
+        if self.prefixes is not None:
+            self.prefixes.keys.clear()
+            self.prefixes.values.clear()
+
     def window(self, rows: int, length: int) -> "CacheWindow":
         return CacheWindow(self, rows, length)
 

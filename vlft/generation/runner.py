@@ -201,6 +201,13 @@ class DecodeStep:
             self._run(rows, length)
         return graph
 
+    def release(self) -> None:
+        """Its CUDA graphs' memory freed now (the step sits in a reference cycle: its layer calls
+        are bound to it)."""
+        for graph in (self.graphs or {}).values():
+            graph.reset()
+        self.graphs, self.pool, self.layer_calls = {} if self.graphs is not None else None, None, None
+
     def __call__(self, rows: int, length: int) -> torch.Tensor:
         """The next token of rows 0 to `rows` - 1 (its first `rows` entries)."""
         if self.graphs is None:

@@ -313,17 +313,18 @@ ROLLOUT_LEFT_BYTES = 64 << 20
 
 @contextmanager
 def _released():
-    """After a rollout, its engine's objects freed before the update needs the memory: its KV cache
-    (128 rows of an 8B's 1,300-token prompts: about 25 GB) and its CUDA graph sit in reference
-    cycles that only a collection frees (without it the 8B's first update ran out of an H200's memory).
-    Those objects were made during the rollout, so a collection of the young generations finds them
-    without walking the model's own objects as a full one does; the full one runs where the device
-    still holds more than the rollout found (objects promoted while it ran)."""
+    """After a rollout, its engine's memory free before the update needs it: its KV cache (128 rows
+    of an 8B's 1,300-token prompts: about 25 GB) and its CUDA graph. The engine lets go of them
+    itself as it ends (vlft.generation.engine), though its objects sit in reference cycles; a
+    collection runs only where the device still holds more than the rollout found: the young
+    generations first (the rollout's own objects), then all (without any, the 8B's first update
+    once ran out of an H200's memory). On a CPU, where that cannot be read, both run."""
     cuda = torch.cuda.is_available()
     found = torch.cuda.memory_allocated() if cuda else 0
     try:
         yield
     finally:
-        gc.collect(1)
-        if not cuda or torch.cuda.memory_allocated() > found + ROLLOUT_LEFT_BYTES:
-            gc.collect()
+        for generation in (1, 2):
+            if cuda and torch.cuda.memory_allocated() <= found + ROLLOUT_LEFT_BYTES:
+                break
+            gc.collect(generation)
