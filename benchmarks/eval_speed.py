@@ -147,7 +147,13 @@ def run_reference(model, records, image_processor, builder, pad_id, lengths) -> 
 
 
 def run_ours(
-    work: Path, model_dir: Path, lengths: dict, batch_size: int, max_new_tokens: int | None, share_images: bool = True
+    work: Path,
+    model_dir: Path,
+    lengths: dict,
+    batch_size: int,
+    max_new_tokens: int | None,
+    share_images: bool = True,
+    label: str = "",
 ) -> dict:
     from vlft.generation.evaluate import evaluate_split
 
@@ -163,7 +169,7 @@ def run_ours(
     stats = {}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    out = work / f"ours-{batch_size}-{share_images}"
+    out = work / f"ours-{batch_size}-{share_images}{label}"
     metrics = evaluate_split(
         str(model_dir),
         None,
@@ -282,6 +288,15 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
         for share in (True, False) if args.unshared else (True,):
             name = f"ours@{batch_size}" + ("" if share else " unshared")
             ours_runs[name] = run_ours(work, model_dir, lengths, batch_size, args.max_new_tokens, share)
+        if args.without_shared_prefixes:  # the same job, each row reading its own copy of its image's prefix
+            import vlft.generation.evaluate as evaluate
+
+            kept, evaluate.shared_prefixes = evaluate.shared_prefixes, lambda *_: None
+            try:
+                name = f"ours@{batch_size} without shared prefixes"
+                ours_runs[name] = run_ours(work, model_dir, lengths, batch_size, args.max_new_tokens, True, "plain")
+            finally:
+                evaluate.shared_prefixes = kept
     result["reference"] = summarize(reference, checked_lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
     for name, run in ours_runs.items():
         summary = summarize(run, lengths, weight_bytes, kv_bytes_per_token, bandwidth, prompts)
@@ -295,6 +310,16 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
         # The whole job's rate, its one-time compile apart (a job pays it once, whatever its size).
         summary["job_samples_per_s"] = len(records) / (run["job_s"] - run.get("compile_s", 0.0))
         result[name] = summary
+    for name in [n for n in ours_runs if n.endswith(" without shared prefixes")]:
+        shared_name = name.removesuffix(" without shared prefixes")
+        mine, plain = ours_runs[shared_name]["answers"], ours_runs[name]["answers"]
+        parted = [first_difference(plain[i], mine[i]) for i in plain]
+        result[f"{shared_name} shared prefixes"] = {
+            "job": result[shared_name]["job_samples_per_s"] / result[name]["job_samples_per_s"],
+            "decode_step": result[name]["decode_step_s"] / result[shared_name]["decode_step_s"],
+            "identical_answers": sum(plain[i] == mine[i] for i in plain) / len(plain),
+            "mean_tokens_before_parting": sum(parted) / len(parted),
+        }
     for name in list(ours_runs):
         if name.endswith(" unshared"):
             shared = result[name.removesuffix(" unshared")]
@@ -325,6 +350,11 @@ def main():
         "--unshared", action="store_true", help="also run ours computing every question's image anew, side by side"
     )
     parser.add_argument("--reference-samples", type=int, help="run `generate` on the first N samples only")
+    parser.add_argument(
+        "--without-shared-prefixes",
+        action="store_true",
+        help="also run ours with each row reading its own copy of its image's prefix (no cascade decoding)",
+    )
     parser.add_argument("--code", type=Path, help="measure the vlft package in this directory (an earlier commit's)")
     parser.add_argument("--label", default="", help="added to the result file's name")
     args = parser.parse_args()

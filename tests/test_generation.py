@@ -15,7 +15,7 @@ from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
-from vlft.generation.evaluate import prompt_request
+from vlft.generation.evaluate import prompt_request, shared_prefixes
 from vlft.training.image_groups import ImageGroup
 from vlft.generation.engine import answer_requests
 from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
@@ -506,6 +506,12 @@ def test_answers_with_shared_prefixes_are_the_unshared_ones(family, sampled):
     assert shared == plain, name
     assert len({len(ids) for ids in plain.values()}) >= 3  # rows ended at different steps
     assert stats["prefills"] >= 5  # the slots held prompts back: more prefills than the 5 images
+    # The layout an evaluation on a GPU takes: its rows' own parts hold what follows each prefix.
+    layout = shared_prefixes(data, list(range(len(samples))), 4, max(LIMITS))
+    on_image = [IMAGE_OF_RECORD.count(owner) for owner in dict.fromkeys(IMAGE_OF_RECORD)]
+    assert (layout.seats, layout.prefixes) == (4, min(4, 2 * math.ceil(4 / (len(samples) / len(on_image)))))
+    assert layout.own_length - max(LIMITS) < min(s.prompt_length for s in samples)  # the image is not in it
+    assert answers(layout)[0] == plain, name
 
 
 def test_a_cascade_step_gives_the_unshared_steps_logits(family):

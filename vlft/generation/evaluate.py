@@ -20,6 +20,7 @@ from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation.engine import answer_requests
+from vlft.generation.shared_prefixes import Cascade, cascade_for
 from vlft.generation.text_metrics import text_metrics
 from vlft.generation.requests import Request
 from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
@@ -181,15 +182,21 @@ def answer_records(
 
     if indices:
         longest = max(data.samples[data.records[i]["key"]].prompt_length for i in indices) + max_new_tokens
+        slots = min(settings["batch_size"], len(indices))
         answer_requests(
             model,
             requests(),
-            slots=min(settings["batch_size"], len(indices)),
+            slots=slots,
             end_id=builder.end_of_turn,
             max_length=longest,
             on_answer=answer,
             stats=stats,
             on_loss=lambda index, loss, tokens: losses.__setitem__(index, (loss, tokens)),
+            cascade=(
+                shared_prefixes(data, indices, slots, max_new_tokens)
+                if share_images and device.type == "cuda"
+                else None
+            ),
         )
     return texts, losses
 
@@ -244,6 +251,17 @@ def prompt_request(
         request.prompt_length = sample.prompt_length
         request.loss_positions, request.loss_targets = inputs["answer_positions"], inputs["answer_targets"]
     return request
+
+
+def shared_prefixes(data: StageData, indices: list[int], slots: int, answer_room: int) -> Cascade | None:
+    """On a GPU, the questions on one image keep its prefix once in the KV cache and their decode
+    steps read it once (vlft.generation.shared_prefixes: 1.59x a decode step at 128 rows in groups of
+    8 on an H100). On a CPU the step runs transformers' own attention, as `generate` does."""
+    prompts = []
+    for index in indices:
+        sample = data.samples[data.records[index]["key"]]
+        prompts.append((data.images[sample.record_id][1], sample.input_ids[: sample.prompt_length]))
+    return cascade_for(prompts, slots, answer_room)
 
 
 def _synchronized_time(device: torch.device) -> float:

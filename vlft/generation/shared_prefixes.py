@@ -22,6 +22,7 @@ prefixes fit the free slots) and the engine (seating the rows it gives them)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from vlft.generation.kv_cache import (
     write_positions,
 )
 from vlft.generation.requests import Request
+from vlft.training.image_groups import common_prefix
 
 CASCADE_ATTENTION = "vlft_cascade_decode"
 
@@ -51,6 +53,29 @@ class Cascade:
     seats: int
     prefixes: int
     own_length: int | None = None
+
+
+def cascade_for(prompts: list[tuple[str | None, list[int]]], slots: int, answer_room: int) -> Cascade | None:
+    """The layout for prompts asked in this order, each (its image's id, its token ids), `slots`
+    rows at a time, each answer up to `answer_room` tokens; None where no two consecutive prompts
+    share an image (nothing to share). Seats: the most consecutive prompts on one image, up to
+    `slots`. A row's own part: the longest prompt past the prefix it shares with the others on its
+    image (a prefill of some of them shares at least as much), plus the answer. Prefix slots: twice
+    what the rows fill with runs of the average length, so that a new run seldom waits for one."""
+    runs: list[list[list[int]]] = []
+    for n, (image, ids) in enumerate(prompts):
+        if n and image is not None and prompts[n - 1][0] == image:
+            runs[-1].append(ids)
+        else:
+            runs.append([ids])
+    if not runs or max(map(len, runs)) < 2:
+        return None
+    own = max(
+        len(ids) - common_prefix(run, min(map(len, run)) - 1) if len(run) > 1 else 0 for run in runs for ids in run
+    )
+    average = len(prompts) / len(runs)
+    prefixes = min(slots, 2 * math.ceil(slots / average))
+    return Cascade(seats=min(slots, max(map(len, runs))), prefixes=prefixes, own_length=own + answer_room)
 
 
 def seat_plan(group: list[Request], seats: int) -> list[int]:
