@@ -163,9 +163,11 @@ def run_kvasir_smoke(command, fixture, tmp_path):
     for sample in SMOKE_SAMPLES:
         summary = json.loads(shell(sample, workdir).strip().splitlines()[-1])
         out = workdir / sample.split("--out ")[1]
-        assert all(
-            summary[split]["records"] == len((out / f"{split}.jsonl").read_text().splitlines()) for split in summary
-        )
+        source = workdir / sample.split("--from ")[1].split()[0]
+        for split in summary:  # each split's records, kept or left out, and no other
+            assert summary[split]["records"] == len((out / f"{split}.jsonl").read_text().splitlines())
+            whole = len((source / f"{split}.jsonl").read_text().splitlines())
+            assert summary[split]["records"] + summary[split]["records_left_out"] == whole
         assert 0 < summary["train"]["images"] <= 32
     if command in SMOKE_SAMPLES:
         return

@@ -14,7 +14,7 @@ from vlft.files import atomic_path, read_jsonl, write_jsonl
 
 def sample_splits(source: str | Path, out: str | Path, images: dict[str, int]) -> dict:
     """`images`: split -> how many images; <source>/<split>.jsonl -> <out>/<split>.jsonl, written whole
-    or not at all. The summary counts each split's images and records."""
+    or not at all. The summary counts each split's images and records kept, and the records left out."""
     source = Path(source)
     summary = {}
     with atomic_path(out) as tmp:
@@ -23,12 +23,13 @@ def sample_splits(source: str | Path, out: str | Path, images: dict[str, int]) -
             path = source / f"{split}.jsonl"
             if not path.is_file():
                 raise InputError(path, f"no such split in {source} (an importer's output: <split>.jsonl files)")
-            kept_images, kept = set(), []
+            kept_images, kept, left_out = set(), [], 0
             for record in read_jsonl(path):
                 if record["image"] not in kept_images and len(kept_images) == count:
+                    left_out += 1
                     continue
                 kept_images.add(record["image"])
                 kept.append(record)
             write_jsonl(tmp / f"{split}.jsonl", kept)
-            summary[split] = {"images": len(kept_images), "records": len(kept)}
+            summary[split] = {"images": len(kept_images), "records": len(kept), "records_left_out": left_out}
     return summary
