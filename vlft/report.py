@@ -561,8 +561,13 @@ def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path) ->
                 capsize=3,
                 label=split,
             )
-        if numeric and min(rows[keys[0]]) > 0 and max(rows[keys[0]]) >= 10 * min(rows[keys[0]]):
-            ax.set_xscale("log")
+        if numeric:
+            values = sorted(set(rows[keys[0]]))
+            if values[0] > 0 and values[-1] >= 10 * values[0]:
+                ax.set_xscale("log")
+                ax.minorticks_off()
+            # The swept values themselves, written plainly (the page's labels are not parsed as math).
+            ax.set_xticks(values, [f"{v:g}" for v in values], fontsize=7)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel(" x ".join(keys))
         ax.legend(fontsize=8)
