@@ -163,8 +163,14 @@ class Generation:
             self.active[slot] = 1
         skip = None
         if self.prefixes is not None:  # each prefix once, in its slot; each row holds what follows it
-            skip = [shared or request.prompt for shared, request in zip(prefilled.shared, group)]
-            self.prefixes.fill(prefilled, seat_plan(group, self.prefixes.seats), skip, slots_of)
+            plan = seat_plan(group, self.prefixes.seats)
+            # A prompt alone at its slot puts all of itself there; prompts that share one, the prefix
+            # they share (a template and an image lead every prompt on one image: never none).
+            skip = [
+                shared if plan.count(prefix) > 1 else request.prompt
+                for shared, request, prefix in zip(prefilled.shared, group, plan)
+            ]
+            self.prefixes.fill(prefilled, plan, skip, slots_of)
         for slot, length in zip([s for s in slots_of if s is not None], self.cache.fill(slots_of, prefilled, skip)):
             rows[slot].written = length
             if length + rows[slot].request.max_new_tokens > self.cache.keys[0].shape[2]:
