@@ -165,3 +165,24 @@ def test_an_empty_adapter_or_cache_index_is_named_and_a_dry_run_lists_what_makes
         "results/report/index.html",
         "rule:all",
     }
+
+
+def test_an_output_being_written_is_no_damaged_output(tmp_path):
+    """A cache or adapter whose writer has not finished lies at its temporary path (vlft.files.atomic_path)
+    without its index or weights: a plan made meanwhile (a SLURM job's own, as another job writes)
+    leaves it be and asks for nothing, while a finished output that lost its index is still found."""
+    from vlft.empty_outputs import remove_empty_outputs, still_to_remake
+
+    results = tmp_path / "results"
+    writing = results / "cache/images/screens/train/.4096-16384.tmp-16682"
+    writing.mkdir(parents=True)
+    (writing / "shard-00000.safetensors").write_bytes(b"partial")
+    adapter = results / "train/exp1/.main.tmp-7/adapter"
+    adapter.mkdir(parents=True)
+    damaged = results / "cache/images/shapes/test/4096-16384"
+    damaged.mkdir(parents=True)
+    to_remake = tmp_path / "to-remake.json"
+    said = remove_empty_outputs(results, to_remake)
+    assert writing.is_dir() and (writing / "shard-00000.safetensors").read_bytes() == b"partial" and adapter.is_dir()
+    assert said == [f"{damaged}/index.json: damaged: missing; removed {damaged}, so that this run makes it again"]
+    assert still_to_remake(to_remake) == [str(damaged)]

@@ -34,6 +34,11 @@ def remove_empty_outputs(results: str | Path, to_remake: str | Path) -> list[str
     said, removed = [], []
     for pattern, needed in MUST_NOT_BE_EMPTY.items():
         for output in sorted(results.glob(pattern)):
+            if any(part.startswith(".") for part in output.relative_to(results).parts):
+                # A writer's temporary path (vlft.files.atomic_path), being written now or left by
+                # one that was killed (its target's next writer removes it): no output, and a plan
+                # made while a job writes it (a SLURM job's own) must not take it from under it.
+                continue
             for name in (needed,) if isinstance(needed, str) else needed:
                 file = output / name if name != "." else output
                 if not file.is_file() or file.stat().st_size == 0:
