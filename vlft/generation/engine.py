@@ -32,6 +32,7 @@ where the step runs transformers' own attention; tests/test_generation.py). Its 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Callable, Iterable
 
 import torch
@@ -164,10 +165,11 @@ class Generation:
         skip = None
         if self.prefixes is not None:  # each prefix once, in its slot; each row holds what follows it
             plan = seat_plan(group, self.prefixes.seats)
+            at_prefix = Counter(plan)
             # A prompt alone at its slot puts all of itself there; prompts that share one, the prefix
             # they share (a template and an image lead every prompt on one image: never none).
             skip = [
-                shared if plan.count(prefix) > 1 else request.prompt
+                shared if at_prefix[prefix] > 1 else request.prompt
                 for shared, request, prefix in zip(prefilled.shared, group, plan)
             ]
             self.prefixes.fill(prefilled, plan, skip, slots_of)

@@ -82,10 +82,15 @@ def seat_plan(group: list[Request], seats: int) -> list[int]:
     """Each request's prefix among the group's (0, 1, ...): consecutive requests on one image share
     one, up to `seats` of them; a request alone, or without an image, has its own."""
     plan: list[int] = []
+    seated = 0  # requests at the latest prefix
     for n, request in enumerate(group):
-        before = group[n - 1] if n else None
-        same = before is not None and request.image is not None and before.image == request.image
-        plan.append(plan[-1] if same and plan.count(plan[-1]) < seats else len(set(plan)))
+        same = n and request.image is not None and group[n - 1].image == request.image
+        if same and seated < seats:
+            plan.append(plan[-1])
+            seated += 1
+        else:
+            plan.append(plan[-1] + 1 if plan else 0)
+            seated = 1
     return plan
 
 
