@@ -3,14 +3,16 @@ With --processes N (the evaluation's GPUs) the split is shared out among N proce
 
 import argparse
 import json
+import time
 
 from vlft.jobs import distributed
-from vlft.jobs.cli import add_cpu_fallback_argument, run, set_cpu_threads
+from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, took_line
 from vlft.generation.evaluate import evaluate_split
 from vlft.modeling import require_gpus
 
 
 def main():
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -25,6 +27,7 @@ def main():
         "--processes", type=int, default=1, help="GPUs the job asked for, one process each sharing the split"
     )
     add_cpu_fallback_argument(parser)
+    add_predicted_argument(parser)
     args = parser.parse_args()
     require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
@@ -50,6 +53,7 @@ def main():
         distributed.leave()
     if distributed.launched_rank() == 0:
         print(json.dumps(metrics))
+        print(took_line(args.predicted_seconds, started))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 import time
 
 from vlft.jobs import distributed
-from vlft.jobs.cli import add_cpu_fallback_argument, run, set_cpu_threads
+from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, took_line
 from vlft.modeling import require_gpus
 from vlft.jobs.stopping import StopRequest, slurm_end_time
 from vlft.training.train import Preempted, StageInputs, train_stage
@@ -17,6 +17,7 @@ EXIT_PREEMPTED = 75
 
 
 def main():
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -51,6 +52,7 @@ def main():
         "--processes", type=int, default=1, help="GPUs the job asked for, one data-parallel process each"
     )
     add_cpu_fallback_argument(parser)
+    add_predicted_argument(parser)
     args = parser.parse_args()
     require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
@@ -99,6 +101,7 @@ def main():
         distributed.leave()
     if main_process:
         print(json.dumps(summary))
+        print(took_line(args.predicted_seconds, started))
 
 
 if __name__ == "__main__":

@@ -290,7 +290,7 @@ def _check_runtimes(config: dict, plan: "Plan") -> None:
     asked += [(f"{s.key}.resources.runtime", s.settings["resources"]["runtime"]) for s in plan.stages.values()]
     asked.append(("evaluation.resources.runtime", config.get("evaluation", {}).get("resources", {}).get("runtime", 0)))
     for key, minutes in asked:
-        if minutes > ceiling:
+        if minutes is not None and minutes > ceiling:  # None: predicted, and held within the ceiling
             raise ConfigError(
                 f"{key}: {minutes} minutes, more than max_runtime ({ceiling}), the most a job may ask for"
             )

@@ -96,6 +96,7 @@ def evaluate_split(
     wall = time.time() - started
     metrics = scores(predictions, loss_sum, loss_tokens, settings["answer_format"])
     metrics |= {"wall_time_s": wall, "samples_per_s": len(predictions) / wall, "dataset": settings.get("dataset")}
+    metrics["device"] = str(device)  # what its time was measured on (vlft.study_costs refines predictions by it)
     write_jsonl(predictions_out, predictions)
     write_json(metrics_out, metrics)
     return metrics

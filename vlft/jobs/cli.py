@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import warnings
 from datetime import datetime
 
@@ -32,6 +33,19 @@ def add_cpu_fallback_argument(parser) -> None:
         default=0,
         help="1: run on the CPU where no GPU is usable (the config's cpu_fallback)",
     )
+
+
+def add_predicted_argument(parser) -> None:
+    """The job's time as the plan predicted it (vlft.study_costs), to set beside what it took."""
+    parser.add_argument("--predicted-seconds", type=int, default=0, help="the plan's prediction; 0: none")
+
+
+def took_line(predicted_s: int, started: float) -> str:
+    """The job's last line: what it took (since the script started), beside the plan's prediction."""
+    took = time.monotonic() - started
+    if not predicted_s:
+        return f"took {took:.0f} s (not predicted: its data or model was made by the same run)"
+    return f"took {took:.0f} s, predicted {predicted_s} s ({took / predicted_s:.2f} of the prediction)"
 
 
 def set_cpu_threads(threads: int) -> None:

@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 
 from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
+from vlft.study_costs import StudyCosts, capacity_of
 from vlft.empty_outputs import remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError, InputError
 from vlft.jobs.partition import Request, cpu_line, over_line, read_partition
@@ -67,6 +68,9 @@ TRAINED_ONCE = trained_once(
 )
 for sentence in shared_lines(TRAINED_ONCE):
     print(sentence, file=sys.stderr)
+# Each training and evaluation job's predicted time, from its data's counts and measured
+# throughputs (vlft.study_costs): its SLURM time limit where the config sets none, and the dry run's table.
+COSTS = StudyCosts(PLAN, config, DIGESTS, RESULTS)
 
 
 wildcard_constraints:
@@ -225,6 +229,42 @@ def get_lineage_settings(include_stage):
     return lineage
 
 
+# Minutes a GPU job asks for where nothing predicts its time (its data or model is made by the run).
+UNPREDICTED_RUNTIME = 360
+
+
+def get_predicted_seconds(wildcards):
+    """A resource: the job's predicted seconds (0 where it has none), for its log to set beside what
+    it took; a resource, so a refined prediction reruns nothing."""
+    if "split" in wildcards.keys():
+        prediction = COSTS.evaluation(wildcards.experiment, wildcards.stage, wildcards.split)
+    else:
+        prediction = COSTS.train(wildcards.experiment, wildcards.stage)
+    return round(prediction.seconds) if prediction else 0
+
+
+def print_dry_run_costs():
+    """After a dry run (Snakemake calls no hook there: atexit), what the jobs that would run cost."""
+    if not workflow.dryrun or workflow.dag is None:
+        return
+    jobs, needs = [], {}
+    for job in workflow.dag.needrun_jobs(exclude_finished=False):
+        needs[job] = list(workflow.dag.job_dependencies(job))
+        if job.rule.name == "train":
+            w = job.wildcards
+            gpus = PLAN.resources(w.experiment, w.stage)["gpus"]
+            jobs.append((job, f"train {w.experiment}/{w.stage}", COSTS.train(w.experiment, w.stage), gpus))
+        elif job.rule.name == "evaluate":
+            w = job.wildcards
+            prediction = COSTS.evaluation(w.experiment, w.stage, w.split)
+            gpus = config["evaluation"]["resources"]["gpus"]
+            jobs.append((job, f"evaluate {w.experiment}/{w.stage} on {w.split}", prediction, gpus))
+    resources = {name: getattr(value, "value", value) for name, value in workflow.global_resources.items()}
+    capacity, named = capacity_of(resources, resources.get("_nodes"))
+    for line in COSTS.lines(jobs, needs, capacity, named):
+        print(line, file=sys.stderr)
+
+
 def get_stage_resource(key, default=False):
     """A GPU job's resource from its stage's `resources` (inherited from `defaults`; `default` takes
     `defaults` itself, for jobs of no one stage); runtime grows with each retry, so a job killed at
@@ -233,12 +273,16 @@ def get_stage_resource(key, default=False):
     def resource(wildcards, attempt):
         if default:
             value, job, keys = PLAN.defaults["resources"][key], "a vision cache", f"defaults.resources.{key}"
+            if value is None:  # runtime: a vision cache's is not predicted
+                value = UNPREDICTED_RUNTIME
         else:
             value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
             job, keys = (
                 f"train {wildcards.experiment}/{wildcards.stage}",
                 f"resources.{key} of the stage or of defaults",
             )
+            if value is None:  # runtime: from the prediction
+                value = COSTS.runtime(COSTS.train(wildcards.experiment, wildcards.stage), UNPREDICTED_RUNTIME)
         return checked_request(job, key, value, keys, attempt)
 
     return resource
@@ -249,6 +293,9 @@ def get_eval_resource(key):
 
     def resource(wildcards, attempt):
         value = config["evaluation"]["resources"][key]
+        if value is None:  # runtime: from the prediction
+            prediction = COSTS.evaluation(wildcards.experiment, wildcards.stage, wildcards.split)
+            value = COSTS.runtime(prediction, UNPREDICTED_RUNTIME)
         return checked_request("evaluate", key, value, f"evaluation.resources.{key}", attempt)
 
     return resource

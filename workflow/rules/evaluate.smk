@@ -13,6 +13,8 @@ rule evaluate:
         mem_mb=get_eval_resource("mem_mb"),
         gpu=get_eval_resource("gpus"),
         cpu_fallback=CPU_FALLBACK,
+        # The plan's prediction of the job's time, for its log (vlft.study_costs).
+        predicted_s=get_predicted_seconds,
     params:
         model=model_content("whole"),
         model_path=model_path,
@@ -25,4 +27,4 @@ rule evaluate:
         # split's batches shared out among them.
         "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/evaluate.py --model {params.model_path:q} {params.trust_remote_code} {params.adapter} "
         "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
-        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} 2>&1 | tee {log:q}"
+        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --predicted-seconds {resources.predicted_s} 2>&1 | tee {log:q}"

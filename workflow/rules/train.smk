@@ -19,6 +19,9 @@ rule train:
         activation_checkpointing=lambda wildcards: int(get_stage(wildcards).settings["activation_checkpointing"]),
         # A retry (attempt 2 on) restores the outputs of an attempt that finished its steps.
         attempt=lambda wildcards, attempt: attempt,
+        # The plan's prediction of the job's time (vlft.study_costs), for its log: a resource, so a
+        # refined prediction reruns nothing.
+        predicted_s=get_predicted_seconds,
         cpu_fallback=CPU_FALLBACK,
         # Where the curves go, not what is trained: a resource, so naming a tracker reruns nothing.
         report_to=",".join(config["report_to"]) or "none",
@@ -47,5 +50,5 @@ rule train:
         # (vlft.jobs.stopping).
         "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} scripts/train.py --model {params.model_path:q} {params.trust_remote_code} --prepared {input.prepared:q} "
         "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --report-to {resources.report_to} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
+        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --report-to {resources.report_to} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --predicted-seconds {resources.predicted_s} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
         "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"

@@ -1,0 +1,243 @@
+"""Each job's time before it runs (vlft.costs, vlft.study_costs): counted from the data, timed by
+the measured throughputs, refined by the study's own jobs; the dry run's table and SLURM limits."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import snakemake
+from vlft.costs import (
+    CountsMemo,
+    ModelShape,
+    Prediction,
+    Refinement,
+    SplitCounts,
+    attempts_needed,
+    count_split,
+    eval_seconds,
+    image_tokens,
+    runtime_minutes,
+    throughputs,
+    train_seconds,
+    wall_seconds,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_image_tokens_equal_the_qwen_processors_resize():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    for factor, low, high in ((28, 3136, 1003520), (32, 4096, 16384), (32, 65536, 1336320), (28, 200704, 1003520)):
+        for height in (40, 97, 333, 1036, 1288, 1920, 2555):
+            for width in (40, 150, 777, 1080, 1288, 2560):
+                resized_h, resized_w = smart_resize(height, width, factor, low, high)
+                assert image_tokens(height, width, factor, low, high) == (resized_h // factor) * (resized_w // factor)
+
+
+def word_tokenizer(path, words):
+    """A real tokenizer.json (the tokenizers library's, as checkpoints ship it): one token a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture
+def small_split(tmp_path):
+    """Five records on three images of three sizes; two categories."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for name, size in (("a.png", (64, 64)), ("b.png", (128, 64)), ("c.png", (96, 96))):
+        Image.new("RGB", size).save(images / name)
+    rows = [
+        ("a.png", "what color", "red", "color"),
+        ("a.png", "how many shapes here", "two shapes so 2", "count"),
+        ("b.png", "what color", "blue", "color"),
+        ("b.png", "is it round", "yes", "yes/no"),
+        ("c.png", "what color", "it is green so green", "color"),
+    ]
+    records = tmp_path / "train.jsonl"
+    records.write_text(
+        "".join(
+            json.dumps({"id": str(i), "image": im, "question": q, "answer": a, "category": c}) + "\n"
+            for i, (im, q, a, c) in enumerate(rows)
+        )
+    )
+    words = sorted({w for _, q, a, _ in rows for w in (q + " " + a).split()})
+    return records, images, word_tokenizer(tmp_path / "tokenizer.json", words)
+
+
+def test_a_split_is_counted_from_its_records_image_sizes_and_tokenizer(small_split, tmp_path):
+    records, images, tokenizer = small_split
+    shape = ModelShape(compute_params=1e9, factor=32, tokenizer=tokenizer)
+    counts = count_split(records, images, shape, (1024, 16384), {})
+    per_image = {
+        n: image_tokens(h, w, 32, 1024, 16384) for n, (w, h) in {"a": (64, 64), "b": (128, 64), "c": (96, 96)}.items()
+    }
+    assert (per_image["a"], per_image["b"], per_image["c"]) == (4, 8, 9)
+    assert counts.records == 5 and counts.images == 3
+    assert counts.image_tokens == 2 * 4 + 2 * 8 + 9
+    assert counts.distinct_image_tokens == 4 + 8 + 9
+    assert counts.question_tokens == 2 + 4 + 2 + 3 + 2
+    assert counts.answer_lengths == {1: 3, 4: 1, 5: 1}
+    assert counts.answer_tokens(cap=2) == 3 + 2 + 2
+    # A filter counts the records it selects, and their images only.
+    colors = count_split(records, images, shape, (1024, 16384), {"category": "color"})
+    assert (colors.records, colors.images, colors.distinct_image_tokens) == (3, 3, 21)
+    assert (colors.question_tokens, colors.answer_tokens()) == (6, 1 + 1 + 5)
+    # Without a tokenizer on disk: characters over four, said.
+    estimated = count_split(records, images, ModelShape(1e9, 32, None), (1024, 16384), {})
+    assert estimated.tokens_estimated and estimated.question_tokens == sum(
+        math.ceil(len(q) / 4) for q in ("what color", "how many shapes here", "what color", "is it round", "what color")
+    )
+
+
+def test_counts_are_kept_and_read_back_without_the_records(small_split, tmp_path):
+    records, images, tokenizer = small_split
+    shape = ModelShape(1e9, 32, tokenizer)
+    first = CountsMemo(tmp_path / "counts").counts("digest-1", records, images, shape, (1024, 16384), {})
+    records.write_text("")  # a new memo finds the stored counts of that content: it reads no record
+    again = CountsMemo(tmp_path / "counts").counts("digest-1", records, images, shape, (1024, 16384), {})
+    assert again == first and again.records == 5
+    # Another content (digest) is counted anew.
+    assert CountsMemo(tmp_path / "counts").counts("digest-2", records, images, shape, (1024, 16384), {}).records == 0
+
+
+def kvasir_like(answer_tokens: int, records=288, images=32) -> SplitCounts:
+    """The training benchmark's Kvasir-like workload: 1,303 image tokens an image, 9 questions on
+    each, about 15 question tokens (with the template's 20: the 45 text tokens the fit took with
+    short answers)."""
+    return SplitCounts(
+        records=records,
+        images=images,
+        image_tokens=records * 1303,
+        distinct_image_tokens=images * 1303,
+        question_tokens=records * 15,
+        answer_lengths={answer_tokens: records},
+    )
+
+
+STAGE = dict(
+    micro_batch=16, grad_accum=1, max_steps=None, epochs=1, image_groups=False, method="sft", vision_cache=True
+)
+
+
+@pytest.mark.parametrize(
+    "device, groups, answers, measured",
+    [
+        ("H200", False, 10, 14.33),
+        ("H200", True, 10, 69.65),
+        ("H200", False, 210, 11.97),
+        ("H200", True, 210, 38.85),
+        ("H100", False, 10, 13.32),
+        ("H100", True, 10, 67.36),
+    ],
+)
+def test_the_table_gives_back_the_benchmarks_it_was_fitted_on(device, groups, answers, measured):
+    """The training rows of vlft/throughputs.csv against the runs they were fitted on (benchmarks/
+    README.md, "Image groups"): a two-coefficient least-squares fit through four runs, each run
+    within 5% of it (the table's source says so), and the text tokens taken as 45 + the answer's
+    length against the benchmark's own (short answers 1-16, long 20-400: means 8.5 and 210); 7%
+    holds both."""
+    rate = throughputs(device, 7.57e9)
+    settings = dict(STAGE, image_groups=groups)
+    predicted = train_seconds(settings, kvasir_like(answers), rate)
+    samples_per_s = 288 / predicted.work_s
+    assert samples_per_s == pytest.approx(measured, rel=0.07)
+
+
+def test_a_prediction_follows_what_the_stage_computes():
+    rate = throughputs("H100", 7.57e9)
+    counts = kvasir_like(10)
+    plain = train_seconds(STAGE, counts, rate)
+    assert train_seconds(dict(STAGE, epochs=2), counts, rate).work_s == pytest.approx(2 * plain.work_s)
+    # max_steps decides the samples: 36 steps of 16 are two epochs of 288.
+    assert train_seconds(dict(STAGE, max_steps=36), counts, rate).work_s == pytest.approx(2 * plain.work_s)
+    # An image group computes each image once: 8 of its 9 questions' image tokens left out.
+    grouped = train_seconds(dict(STAGE, image_groups=True), counts, rate)
+    saved = (counts.image_tokens - counts.distinct_image_tokens) / rate["train_tokens_per_s"]
+    assert plain.work_s - grouped.work_s == pytest.approx(saved)
+    # From pixels, the tower runs over each image.
+    pixels = train_seconds(dict(STAGE, vision_cache=False), counts, rate)
+    assert pixels.work_s - plain.work_s == pytest.approx(
+        counts.distinct_image_tokens * rate["vision_s_per_image_token"]
+    )
+    # A twice larger model takes twice the time a token; its fixed cost is the same.
+    larger = train_seconds(STAGE, counts, throughputs("H100", 2 * 7.57e9))
+    assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s
+    # Evaluation: answers capped at max_new_tokens, decoded in rows of batch_size.
+    long = kvasir_like(300)
+    capped = eval_seconds({"max_new_tokens": 100, "batch_size": 128}, long, rate)
+    uncapped = eval_seconds({"max_new_tokens": 512, "batch_size": 128}, long, rate)
+    per_token = rate["decode_step_s"] / 128 + rate["decode_row_s"]
+    assert uncapped.work_s - capped.work_s == pytest.approx(288 * 200 * per_token)
+
+
+def test_the_plans_wall_time_waits_for_what_a_job_needs_and_for_free_gpus():
+    durations = {"a": 10.0, "b": 20.0, "c": 15.0}
+    needs = {"b": ["a", "outside the plan"]}
+    gpus = {"a": 1, "b": 1, "c": 1}
+    assert wall_seconds(durations, needs, gpus, math.inf) == 30
+    assert wall_seconds(durations, needs, gpus, 2) == 30
+    assert wall_seconds(durations, needs, gpus, 1) == 45
+    # A job asking for more GPUs than there are runs alone on all of them.
+    assert wall_seconds({"a": 5.0, "d": 7.0}, {}, {"a": 1, "d": 4}, 2) == 12
+
+
+def test_time_limits_and_attempts_follow_the_prediction():
+    assert runtime_minutes(600, 1.5, 15) == 15  # 15 min predicted with the margin: the floor
+    assert runtime_minutes(3600, 1.5, 15) == 90
+    assert attempts_needed(3600 * 9, 1.5, 480) == 2  # 13.5 h with the margin, 8 h a job
+    assert attempts_needed(60, 1.5, 480) == 1
+
+
+def test_the_study_own_jobs_refine_the_rest():
+    refinement = Refinement()
+    assert refinement.ratio("train") == 1.0
+    for predicted, measured in ((100, 120), (200, 260), (50, 55)):
+        refinement.add("train", Prediction(0.0, predicted, ""), measured)
+    assert refinement.ratio("train") == pytest.approx(1.2) and refinement.jobs("train") == 3
+    assert Prediction(10.0, 100.0, "").refined(1.2).seconds == pytest.approx(130.0)
+
+
+def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partition_splits(demo_workdir, tmp_path):
+    """The README's dry run on the finished demo with every stage and evaluation forced: a line a
+    job with its predicted time, refined by the jobs that ran; the plan's total at the GPUs given; a
+    stage longer than max_runtime named with its attempts; each train job's runtime its prediction."""
+    workdir = tmp_path / "demo"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    forced = ("-n", "--forcerun", "train", "evaluate", "--resources", "gpu=2")
+    # On the CPU the demo ran on: its own jobs refine the predictions.
+    run = snakemake(workdir, *forced)
+    out = run.stdout + run.stderr
+    assert re.search(r"train: refined by \d+ of this study's finished jobs", out), out[-3000:]
+    # On an H100 with an 8-hour... here a one-minute partition, the runtimes left to the prediction.
+    config_file = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    del config["defaults"]["resources"]["runtime"], config["evaluation"]["resources"]["runtime"]
+    config |= {"max_runtime": 1, "planning": {"device": "H100"}}
+    config_file.write_text(yaml.safe_dump(config))
+    run = snakemake(workdir, *forced)
+    out = run.stdout + run.stderr
+    assert (
+        "Predicted time of the jobs that would run, on H100 (planning.device; throughputs measured on qwen3-vl-8b)"
+        in out
+    )
+    table = out[out.index("Predicted time of the jobs") :]
+    for job in ("train exp1/main", "train click_grpo/grpo", "evaluate exp1/main on val", "evaluate base/base on test"):
+        assert re.search(rf"^  {re.escape(job)} +\d+(\.\d)? (s|min|h)  ", table, re.M), (job, table)
+    assert re.search(r"total: \d+\.\d\d GPU-hours; wall time .* at gpu=2", table), table
+    # 100 s of fixed cost alone, with the margin, is more than max_runtime's minute.
+    assert re.search(r"train exp1/main needs more than max_runtime \(1 min\): it runs as [2-9] attempts", table), table
+    # Each train job asks SLURM for its prediction with the margin, held at max_runtime's minute.
+    assert "runtime=1," in out

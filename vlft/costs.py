@@ -1,0 +1,420 @@
+"""What each training and evaluation job will cost, before it runs.
+
+A job's work is counted from its data (`count_split`): its records, the image tokens each image
+becomes at the stage's pixel range (`image_tokens`, the Qwen-VL processors' resize), and the
+question and answer tokens the checkpoint's tokenizer makes of them. What the stage does with them
+(epochs or max_steps, image groups, its method, the evaluation's answer room) decides what the job
+computes (`train_seconds`, `eval_seconds`). Its time is that work at the throughputs our benchmarks
+measured, per device and model (vlft/throughputs.csv, each coefficient with its source), scaled by
+the language model's parameters from the nearest measured model, plus the job's fixed cost (load,
+compile). Once a study's own jobs have run, the ratio of their measured times to their predictions
+refines the rest of the study's (`Refinement`).
+
+Counting reads a split's records and its images' headers once per content of the split and keeps the
+counts under .snakemake/vlft/counts/: a dry run that finds them reads nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vlft.data.records import raw_objects, selected_by
+from vlft.files import atomic_path
+
+THROUGHPUTS = Path(__file__).with_name("throughputs.csv")
+# The chat template's tokens around a question and its answer (Qwen-VL's: the turns' markers, the
+# image's start and end): the same for every sample, too few to count one by one.
+TEMPLATE_TOKENS = 20
+# Counted without a tokenizer on disk (a model not fetched yet): characters a token, English text.
+CHARACTERS_A_TOKEN = 4
+COUNTS_VERSION = 1
+
+
+def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> int:
+    """The language model's tokens of one image: transformers' Qwen2-VL `smart_resize` (the size each
+    side is rounded to a multiple of `factor`, the area brought into [min_pixels, max_pixels]), over
+    factor². Written here because importing its module brings torch and transformers, seconds of
+    every dry run; tests/test_costs.py holds it equal to transformers' on many sizes."""
+    resized_h = max(factor, round(height / factor) * factor)
+    resized_w = max(factor, round(width / factor) * factor)
+    if resized_h * resized_w > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        resized_h = max(factor, math.floor(height / beta / factor) * factor)
+        resized_w = max(factor, math.floor(width / beta / factor) * factor)
+    elif resized_h * resized_w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        resized_h = math.ceil(height * beta / factor) * factor
+        resized_w = math.ceil(width * beta / factor) * factor
+    return (resized_h // factor) * (resized_w // factor)
+
+
+@dataclass
+class SplitCounts:
+    """What one split holds, under one filter, in tokens."""
+
+    records: int = 0
+    images: int = 0
+    image_tokens: int = 0  # each record's image, summed over records
+    distinct_image_tokens: int = 0  # each image once
+    question_tokens: int = 0
+    rejected_tokens: int = 0
+    answer_lengths: dict[int, int] = field(default_factory=dict)  # answer tokens -> records
+    tokens_estimated: bool = False  # from characters: no tokenizer on disk
+
+    def answer_tokens(self, cap: int | None = None) -> int:
+        return sum(min(n, cap or n) * count for n, count in self.answer_lengths.items())
+
+    def longest_answer(self, cap: int | None = None) -> int:
+        return min(max(self.answer_lengths, default=0), cap or math.inf)
+
+    def __add__(self, other: "SplitCounts") -> "SplitCounts":
+        lengths = dict(self.answer_lengths)
+        for n, count in other.answer_lengths.items():
+            lengths[n] = lengths.get(n, 0) + count
+        summed = {k: getattr(self, k) + getattr(other, k) for k in asdict(self) if k != "answer_lengths"}
+        summed["tokens_estimated"] = self.tokens_estimated or other.tokens_estimated
+        return SplitCounts(**summed, answer_lengths=lengths)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a checkpoint's size and image layout are, from its config files alone."""
+
+    compute_params: float  # the language model's weights a token goes through (its layers and head)
+    factor: int  # pixels a side of one image token: patch size x merge size
+    tokenizer: Path | None
+
+    @classmethod
+    def of(cls, model_dir: str | Path) -> "ModelShape":
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        text = config.get("text_config", config)
+        d, layers, inner = text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]
+        heads = text["num_attention_heads"]
+        head_dim = text.get("head_dim") or d // heads
+        kv = text.get("num_key_value_heads", heads) * head_dim
+        per_layer = 2 * d * heads * head_dim + 2 * d * kv + 3 * d * inner
+        processor = json.loads((model_dir / "preprocessor_config.json").read_text())
+        tokenizer = model_dir / "tokenizer.json"
+        return cls(
+            layers * per_layer + text["vocab_size"] * d,
+            processor["patch_size"] * processor["merge_size"],
+            tokenizer if tokenizer.is_file() else None,
+        )
+
+
+def _token_counts(texts: list[str], tokenizer: Path | None) -> list[int]:
+    """Each text's tokens; each distinct text tokenized once (Kvasir-VQA asks some twenty questions,
+    and many answers repeat)."""
+    distinct = list(dict.fromkeys(texts))
+    if tokenizer is None:
+        lengths = [math.ceil(len(t) / CHARACTERS_A_TOKEN) for t in distinct]
+    else:
+        from tokenizers import Tokenizer  # the Rust library alone: no torch, no transformers
+
+        lengths = [
+            len(e.ids) for e in Tokenizer.from_file(str(tokenizer)).encode_batch(distinct, add_special_tokens=False)
+        ]
+    length_of = dict(zip(distinct, lengths))
+    return [length_of[t] for t in texts]
+
+
+@dataclass
+class RecordTable:
+    """Each record of a raw split, in its order: its image, and its tokens."""
+
+    images: list[str] = field(default_factory=list)
+    image_tokens: list[int] = field(default_factory=list)
+    questions: list[int] = field(default_factory=list)
+    answers: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+    tokens_estimated: bool = False
+
+
+def record_table(
+    records: str | Path, image_root: str | Path, shape: ModelShape, pixels: tuple[int, int]
+) -> RecordTable:
+    """Read every record of a raw split and each distinct image's header (its size, not its
+    pixels), and tokenize the questions and answers. An image that cannot be read counts nothing:
+    prepare_split names it."""
+    from PIL import Image
+
+    sizes: dict[str, int] = {}
+    table = RecordTable(tokens_estimated=shape.tokenizer is None)
+    questions, answers, rejected = [], [], []
+    for record in raw_objects([records]):
+        image = str(record.get("image", ""))
+        if image not in sizes:
+            try:
+                with Image.open(Path(image_root) / image) as opened:
+                    width, height = opened.size
+                sizes[image] = image_tokens(height, width, shape.factor, *pixels)
+            except (OSError, ValueError):
+                sizes[image] = 0
+        table.images.append(image)
+        table.image_tokens.append(sizes[image])
+        questions.append(str(record.get("question", "")))
+        answers.append(str(record.get("answer", "")))
+        rejected.append(str(record.get("rejected") or ""))
+    table.questions = _token_counts(questions, shape.tokenizer)
+    table.answers = _token_counts(answers, shape.tokenizer)
+    table.rejected = _token_counts(rejected, shape.tokenizer)
+    return table
+
+
+def selection(records: str | Path, filters: dict) -> list[bool]:
+    """Which of a raw split's records (in raw_objects' order, as record_table reads them) a filter selects."""
+    return [selected_by(record, filters) for record in raw_objects([records])]
+
+
+def counts_of(table: RecordTable, selected: list[bool] | None = None) -> SplitCounts:
+    """The split's counts over the records selected (all without a selection)."""
+    counts = SplitCounts(tokens_estimated=table.tokens_estimated)
+    seen = set()
+    for i, image in enumerate(table.images):
+        if selected is not None and not selected[i]:
+            continue
+        counts.records += 1
+        counts.image_tokens += table.image_tokens[i]
+        if image not in seen:
+            seen.add(image)
+            counts.distinct_image_tokens += table.image_tokens[i]
+        counts.question_tokens += table.questions[i]
+        counts.rejected_tokens += table.rejected[i]
+        counts.answer_lengths[table.answers[i]] = counts.answer_lengths.get(table.answers[i], 0) + 1
+    counts.images = len(seen)
+    return counts
+
+
+def count_split(
+    records: str | Path, image_root: str | Path, shape: ModelShape, pixels: tuple[int, int], filters: dict
+) -> SplitCounts:
+    """Count one raw split's records that `filters` selects."""
+    table = record_table(records, image_root, shape, pixels)
+    return counts_of(table, selection(records, filters) if filters else None)
+
+
+class CountsMemo:
+    """Counts kept between plans: a split's record table once per (split content, tokenizer, pixel
+    range), read again only for a filter not counted before; each filter's counts apart."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.known: dict[str, object] = {}
+
+    def _kept(self, key: list, make, load):
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        if name in self.known:
+            return self.known[name]
+        path = self.directory / f"{name}.json"
+        try:
+            value = load(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            value = make()
+            try:
+                with atomic_path(path) as tmp:
+                    tmp.write_text(json.dumps(asdict(value)))
+            except OSError:
+                pass  # counted again next time
+        self.known[name] = value
+        return value
+
+    def counts(self, split_digest: str, records, image_root, shape: ModelShape, pixels, filters) -> SplitCounts:
+        tokenizer = hashlib.sha256(shape.tokenizer.read_bytes()).hexdigest() if shape.tokenizer else None
+        table_key = [COUNTS_VERSION, split_digest, tokenizer, shape.factor, list(pixels)]
+
+        def table():
+            return self._kept(
+                table_key, lambda: record_table(records, image_root, shape, pixels), lambda d: RecordTable(**d)
+            )
+
+        def count():
+            return counts_of(table(), selection(records, filters) if filters else None)
+
+        def load(stored):
+            stored["answer_lengths"] = {int(n): c for n, c in stored["answer_lengths"].items()}
+            return SplitCounts(**stored)
+
+        return self._kept(table_key + [filters], count, load)
+
+
+@dataclass(frozen=True)
+class Throughputs:
+    """One device's coefficients for one model, scaled from the nearest measured model."""
+
+    device: str
+    model: str  # the measured model they come from
+    values: dict[str, float]
+    scale: float  # this model's compute over the measured model's: per-token times grow with it
+
+    def __getitem__(self, quantity: str) -> float:
+        value = self.values[quantity]
+        if quantity.endswith("_per_s"):
+            return value / self.scale
+        return value if quantity.endswith("fixed_s") else value * self.scale
+
+
+def throughputs(device: str, compute_params: float, table: Path = THROUGHPUTS) -> Throughputs | None:
+    """The table's coefficients for `device` from its model nearest in size; None for a device it
+    has no row of."""
+    with open(table, newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row["device"].lower() == device.lower()]
+    if not rows:
+        return None
+    nearest = min(rows, key=lambda row: abs(math.log(float(row["compute_params"]) / compute_params)))
+    chosen = [row for row in rows if row["model"] == nearest["model"]]
+    values = {row["quantity"]: float(row["value"]) for row in chosen}
+    return Throughputs(nearest["device"], nearest["model"], values, compute_params / float(nearest["compute_params"]))
+
+
+def devices(table: Path = THROUGHPUTS) -> list[str]:
+    with open(table, newline="") as handle:
+        return sorted({row["device"] for row in csv.DictReader(handle)})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A job's predicted seconds: its fixed cost (load, compile) and the rest, its work."""
+
+    fixed_s: float
+    work_s: float
+    what: str  # the counted work, in words
+
+    @property
+    def seconds(self) -> float:
+        return self.fixed_s + self.work_s
+
+    def refined(self, ratio: float) -> "Prediction":
+        return Prediction(self.fixed_s, self.work_s * ratio, self.what)
+
+
+def tokens(count: float) -> str:
+    return f"{count / 1e6:,.1f}M" if count >= 1e6 else f"{count / 1e3:,.0f}k" if count >= 1e3 else f"{count:.0f}"
+
+
+def _decode_s(tokens: float, rows: int, rate: Throughputs) -> float:
+    """Generating `tokens` answer tokens with `rows` answered at once: each step reads the weights
+    once for all its rows, and each row's own part."""
+    return tokens * (rate["decode_step_s"] / rows + rate["decode_row_s"])
+
+
+def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Prediction:
+    """A training stage's time: each step's forward and backward over the tokens it computes (an
+    image's once a group with image groups, once a sample otherwise), the vision tower where it
+    trains from pixels, and a method's own passes (dpo: the reference, once; grpo: its rollouts)."""
+    records = max(counts.records, 1)
+    step_size = settings["micro_batch"] * settings["grad_accum"]
+    samples = settings["max_steps"] * step_size if settings["max_steps"] else counts.records * settings["epochs"]
+    passes = samples / records  # times each record is trained on
+    image = counts.distinct_image_tokens if settings["image_groups"] else counts.image_tokens
+    text = counts.records * TEMPLATE_TOKENS + counts.question_tokens
+    method = settings["method"]
+    extra_s = 0.0
+    if method == "grpo":
+        generations = settings["num_generations"]
+        completion = counts.answer_tokens(settings["max_completion_length"]) / records
+        image = counts.distinct_image_tokens  # a question's answers share its prompt: an image group
+        text += generations * completion * counts.records
+        # The rollouts: each step's prompts prefilled once, then decoded in rows of all their answers.
+        prompts = (counts.distinct_image_tokens + counts.records * TEMPLATE_TOKENS + counts.question_tokens) * passes
+        rows = generations * step_size
+        longest = counts.longest_answer(settings["max_completion_length"])
+        steps = samples / step_size
+        extra_s = prompts / rate["prefill_tokens_per_s"] + _decode_s(longest * steps * rows, rows, rate)
+        extra_s /= settings["num_iterations"]  # a rollout serves num_iterations steps
+    else:
+        text += counts.answer_tokens() + (counts.rejected_tokens if method == "dpo" else 0)
+    step_s = passes * (
+        counts.records * rate["train_s_per_sample"]
+        + (image + text) / rate["train_tokens_per_s"]
+        + (0 if settings["vision_cache"] else counts.distinct_image_tokens * rate["vision_s_per_image_token"])
+    )
+    if method == "dpo":  # the reference's log-probabilities: one pass without gradients, a third of a step's work
+        extra_s = (image + text) / rate["train_tokens_per_s"] / 3
+    what = f"{samples:,.0f} samples, {tokens(passes * (image + text))} tokens"
+    return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
+
+
+def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs) -> Prediction:
+    """An evaluation's time: each image once and every question with its reference answer in the
+    prefill (which gives the loss too), then the answers decoded at `batch_size` rows, each as long as
+    its reference answer, at most max_new_tokens."""
+    prefill = (
+        counts.distinct_image_tokens
+        + counts.records * TEMPLATE_TOKENS
+        + counts.question_tokens
+        + counts.answer_tokens()
+    )
+    answers = counts.answer_tokens(evaluation["max_new_tokens"])
+    rows = evaluation["batch_size"]
+    work = (
+        prefill / rate["prefill_tokens_per_s"]
+        + _decode_s(answers, rows, rate)
+        + counts.distinct_image_tokens * rate["vision_s_per_image_token"]
+    )
+    what = f"{counts.records:,} answers, {tokens(prefill)} tokens prefilled, {tokens(answers)} generated"
+    return Prediction(rate["eval_fixed_s"], work, what)
+
+
+@dataclass
+class Refinement:
+    """The ratio of a study's measured work times to their predictions, per kind of job (train,
+    evaluate): the median over the jobs that ran on the device predicted for, applied to the work of
+    the rest. 1 until one has run."""
+
+    measured: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, kind: str, prediction: Prediction, measured_s: float) -> None:
+        if prediction.work_s > 0 and measured_s > 0:
+            self.measured.setdefault(kind, []).append(measured_s / prediction.work_s)
+
+    def ratio(self, kind: str) -> float:
+        return statistics.median(self.measured[kind]) if self.measured.get(kind) else 1.0
+
+    def jobs(self, kind: str) -> int:
+        return len(self.measured.get(kind, []))
+
+
+def runtime_minutes(seconds: float, margin: float, floor: int) -> int:
+    """The time limit a job asks for from its prediction: the prediction times the margin, at least
+    the floor, in whole minutes."""
+    return max(floor, math.ceil(seconds * margin / 60))
+
+
+def attempts_needed(seconds: float, margin: float, ceiling: int) -> int:
+    """Attempts a stage takes where each may run at most `ceiling` minutes: it stops before its limit
+    and the next resumes (vlft.jobs.stopping)."""
+    return max(1, math.ceil(seconds * margin / 60 / ceiling))
+
+
+def wall_seconds(durations: dict, needs: dict, gpus: dict, capacity: float) -> float:
+    """The plan's wall time: jobs started as soon as what they need is done and enough GPUs are free
+    (`capacity`, unbounded with math.inf), earliest-ready first."""
+    import heapq
+
+    finish: dict = {}
+    running: list[tuple[float, int, object]] = []  # (finish time, order, job)
+    free, now, order = capacity, 0.0, 0
+    waiting = list(durations)
+    while waiting or running:
+        ready = [j for j in waiting if all(n in finish for n in needs.get(j, ()) if n in durations)]
+        started = False
+        for job in ready:
+            want = min(gpus.get(job, 0), capacity)
+            if want <= free:
+                free -= want
+                order += 1
+                heapq.heappush(running, (now + durations[job], order, job))
+                waiting.remove(job)
+                started = True
+        if not started:
+            now, _, job = heapq.heappop(running)
+            finish[job] = now
+            free += min(gpus.get(job, 0), capacity)
+    return max(finish.values(), default=0.0)

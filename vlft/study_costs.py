@@ -1,0 +1,211 @@
+"""A study's jobs priced before they run: the plan's stages and evaluations joined to their data's
+counts and to the throughputs of the device they will run on (vlft.costs), refined by the study's
+own finished jobs; and the dry run's table of what the jobs that would run cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from functools import cached_property
+from pathlib import Path
+
+from vlft.costs import (
+    CountsMemo,
+    ModelShape,
+    Prediction,
+    Refinement,
+    SplitCounts,
+    attempts_needed,
+    devices,
+    eval_seconds,
+    runtime_minutes,
+    throughputs,
+    train_seconds,
+    wall_seconds,
+)
+from vlft.digests import DigestMemo, split_digest
+from vlft.plan import Plan
+
+
+def local_gpu() -> str | None:
+    """This machine's first GPU by its name in the throughput table (nvidia-smi's, "NVIDIA H100 80GB
+    HBM3" -> H100), or None where it has none the table names."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = names.splitlines()[0] if names.strip() else ""
+    return next((d for d in devices() if d.lower() != "cpu" and d.lower() in first.lower()), None)
+
+
+class StudyCosts:
+    def __init__(self, plan: Plan, config: dict, digests: DigestMemo, results: str):
+        self.plan, self.config, self.digests, self.results = plan, config, digests, results
+        self.planning = config["planning"]
+        self.memo = CountsMemo(Path(digests.path).parent / "counts")
+
+    @cached_property
+    def device(self) -> tuple[str, str]:
+        """The device the jobs are predicted on, and why that one."""
+        if self.planning["device"]:
+            return self.planning["device"], "planning.device"
+        if gpu := local_gpu():
+            return gpu, "this machine's GPU"
+        if self.config["cpu_fallback"]:
+            return "cpu", "no GPU here, and cpu_fallback"
+        return "H100", "assumed: set planning.device to the GPU your jobs get"
+
+    @cached_property
+    def shape(self) -> ModelShape | None:
+        model = Path(self.config["model"]["path"])
+        if not (model / "config.json").is_file() or not (model / "preprocessor_config.json").is_file():
+            return None
+        return ModelShape.of(model)
+
+    @cached_property
+    def rate(self):
+        return throughputs(self.device[0], self.shape.compute_params) if self.shape else None
+
+    def counts(self, dataset: str, splits: list[str], settings: dict, filters: dict) -> SplitCounts | None:
+        """What the splits hold under the filter; None where a records file is not there yet."""
+        described = self.config["datasets"][dataset]
+        total = SplitCounts()
+        for split in splits:
+            records = described["splits"][split]
+            if not Path(records).is_file():
+                return None
+            digest = split_digest(records, described["image_root"], self.digests)
+            pixels = (settings["min_pixels"], settings["max_pixels"])
+            total += self.memo.counts(digest, records, described["image_root"], self.shape, pixels, filters)
+        return total
+
+    def _unrefined_train(self, stage_id: str) -> Prediction | None:
+        if self.rate is None:
+            return None
+        settings = self.plan.stages[stage_id].settings
+        counts = self.counts(settings["dataset"], settings["train_splits"], settings, settings["filter"] or {})
+        return train_seconds(settings, counts, self.rate) if counts else None
+
+    def _unrefined_eval(self, experiment: str, stage: str, split: str) -> Prediction | None:
+        if self.rate is None:
+            return None
+        settings = self.plan.eval_settings(experiment, stage, self.config["evaluation"])
+        counts = self.counts(settings["dataset"], [split], settings, {})
+        return eval_seconds(self.config["evaluation"], counts, self.rate) if counts else None
+
+    @cached_property
+    def refinement(self) -> Refinement:
+        """Measured against predicted, over the study's jobs that have run on this kind of device."""
+        refinement = Refinement()
+        on_cpu = self.device[0].lower() == "cpu"
+
+        def alike(measured: dict | None) -> bool:
+            # Run on the kind of device predicted for (a GPU job's "cuda:0"), in one piece.
+            device = (measured or {}).get("device")
+            return device is not None and (device == "cpu") == on_cpu and not measured.get("steps_before")
+
+        for stage_id in self.plan.stages:
+            measured = _read(Path(self.results, "train", stage_id, "summary.json"))
+            if alike(measured) and (prediction := self._unrefined_train(stage_id)):
+                refinement.add("train", prediction, measured["wall_time_s"])
+        for experiment, stage, split in self.plan.evaluations():
+            measured = _read(Path(self.results, "eval", experiment, stage, split, "metrics.json"))
+            if alike(measured) and (prediction := self._unrefined_eval(experiment, stage, split)):
+                refinement.add("evaluate", prediction, measured["wall_time_s"])
+        return refinement
+
+    def train(self, experiment: str, stage: str) -> Prediction | None:
+        prediction = self._unrefined_train(f"{experiment}/{stage}")
+        return prediction and prediction.refined(self.refinement.ratio("train"))
+
+    def evaluation(self, experiment: str, stage: str, split: str) -> Prediction | None:
+        prediction = self._unrefined_eval(experiment, stage, split)
+        return prediction and prediction.refined(self.refinement.ratio("evaluate"))
+
+    def runtime(self, prediction: Prediction | None, fallback: int) -> int:
+        """A job's time limit in minutes: its prediction with the margin and floor, or `fallback`
+        where it has none (its data or model is made by the run itself)."""
+        if prediction is None:
+            return fallback
+        return runtime_minutes(prediction.seconds, self.planning["margin"], self.planning["floor_minutes"])
+
+    def lines(self, jobs: list[tuple], needs: dict, capacity: float, capacity_named: str) -> list[str]:
+        """The dry run's table: `jobs` as (job, name, prediction or None, GPUs), then the plan's
+        GPU-hours and wall time at `capacity` GPUs, and the jobs a partition's limit splits."""
+        priced = sorted(jobs, key=lambda job: (not job[1].startswith("train"), job[1]))
+        if not priced:
+            return []
+        device, why = self.device
+        if self.shape is None:
+            source = "the model is not on disk yet: nothing can be counted"
+        elif self.rate is None:
+            source = f"vlft/throughputs.csv has no row for {device}: nothing can be timed"
+        else:
+            source = f"throughputs measured on {self.rate.model}"
+        lines = [f"Predicted time of the jobs that would run, on {device} ({why}; {source}):"]
+        refinement = self.refinement
+        for kind in ("train", "evaluate"):
+            if refinement.jobs(kind):
+                lines.append(
+                    f"  {kind}: refined by {refinement.jobs(kind)} of this study's finished jobs "
+                    f"(measured / predicted {refinement.ratio(kind):.2f})"
+                )
+        width = max(len(name) for _, name, _, _ in priced)
+        ceiling = self.config["max_runtime"]
+        split_up = []
+        for job, name, prediction, gpus in priced:
+            if prediction is None:
+                lines.append(f"  {name:<{width}}  not predicted")
+                continue
+            lines.append(f"  {name:<{width}}  {_duration(prediction.seconds):>8}  {prediction.what}")
+            if ceiling and name.startswith("train") and prediction.seconds * self.planning["margin"] > ceiling * 60:
+                attempts = attempts_needed(prediction.seconds, self.planning["margin"], ceiling)
+                split_up.append(
+                    f"  {name} needs more than max_runtime ({ceiling} min): it runs as {attempts} attempts, "
+                    "each stopping before its limit and the next resuming"
+                )
+        durations = {job: (p.seconds if p else 0.0) for job, _, p, _ in priced}
+        gpu_hours = sum((p.seconds * max(g, 1) if p else 0.0) for _, _, p, g in priced) / 3600
+        wall = wall_seconds(durations, needs, {job: g for job, _, _, g in priced}, capacity)
+        uncounted = sum(p is None for _, _, p, _ in priced)
+        hours = "GPU-hours" if device.lower() != "cpu" else "hours of jobs"
+        lines.append(
+            f"  total: {gpu_hours:.2f} {hours}; wall time {_duration(wall)} at {capacity_named}"
+            + (f"; {uncounted} job(s) not predicted (their data or model is made by this run)" if uncounted else "")
+        )
+        if split_up:
+            lines.append("Longer than the partition allows:")
+            lines += split_up
+        return lines
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def capacity_of(resources: dict, nodes) -> tuple[float, str]:
+    """The GPUs the plan's jobs share: --resources gpu=N, else the jobs Snakemake runs at once (a
+    SLURM profile's `jobs`), else unbounded (the longest chain)."""
+    gpu = resources.get("gpu")
+    if isinstance(gpu, int) and gpu < 10**9:
+        return gpu, f"gpu={gpu}"
+    if isinstance(nodes, int) and nodes < 10**9:
+        return nodes, f"{nodes} jobs at once"
+    return math.inf, "as many GPUs as jobs (the longest chain)"
