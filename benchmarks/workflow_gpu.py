@@ -27,6 +27,7 @@ import csv
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -215,6 +216,55 @@ def rule_times(results: Path) -> list[dict]:
     return rows
 
 
+TOOK = re.compile(r"^took (\d+) s, predicted (\d+) s", re.M)
+
+
+def predicted_against_measured(results: Path) -> dict:
+    """Each training and evaluation job's predicted time (the plan's, made before any of the study's
+    jobs ran: its `predicted_s` resource) against what it took, from the last line of its log. The
+    first job of each kind pays the GPU process's one-time costs (the model's load, the compile) and
+    is set apart; the rest give the median error and the worst ratio; `refined` predicts each of
+    them again with the median measured/predicted ratio of the others of its kind (leave one out)."""
+    jobs = []
+    for log in sorted((results / "logs").rglob("*.log")):
+        rel = log.relative_to(results / "logs")
+        if log.name.endswith(".attempts.log") or rel.parts[0] not in ("train", "evaluate"):
+            continue
+        text = log.read_text(errors="replace")
+        took, started = TOOK.search(text), STARTED.search(text[:2000])
+        if took and started and int(took.group(2)):
+            measured, predicted = int(took.group(1)), int(took.group(2))
+            jobs.append(
+                {
+                    "job": str(rel.with_suffix("")),
+                    "kind": rel.parts[0],
+                    "started": started.group(1),
+                    "predicted_s": predicted,
+                    "measured_s": measured,
+                    "ratio": round(measured / predicted, 3),
+                }
+            )
+    jobs.sort(key=lambda job: job["started"])
+    firsts = {next(j["job"] for j in jobs if j["kind"] == kind) for kind in {j["kind"] for j in jobs}}
+    rest = [j for j in jobs if j["job"] not in firsts]
+    for job in rest:
+        others = [o["ratio"] for o in rest if o["kind"] == job["kind"] and o is not job]
+        job["refined_s"] = round(job["predicted_s"] * statistics.median(others)) if others else None
+    for job in jobs:
+        job["first_of_its_kind"] = job["job"] in firsts
+
+    def error(key):
+        errors = [abs(j[key] - j["measured_s"]) / j["measured_s"] for j in rest if j.get(key)]
+        return round(statistics.median(errors), 3) if errors else None
+
+    return {
+        "jobs": jobs,
+        "median_error": error("predicted_s"),
+        "median_error_refined": error("refined_s"),
+        "worst_ratio": max((max(j["ratio"], 1 / j["ratio"]) for j in rest), default=None),
+    }
+
+
 SNAKEMAKE_TIME = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
 SNAKEMAKE_JOB = re.compile(r"^\s*jobid: (\d+)$")
 SNAKEMAKE_RULE = re.compile(r"^(?:local)?rule (\w+):$")
@@ -290,6 +340,15 @@ def main():
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
     env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
     env |= extra_env
+    # The plan's own dry run first: what it predicts each job and the whole study will take.
+    dry_run = subprocess.run(
+        command + ["-n"], cwd=workdir, env=env | {"VLFT_WARM_START": "0"}, capture_output=True, text=True
+    )
+    predicted_plan = (
+        dry_run.stderr[dry_run.stderr.find("Predicted time of the jobs") :]
+        if "Predicted time" in dry_run.stderr
+        else dry_run.stderr[-3000:]
+    )
     started = time.time()
     snakemake_log = args.out / f"workflow_gpu-{args.study}-{args.arch}.log"
     busy_samples = work / "gpu-samples.csv"
@@ -365,6 +424,8 @@ def main():
         "train": summaries,
         "evaluate": evaluations,
         "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
+        "dry_run_before": predicted_plan,
+        "predicted_against_measured": predicted_against_measured(results),
     }
     (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
     # The jobs' own logs and per-step training logs beside it, for where each job's time went.
@@ -390,6 +451,16 @@ def main():
         print(f"train {name}: {summary}")
     for name, metrics in evaluations.items():
         print(f"evaluate {name}: {metrics}")
+    print(predicted_plan)
+    accuracy = result["predicted_against_measured"]
+    for job in accuracy["jobs"]:
+        first = " (first of its kind: the one-time costs)" if job["first_of_its_kind"] else ""
+        print(
+            f"{job['job']}: predicted {job['predicted_s']} s, took {job['measured_s']} s, refined {job.get('refined_s')}{first}"
+        )
+    print(
+        f"median error {accuracy['median_error']}, refined {accuracy['median_error_refined']}, worst ratio {accuracy['worst_ratio']}"
+    )
     if result["gpu_busy"]:
         print(f"GPU busy (share of seconds with a job; mean utilization): {result['gpu_busy']}")
 

@@ -141,6 +141,11 @@ def run_kvasir_plan(command, fixture, tmp_path):
     planned = {m.group(1).split(",")[0].strip() for m in re.finditer(r"^\s+output: (.+)$", output, re.MULTILINE)}
     assert len(KVASIR_STAGES) == 8 and planned | {"rule:all"} == KVASIR_PLAN
     assert len([p for p in planned if p.endswith("predictions.jsonl")]) == 10
+    # Its last lines: each training and evaluation job's predicted time on the example's H100, the total.
+    table = output[output.index("Predicted time of the jobs that would run, on H100 (planning.device") :]
+    for stage in KVASIR_STAGES:
+        assert re.search(rf"^  train {re.escape(stage)} +\d+(\.\d+)? (s|min|h)  [\d,]+ samples", table, re.M), table
+    assert re.search(r"^  total: \d+\.\d\d GPU-hours; wall time ", table, re.M), table
     return output
 
 

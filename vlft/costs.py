@@ -34,6 +34,9 @@ TEMPLATE_TOKENS = 20
 # Counted without a tokenizer on disk (a model not fetched yet): characters a token, English text.
 CHARACTERS_A_TOKEN = 4
 COUNTS_VERSION = 1
+# Costs that do not grow with the model's size as its per-token work does: a job's own (reading its
+# data, saving), and what a GPU process pays once, with its first job (the model's load, the compile).
+FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s")
 
 
 def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> int:
@@ -254,10 +257,10 @@ class Throughputs:
     scale: float  # this model's compute over the measured model's: per-token times grow with it
 
     def __getitem__(self, quantity: str) -> float:
-        value = self.values[quantity]
+        value = self.values.get(quantity, 0.0)  # a device's table may leave a cost out: none
         if quantity.endswith("_per_s"):
             return value / self.scale
-        return value if quantity.endswith("fixed_s") else value * self.scale
+        return value if quantity in FIXED else value * self.scale
 
 
 def throughputs(device: str, compute_params: float, table: Path = THROUGHPUTS) -> Throughputs | None:

@@ -95,6 +95,18 @@ def hub_processor_dir(hub_id: str, revision: str | None) -> Path:
     raise InputError(hub_id, "has no preprocessor_config.json or processor_config.json on the Hub")
 
 
+def hub_files_dir(hub_id: str, revision: str | None, names: tuple[str, ...]) -> Path | None:
+    """Where Hugging Face's cache holds these small files of `hub_id` (its config, image processor
+    and tokenizer: what a plan counts with), each fetched alone where the cache lacks it; None where
+    one cannot be had (offline, or not on the Hub)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path([hf_hub_download(hub_id, name, revision=revision) for name in names][0]).parent
+    except Exception:  # noqa: BLE001 (offline, gated, missing: the plan predicts nothing, and says so)
+        return None
+
+
 def fetch_model(hub_id: str, revision: str | None, link: str | Path) -> Path:
     """The model `hub_id` at `revision` (its main branch where None) from the Hugging Face Hub, into
     Hugging Face's own cache (HF_HOME: shared with every other tool, downloaded once however many

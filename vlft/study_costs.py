@@ -26,6 +26,7 @@ from vlft.costs import (
     wall_seconds,
 )
 from vlft.digests import DigestMemo, split_digest
+from vlft.model_files import hub_files_dir
 from vlft.plan import Plan
 
 
@@ -63,9 +64,15 @@ class StudyCosts:
 
     @cached_property
     def shape(self) -> ModelShape | None:
+        """The model's size and image layout: from its directory, or for a model named by its Hub id
+        and not fetched yet, from its config, processor and tokenizer files fetched alone."""
         model = Path(self.config["model"]["path"])
-        if not (model / "config.json").is_file() or not (model / "preprocessor_config.json").is_file():
-            return None
+        needed = ("config.json", "preprocessor_config.json", "tokenizer.json")
+        if not all((model / name).is_file() for name in needed[:2]):
+            hub_id = self.config["model"].get("hub_id")
+            model = hub_id and hub_files_dir(hub_id, self.config["model"].get("revision"), needed)
+            if not model:
+                return None
         return ModelShape.of(model)
 
     @cached_property
@@ -175,6 +182,12 @@ class StudyCosts:
         wall = wall_seconds(durations, needs, {job: g for job, _, _, g in priced}, capacity)
         uncounted = sum(p is None for _, _, p, _ in priced)
         hours = "GPU-hours" if device.lower() != "cpu" else "hours of jobs"
+        once = self.rate["study_once_s"] if self.rate else 0.0
+        if once:  # each GPU's first job: not in the jobs' times, so that each job's own can be checked
+            processes = min(capacity, len(priced))
+            gpu_hours += once * processes / 3600
+            wall += once
+            lines.append(f"  once a GPU, before its first job: {_duration(once)} (the model's load and the compile)")
         lines.append(
             f"  total: {gpu_hours:.2f} {hours}; wall time {_duration(wall)} at {capacity_named}"
             + (f"; {uncounted} job(s) not predicted (their data or model is made by this run)" if uncounted else "")
