@@ -144,6 +144,8 @@ def make_kvasir_study(work: Path, arch: str, images: int, max_new_tokens: int, s
     config = yaml.safe_load((REPO / "config/examples/kvasir-vqa-qwen3-vl-8b.yaml").read_text())
     config |= {"results": "results", "model": {"path": str(model_dir)}, "datasets": datasets}
     config["evaluation"]["max_new_tokens"] = max_new_tokens
+    # Predicted for the GPU this machine has (the example names the H100 its researcher gets).
+    config["planning"] = {"device": None}
     path = work / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
