@@ -225,7 +225,7 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
     config_file = workdir / "config/config.yaml"
     config = yaml.safe_load(config_file.read_text())
     del config["defaults"]["resources"]["runtime"], config["evaluation"]["resources"]["runtime"]
-    config |= {"max_runtime": 1, "planning": {"device": "H100"}}
+    config |= {"max_runtime": 1, "planning": {"device": "H100", "margin": 4}}
     config_file.write_text(yaml.safe_dump(config))
     run = snakemake(workdir, *forced)
     out = run.stdout + run.stderr
@@ -237,7 +237,8 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
     for job in ("train exp1/main", "train click_grpo/grpo", "evaluate exp1/main on val", "evaluate base/base on test"):
         assert re.search(rf"^  {re.escape(job)} +\d+(\.\d)? (s|min|h)  ", table, re.M), (job, table)
     assert re.search(r"total: \d+\.\d\d GPU-hours; wall time .* at gpu=2", table), table
-    # 100 s of fixed cost alone, with the margin, is more than max_runtime's minute.
-    assert re.search(r"train exp1/main needs more than max_runtime \(1 min\): it runs as [2-9] attempts", table), table
+    # A training job's 15 s of fixed cost alone, times the margin of 4, is more than max_runtime's minute.
+    line = r"train exp1/main needs more than the 1 min a job may run: it runs as [2-9] attempts, .*: raise it"
+    assert re.search(line, table), table
     # Each train job asks SLURM for its prediction with the margin, held at max_runtime's minute.
     assert "runtime=1," in out

@@ -142,9 +142,12 @@ class StudyCosts:
             return fallback
         return runtime_minutes(prediction.seconds, self.planning["margin"], self.planning["floor_minutes"])
 
-    def lines(self, jobs: list[tuple], needs: dict, capacity: float, capacity_named: str) -> list[str]:
+    def lines(
+        self, jobs: list[tuple], needs: dict, capacity: float, capacity_named: str, ceiling: int | None, retries: int
+    ) -> list[str]:
         """The dry run's table: `jobs` as (job, name, prediction or None, GPUs), then the plan's
-        GPU-hours and wall time at `capacity` GPUs, and the jobs a partition's limit splits."""
+        GPU-hours and wall time at `capacity` GPUs, and the stages longer than `ceiling` minutes (a
+        partition's limit) with the attempts they take, more than `retries` allows said."""
         priced = sorted(jobs, key=lambda job: (not job[1].startswith("train"), job[1]))
         if not priced:
             return []
@@ -164,7 +167,6 @@ class StudyCosts:
                     f"(measured / predicted {refinement.ratio(kind):.2f})"
                 )
         width = max(len(name) for _, name, _, _ in priced)
-        ceiling = self.config["max_runtime"]
         split_up = []
         for job, name, prediction, gpus in priced:
             if prediction is None:
@@ -173,9 +175,14 @@ class StudyCosts:
             lines.append(f"  {name:<{width}}  {_duration(prediction.seconds):>8}  {prediction.what}")
             if ceiling and name.startswith("train") and prediction.seconds * self.planning["margin"] > ceiling * 60:
                 attempts = attempts_needed(prediction.seconds, self.planning["margin"], ceiling)
+                short = (
+                    f"; Snakemake's --retries ({retries}) allows {retries + 1}: raise it"
+                    if attempts > retries + 1
+                    else ""
+                )
                 split_up.append(
-                    f"  {name} needs more than max_runtime ({ceiling} min): it runs as {attempts} attempts, "
-                    "each stopping before its limit and the next resuming"
+                    f"  {name} needs more than the {ceiling} min a job may run: it runs as {attempts} attempts, "
+                    f"each stopping before its limit and the next resuming{short}"
                 )
         durations = {job: (p.seconds if p else 0.0) for job, _, p, _ in priced}
         gpu_hours = sum((p.seconds * max(g, 1) if p else 0.0) for _, _, p, g in priced) / 3600

@@ -261,7 +261,11 @@ def print_dry_run_costs():
             jobs.append((job, f"evaluate {w.experiment}/{w.stage} on {w.split}", prediction, gpus))
     resources = {name: getattr(value, "value", value) for name, value in workflow.global_resources.items()}
     capacity, named = capacity_of(resources, resources.get("_nodes"))
-    for line in COSTS.lines(jobs, needs, capacity, named):
+    # The most a job may run: max_runtime, else the SLURM partition's own limit.
+    partition = slurm_partition()
+    ceiling = config["max_runtime"] or (partition.time_limit_min if partition else None)
+    retries = workflow.execution_settings.retries or 0
+    for line in COSTS.lines(jobs, needs, capacity, named, ceiling, retries):
         print(line, file=sys.stderr)
 
 
