@@ -240,5 +240,14 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
     # A training job's 15 s of fixed cost alone, times the margin of 4, is more than max_runtime's minute.
     line = r"train exp1/main needs more than the 1 min a job may run: it runs as [2-9] attempts, .*: raise it"
     assert re.search(line, table), table
-    # Each train job asks SLURM for its prediction with the margin, held at max_runtime's minute.
-    assert "runtime=1," in out
+    # Without a ceiling, each job asks for its prediction times the margin, in whole minutes, at
+    # least the floor (the job's `predicted_s` is the prediction rounded to a second).
+    config |= {"max_runtime": None, "planning": {"device": "H100", "margin": 4, "floor_minutes": 1}}
+    config_file.write_text(yaml.safe_dump(config))
+    out = snakemake(workdir, *forced).stdout
+    asked = re.findall(r"resources: .*?runtime=(\d+),.*?predicted_s=(\d+)", out)
+    assert len(asked) == out.count("rule train:") + out.count("rule evaluate:"), out[:3000]
+    for runtime, predicted in asked:
+        bounds = {max(1, math.ceil((int(predicted) + d) * 4 / 60)) for d in (-0.5, 0.5)}
+        assert int(runtime) in bounds, (runtime, predicted)
+    assert {int(r) for r, _ in asked} != {1}  # some job's prediction is past the floor

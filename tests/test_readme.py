@@ -145,6 +145,7 @@ def run_kvasir_plan(command, fixture, tmp_path):
     table = output[output.index("Predicted time of the jobs that would run, on H100 (planning.device") :]
     for stage in KVASIR_STAGES:
         assert re.search(rf"^  train {re.escape(stage)} +\d+(\.\d+)? (s|min|h)  [\d,]+ samples", table, re.M), table
+    assert re.search(r"^  cache_vision kvasir/train +\d+(\.\d+)? (s|min|h)  [\d,]+ images", table, re.M), table
     assert re.search(r"^  total: \d+\.\d\d GPU-hours; wall time ", table, re.M), table
     return output
 

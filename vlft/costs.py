@@ -365,6 +365,14 @@ def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs) -> Pr
     return Prediction(rate["eval_fixed_s"], work, what)
 
 
+def vision_cache_seconds(counts: SplitCounts, rate: Throughputs) -> Prediction:
+    """A vision cache's time: the frozen tower over each image once (writing the shards is not counted)."""
+    work = counts.distinct_image_tokens * rate["vision_s_per_image_token"]
+    return Prediction(
+        rate["eval_fixed_s"], work, f"{counts.images:,} images, {tokens(counts.distinct_image_tokens)} tokens"
+    )
+
+
 @dataclass
 class Refinement:
     """The ratio of a study's measured work times to their predictions, per kind of job (train,

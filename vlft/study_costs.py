@@ -23,6 +23,7 @@ from vlft.costs import (
     runtime_minutes,
     throughputs,
     train_seconds,
+    vision_cache_seconds,
     wall_seconds,
 )
 from vlft.digests import DigestMemo, split_digest
@@ -106,6 +107,13 @@ class StudyCosts:
         counts = self.counts(settings["dataset"], [split], settings, {})
         return eval_seconds(self.config["evaluation"], counts, self.rate) if counts else None
 
+    def vision_cache(self, dataset: str, split: str, pixels: str) -> Prediction | None:
+        if self.rate is None:
+            return None
+        low, high = (int(p) for p in pixels.split("-"))
+        counts = self.counts(dataset, [split], {"min_pixels": low, "max_pixels": high}, {})
+        return vision_cache_seconds(counts, self.rate) if counts else None
+
     @cached_property
     def refinement(self) -> Refinement:
         """Measured against predicted, over the study's jobs that have run on this kind of device."""
@@ -143,7 +151,14 @@ class StudyCosts:
         return runtime_minutes(prediction.seconds, self.planning["margin"], self.planning["floor_minutes"])
 
     def lines(
-        self, jobs: list[tuple], needs: dict, capacity: float, capacity_named: str, ceiling: int | None, retries: int
+        self,
+        jobs: list[tuple],
+        needs: dict,
+        capacity: float,
+        capacity_named: str,
+        ceiling: int | None,
+        retries: int,
+        cpu_jobs: dict[str, int],
     ) -> list[str]:
         """The dry run's table: `jobs` as (job, name, prediction or None, GPUs), then the plan's
         GPU-hours and wall time at `capacity` GPUs, and the stages longer than `ceiling` minutes (a
@@ -173,7 +188,7 @@ class StudyCosts:
                 lines.append(f"  {name:<{width}}  not predicted")
                 continue
             lines.append(f"  {name:<{width}}  {_duration(prediction.seconds):>8}  {prediction.what}")
-            if ceiling and name.startswith("train") and prediction.seconds * self.planning["margin"] > ceiling * 60:
+            if ceiling and name.startswith("train ") and prediction.seconds * self.planning["margin"] > ceiling * 60:
                 attempts = attempts_needed(prediction.seconds, self.planning["margin"], ceiling)
                 short = (
                     f"; Snakemake's --retries ({retries}) allows {retries + 1}: raise it"
@@ -188,6 +203,9 @@ class StudyCosts:
         gpu_hours = sum((p.seconds * max(g, 1) if p else 0.0) for _, _, p, g in priced) / 3600
         wall = wall_seconds(durations, needs, {job: g for job, _, _, g in priced}, capacity)
         uncounted = sum(p is None for _, _, p, _ in priced)
+        if cpu_jobs:
+            named = ", ".join(f"{count} {rule}" for rule, count in sorted(cpu_jobs.items()))
+            lines.append(f"  not predicted: the CPU jobs ({named})")
         hours = "GPU-hours" if device.lower() != "cpu" else "hours of jobs"
         once = self.rate["study_once_s"] if self.rate else 0.0
         if once:  # each GPU's first job: not in the jobs' times, so that each job's own can be checked

@@ -247,25 +247,29 @@ def print_dry_run_costs():
     """After a dry run (Snakemake calls no hook there: atexit), what the jobs that would run cost."""
     if not workflow.dryrun or workflow.dag is None:
         return
-    jobs, needs = [], {}
+    jobs, needs, cpu_jobs = [], {}, {}
     for job in workflow.dag.needrun_jobs(exclude_finished=False):
         needs[job] = list(workflow.dag.job_dependencies(job))
-        if job.rule.name == "train":
-            w = job.wildcards
+        w, rule = job.wildcards, job.rule.name
+        if rule == "train":
             gpus = PLAN.resources(w.experiment, w.stage)["gpus"]
             jobs.append((job, f"train {w.experiment}/{w.stage}", COSTS.train(w.experiment, w.stage), gpus))
-        elif job.rule.name == "evaluate":
-            w = job.wildcards
+        elif rule == "evaluate":
             prediction = COSTS.evaluation(w.experiment, w.stage, w.split)
             gpus = config["evaluation"]["resources"]["gpus"]
             jobs.append((job, f"evaluate {w.experiment}/{w.stage} on {w.split}", prediction, gpus))
+        elif rule == "cache_vision":
+            prediction = COSTS.vision_cache(w.dataset, w.split, w.pixels)
+            jobs.append((job, f"cache_vision {w.dataset}/{w.split}", prediction, PLAN.defaults["resources"]["gpus"]))
+        elif rule != "all":
+            cpu_jobs[rule] = cpu_jobs.get(rule, 0) + 1
     resources = {name: getattr(value, "value", value) for name, value in workflow.global_resources.items()}
     capacity, named = capacity_of(resources, resources.get("_nodes"))
     # The most a job may run: max_runtime, else the SLURM partition's own limit.
     partition = slurm_partition()
     ceiling = config["max_runtime"] or (partition.time_limit_min if partition else None)
     retries = workflow.execution_settings.retries or 0
-    for line in COSTS.lines(jobs, needs, capacity, named, ceiling, retries):
+    for line in COSTS.lines(jobs, needs, capacity, named, ceiling, retries, cpu_jobs):
         print(line, file=sys.stderr)
 
 
@@ -277,8 +281,9 @@ def get_stage_resource(key, default=False):
     def resource(wildcards, attempt):
         if default:
             value, job, keys = PLAN.defaults["resources"][key], "a vision cache", f"defaults.resources.{key}"
-            if value is None:  # runtime: a vision cache's is not predicted
-                value = UNPREDICTED_RUNTIME
+            if value is None:  # runtime: from the prediction
+                prediction = COSTS.vision_cache(wildcards.dataset, wildcards.split, wildcards.pixels)
+                value = COSTS.runtime(prediction, UNPREDICTED_RUNTIME)
         else:
             value = PLAN.resources(wildcards.experiment, wildcards.stage)[key]
             job, keys = (
