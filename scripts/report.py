@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 from vlft.jobs.cli import run
 from vlft.errors import InputError
@@ -26,6 +27,9 @@ def main():
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
         "--sweeps", default="7b7d", help="each sweep's experiments: JSON (vlft.plan.Plan.sweeps), in hex"
+    )
+    parser.add_argument(
+        "--selections", nargs="*", default=[], help="each keep_best's outcome: its kept.json (vlft.sweeps.keep_best)"
     )
     args = parser.parse_args()
     per_evaluation = (args.metrics, args.predictions, args.prepared, args.image_roots, args.evaluations)
@@ -52,6 +56,7 @@ def main():
         stages=stages,
         output_dir=args.output_dir,
         sweeps=json.loads(bytes.fromhex(args.sweeps)),
+        selections=[json.loads(Path(path).read_text()) for path in args.selections],
     )
     print(f"wrote {args.output_dir}/index.html")
 

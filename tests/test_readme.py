@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import DEMO_COMMAND, REPO, copy_workflow, need
+from conftest import DEMO_COMMAND, REPO, copy_demo_upstream, copy_workflow, need
 from vlft.config import resolve_config
 from vlft.plan import build_plan
 
@@ -130,6 +130,37 @@ def run_dag(command, fixture, tmp_path):
     shell(command, workdir)
     svg = (workdir / "dag.svg").read_text()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "train" in svg and "report" in svg
+
+
+def run_keep_best(command, fixture, tmp_path):
+    """Three learning rates over a two-stage curriculum on the demo's data and model: a dry run plans
+    the arms' first stage and the comparison only; the run trains stage2 for the best arm alone, and
+    the report says which arms stopped and why."""
+    import json
+
+    workdir = copy_demo_upstream(fixture("demo_workdir"), tmp_path / "demo")
+    planned = shell(command.replace("--cores all", "-n"), workdir)
+    assert "checkpoint keep_best_arms:" in planned and "/stage2/" not in planned, planned[-3000:]
+    shell(command, workdir)
+    results = workdir / "results/demo-keep-best"
+    kept = json.loads((results / "sweeps/lr/kept.json").read_text())
+    arms = ["lr.learning_rate-0.0002", "lr.learning_rate-0.002", "lr.learning_rate-0.02"]
+    assert (
+        kept["candidates"] == arms and len(kept["kept"]) == 1 and set(kept["stopped"]) == set(arms) - set(kept["kept"])
+    )
+    best = max(arms, key=lambda arm: (kept["values"][arm], -arms.index(arm)))
+    assert kept["kept"] == [best]
+    for arm in arms:
+        assert (results / "train" / arm / "stage1/summary.json").is_file()
+        assert (results / "train" / arm / "stage2").exists() == (arm == best), arm
+        measured = json.loads((results / "eval" / arm / "stage1/val/metrics.json").read_text())["accuracy"]
+        assert kept["values"][arm] == measured
+    page = (results / "report/index.html").read_text()
+    assert "Arms stopped early" in page
+    for arm, why in kept["stopped"].items():
+        assert f"stopped: {why}" in page and arm in page
+    # Nothing is left to do: the stopped arms' stage2 is no job of the plan once the comparison ran.
+    assert "Nothing to be done" in shell(command.replace("--cores all", "-n"), workdir)
 
 
 def run_kvasir_plan(command, fixture, tmp_path):
@@ -401,6 +432,7 @@ RUNNERS = {
     TEST_COMMAND: run_test_suite,
     FAST_PART: run_fast_part,
     "snakemake -n": run_dry_run,
+    "snakemake --configfile config/examples/demo-keep-best.yaml --cores all": run_keep_best,
     "snakemake --dag | dot -Tsvg > dag.svg": run_dag,
     f"snakemake --configfile {EXAMPLE} -n": run_kvasir_plan,
     f"snakemake --configfile {EXAMPLE} --cores all": run_kvasir_plan,

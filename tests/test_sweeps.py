@@ -107,3 +107,65 @@ def test_a_sweep_trains_its_shared_stage_once_and_the_report_plots_accuracy_agai
     assert "stage2.learning_rate" in section and all(arm in section for arm in arms)
     again = snakemake(workdir, "--configfile", "study.yaml", "--cores", "1", "--dry-run")
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+ARMS_FIRST = {
+    "stages": [
+        {"name": "stage1", "epochs": 1, "sweep": {"learning_rate": [1.0e-4, 2.0e-3, 2.0e-2]}},
+        {"name": "stage2", "init_from": "stage1", "epochs": 1},
+    ],
+    "keep_best": {"after": "stage1", "arms": 1},
+}
+
+
+def test_keep_best_is_planned_and_checked_against_the_sweep_in_one_sentence(tmp_path):
+    plan = plan_with(ARMS_FIRST, tmp_path)
+    arms = ["lr.learning_rate-0.0001", "lr.learning_rate-0.002", "lr.learning_rate-0.02"]
+    assert plan.selections == {
+        "lr": {"after": "stage1", "arms": 1, "metric": "accuracy", "split": "val", "candidates": arms}
+    }
+    # Only the stages after the comparison wait on it.
+    assert [plan.selection_of(plan.stage(arm, "stage2")) for arm in arms] == ["lr"] * 3
+    assert [plan.selection_of(plan.stage(arm, "stage1")) for arm in arms] == [None] * 3
+
+    def refused(change: dict, experiment=ARMS_FIRST) -> str:
+        spec = copy.deepcopy(experiment)
+        spec["keep_best"] |= change
+        with pytest.raises(ConfigError) as caught:
+            plan_with(spec, tmp_path)
+        return str(caught.value)
+
+    assert refused({"after": "stage3"}) == (
+        "experiments.lr.keep_best.after: no stage 'stage3' in experiment 'lr' (its stages: stage1, stage2)"
+    )
+    assert "'stage2' is the experiment's last stage" in refused({"after": "stage2"})
+    assert refused({"arms": 3}) == "experiments.lr.keep_best.arms: 3 of the sweep's 3 arms: every arm would go on"
+    assert "whose eval_splits are [val, test], not 'train'" in refused({"split": "train"})
+    # Compared before the arms differ: they are one there.
+    late = copy.deepcopy(CURRICULUM) | {"keep_best": {"after": "stage1", "arms": 1}}
+    late["stages"].append({"name": "stage3", "init_from": "stage2"})
+    assert "the arms differ from stage 'stage2' on, so at the end of 'stage1' they are one" in refused({}, late)
+    unswept = {"stages": [{"name": "a"}, {"name": "b", "init_from": "a"}], "keep_best": {"after": "a", "arms": 1}}
+    assert "experiment 'lr' sweeps nothing" in refused({}, unswept)
+
+
+def test_keep_best_keeps_the_best_arms_by_the_metric_and_says_why_the_rest_stopped(tmp_path):
+    from vlft.errors import InputError
+    from vlft.sweeps import keep_best
+
+    metrics = {
+        "a": {"accuracy": 0.5, "loss": 0.9},
+        "b": {"accuracy": 0.7, "loss": 0.4},
+        "c": {"accuracy": 0.7, "loss": 1.2},
+    }
+    where = {arm: f"{arm}/metrics.json" for arm in metrics}
+    chosen = keep_best(metrics, 1, "accuracy", where)
+    assert chosen["kept"] == ["b"]  # b and c tie: the one listed first goes on
+    assert chosen["stopped"] == {
+        "c": "accuracy 0.7000, below the last kept arm's 0.7000",
+        "a": "accuracy 0.5000, below the last kept arm's 0.7000",
+    }
+    lowest = keep_best(metrics, 2, "loss", where)
+    assert lowest["kept"] == ["b", "a"] and lowest["stopped"] == {"c": "loss 1.2000, above the last kept arm's 0.9000"}
+    with pytest.raises(InputError, match="a/metrics.json: has no mean_distance to compare the sweep.s arms by"):
+        keep_best(metrics, 1, "mean_distance", where)

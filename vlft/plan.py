@@ -18,7 +18,7 @@ from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, hub_processor_dir, model_dir_problem
 from vlft.data.answers import AnswerFormat
 from vlft.data.records import selection_problem
-from vlft.sweeps import expand_sweeps
+from vlft.sweeps import arm_selections, expand_sweeps
 
 # Keys that decide how a job runs, not what it computes: never part of a job's params.
 RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
@@ -90,6 +90,17 @@ class Plan:
     defaults: dict = field(default_factory=dict)
     # Each experiment a sweep expanded into (vlft.sweeps): the sweep's name, its values, its last stage.
     sweeps: dict[str, dict] = field(default_factory=dict)
+    # Sweeps that keep only their best arms past a stage (vlft.sweeps.arm_selections), by name.
+    selections: dict[str, dict] = field(default_factory=dict)
+
+    def selection_of(self, stage: Stage) -> str | None:
+        """The sweep whose keep_best decides whether this stage trains: a stage after `after` of
+        one of its arms; None for every other stage."""
+        sweep = self.sweeps.get(stage.experiment)
+        selection = sweep and self.selections.get(sweep["experiment"])
+        if not selection:
+            return None
+        return sweep["experiment"] if stage.index > self.stage(stage.experiment, selection["after"]).index else None
 
     def stage(self, experiment: str, name: str) -> Stage:
         return self.stages[f"{experiment}/{name}"]
@@ -205,6 +216,7 @@ def build_plan(config: dict) -> Plan:
 
     for stage in plan.stages.values():
         _check_init_from(plan, stage)
+    plan.selections = arm_selections(config, plan)
     _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
     _check_runtimes(config, plan)
     return plan

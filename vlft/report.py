@@ -527,10 +527,33 @@ def sweep_results(results: pd.DataFrame, sweeps: dict[str, dict]) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path) -> str:
+def stopped_arms_html(selections: list[dict]) -> str:
+    """Each keep_best: which of its sweep's arms went on past its stage, which stopped there, and why."""
+    rows = [
+        {
+            "arm": arm,
+            "after": selection["after"],
+            "compared by": f"{selection['metric']} on {selection['split']}",
+            "value": selection["values"][arm],
+            "went on": "yes" if arm in selection["kept"] else "no",
+            "why": "among the best" if arm in selection["kept"] else "stopped: " + selection["stopped"][arm],
+        }
+        for selection in selections
+        for arm in selection["candidates"]
+    ]
+    if not rows:
+        return ""
+    return (
+        "<h3>Arms stopped early</h3><p>A sweep with <code>keep_best</code> compared its arms at the end of a stage; "
+        "only the best trained their later stages.</p>" + table_html(pd.DataFrame(rows))
+    )
+
+
+def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path, selections: list[dict]) -> str:
     """The section on sweeps, where the study has any: each sweep's final stages by their values,
     and each split's accuracy (with its 95% interval) against the swept value, a panel per sweep
-    (where several settings are swept, against their combinations in order)."""
+    (where several settings are swept, against their combinations in order); the arms keep_best
+    stopped, and why."""
     if not sweeps:
         return ""
     table = sweep_results(results, sweeps)
@@ -539,7 +562,10 @@ def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path) ->
         ax.axis("off")
         ax.text(0.5, 0.5, "no sweep's final stage is evaluated (eval_splits)", ha="center", va="center")
         _save_png(fig, path)
-        return "<h2>Sweeps</h2><p>No sweep's final stage is evaluated (its <code>eval_splits</code> are empty).</p>"
+        return (
+            "<h2>Sweeps</h2><p>No sweep's final stage is evaluated (its <code>eval_splits</code> are empty).</p>"
+            + stopped_arms_html(selections)
+        )
     names = list(dict.fromkeys(table.sweep))
     fig, axes = _panels(names)
     for ax, name in zip(axes.flat, names):
@@ -582,6 +608,7 @@ def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path) ->
         "results).</p>"
         + table_html(table)
         + f'<img alt="accuracy against the swept values, one panel per sweep" src="data:image/png;base64,{png}">'
+        + stopped_arms_html(selections)
     )
 
 
@@ -616,7 +643,11 @@ def rests_on_html(stages: list[TrainedStage]) -> str:
 
 
 def write_report(
-    evaluations: list[Evaluation], stages: list[TrainedStage], output_dir: str | Path, sweeps: dict | None = None
+    evaluations: list[Evaluation],
+    stages: list[TrainedStage],
+    output_dir: str | Path,
+    sweeps: dict | None = None,
+    selections: list[dict] | None = None,
 ) -> None:
     output_dir = Path(output_dir)
     results, categories, jobs = collect(evaluations, stages)
@@ -644,7 +675,7 @@ def write_report(
     right = {(e.experiment, e.stage, e.split): answers_right(e) for e in evaluations}
     preferences = preference_stages(jobs, results)
     rewards = reward_stages(stages, jobs, results, output_dir / "reward_curves.png")
-    swept = sweep_section(results, sweeps or {}, output_dir / "sweeps.png")
+    swept = sweep_section(results, sweeps or {}, output_dir / "sweeps.png", selections or [])
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Experiment report</title>
 {STYLE}</head><body>

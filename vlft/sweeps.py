@@ -26,7 +26,7 @@ import re
 
 from jsonschema import Draft202012Validator
 
-from vlft.errors import ConfigError
+from vlft.errors import ConfigError, InputError
 
 SWEEP = "sweep"
 
@@ -94,3 +94,70 @@ def _word(value) -> str:
     """A value as part of a folder name: letters, digits, '_', '-' and '.'."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "_"
+
+
+# Metrics of an evaluation where lower is better; every other is higher-is-better.
+LOWER_IS_BETTER = ("loss", "mean_distance")
+
+
+def arm_selections(config: dict, plan) -> dict[str, dict]:
+    """Each sweep that keeps only its best arms past a stage (an experiment's `keep_best`), checked
+    against the plan: {sweep: {after, arms, metric, split, candidates}}, `candidates` its arms in the
+    config's order."""
+    selections = {}
+    for name, spec in config.get("experiments", {}).items():
+        keep = spec.get("keep_best")
+        if keep is None:
+            continue
+        at = f"experiments.{name}.keep_best"
+        candidates = [arm for arm, sweep in plan.sweeps.items() if sweep["experiment"] == name]
+        if not candidates:
+            raise ConfigError(f"{at}: experiment '{name}' sweeps nothing: give one of its stages a sweep")
+        names = [stage["name"] for stage in spec["stages"]]
+        after = keep["after"]
+        if after not in names:
+            raise ConfigError(f"{at}.after: no stage '{after}' in experiment '{name}' (its stages: {', '.join(names)})")
+        index = names.index(after)
+        first_swept = min(i for i, stage in enumerate(spec["stages"]) if stage.get(SWEEP))
+        if index == len(names) - 1:
+            raise ConfigError(f"{at}.after: '{after}' is the experiment's last stage: no later stage would be saved")
+        if index < first_swept:
+            raise ConfigError(
+                f"{at}.after: the arms differ from stage '{names[first_swept]}' on, so at the end of '{after}' they are one"
+            )
+        if keep["arms"] >= len(candidates):
+            raise ConfigError(f"{at}.arms: {keep['arms']} of the sweep's {len(candidates)} arms: every arm would go on")
+        eval_splits = plan.stage(candidates[0], after).settings["eval_splits"]
+        split = keep.get("split") or (eval_splits or [None])[0]
+        if split not in eval_splits:
+            raise ConfigError(
+                f"{at}.split: the arms are compared on an evaluation of '{after}', whose eval_splits are "
+                f"[{', '.join(eval_splits)}]" + (f", not '{split}'" if split else "")
+            )
+        metric = keep.get("metric", "accuracy")
+        selections[name] = {"after": after, "arms": keep["arms"], "metric": metric, "split": split}
+        selections[name]["candidates"] = candidates
+    return selections
+
+
+def keep_best(metrics: dict[str, dict], arms: int, metric: str, where: dict[str, str]) -> dict:
+    """The best `arms` of a sweep's arms by their evaluations' `metric` (`metrics`: arm -> its
+    metrics.json; `where`: arm -> that file, for the sentence when one lacks the metric); ties go to
+    the arm listed first. What the report says of each: kept, or stopped and why."""
+    values = {}
+    for arm, measured in metrics.items():
+        if not isinstance(measured.get(metric), (int, float)):
+            raise InputError(where[arm], f"has no {metric} to compare the sweep's arms by (keep_best.metric)")
+        values[arm] = measured[metric]
+    lower = metric in LOWER_IS_BETTER
+    order = list(values)
+    ranked = sorted(order, key=lambda arm: (values[arm] if lower else -values[arm], order.index(arm)))
+    kept, stopped = ranked[:arms], ranked[arms:]
+    bar = values[kept[-1]]
+    side = "above" if lower else "below"
+    return {
+        "metric": metric,
+        "values": values,
+        "kept": kept,
+        "stopped": {arm: f"{metric} {values[arm]:.4f}, {side} the last kept arm's {bar:.4f}" for arm in stopped},
+    }

@@ -79,6 +79,7 @@ wildcard_constraints:
     pixels=r"\d+-\d+",
     experiment="[^/]+",
     stage="[^/]+",
+    sweep="[^/]+",
 
 
 def prepared_path(dataset, split):
@@ -271,6 +272,13 @@ def print_dry_run_costs():
     retries = workflow.execution_settings.retries or 0
     for line in COSTS.lines(jobs, needs, capacity, named, ceiling, retries, cpu_jobs):
         print(line, file=sys.stderr)
+    for sweep, selection in PLAN.selections.items():
+        if any(job.rule.name == "keep_best_arms" and job.wildcards.sweep == sweep for job in needs):
+            print(
+                f"  sweep {sweep}: after {selection['after']}, the best {selection['arms']} of its "
+                f"{len(selection['candidates'])} arms go on; their later stages are planned (and priced) then",
+                file=sys.stderr,
+            )
 
 
 def get_stage_resource(key, default=False):
@@ -362,8 +370,31 @@ def get_init_adapter_arg(wildcards, input):
 
 def report_jobs():
     """The evaluations and trained stages the report shows, sorted: the order of experiments in
-    the config file is no change to the report."""
-    return sorted(PLAN.evaluations()), sorted(PLAN.stages.values(), key=lambda s: s.id)
+    the config file is no change to the report. A sweep's arm that keep_best stopped shows its
+    stages up to the comparison, not the ones it never trains."""
+    evaluations = [
+        (experiment, stage, split)
+        for experiment, stage, split in PLAN.evaluations()
+        if experiment == BASE_EXPERIMENT or goes_on(PLAN.stage(experiment, stage))
+    ]
+    return sorted(evaluations), sorted(filter(goes_on, PLAN.stages.values()), key=lambda s: s.id)
+
+
+def goes_on(stage):
+    """Whether a stage trains: every stage but those after keep_best's stage of the arms it stopped
+    (known once its checkpoint has run: until then, Snakemake plans what comes before)."""
+    sweep = PLAN.selection_of(stage)
+    return sweep is None or stage.experiment in kept_arms(sweep)["kept"]
+
+
+def kept_arms(sweep):
+    return json.loads(Path(checkpoints.keep_best_arms.get(sweep=sweep).output.kept).read_text())
+
+
+def get_arm_metrics(wildcards):
+    """The evaluation of each of a sweep's arms that keep_best compares them by."""
+    selection = PLAN.selections[wildcards.sweep]
+    return [eval_path(arm, selection["after"], selection["split"], "metrics.json") for arm in selection["candidates"]]
 
 
 def report_outputs():
@@ -400,6 +431,8 @@ def get_report_inputs(wildcards):
         ],
         "summaries": [stage_path(s.experiment, s.name, "summary.json") for s in stages],
         "logs": [stage_path(s.experiment, s.name, "log.jsonl") for s in stages],
+        # Which of a sweep's arms keep_best stopped, and why.
+        "selections": [checkpoints.keep_best_arms.get(sweep=sweep).output.kept for sweep in sorted(PLAN.selections)],
     }
 
 
@@ -420,6 +453,22 @@ def get_report_labels(wildcards):
         "stages": " ".join(s.id for s in stages),
         "init_from": " ".join(s.init_from or "-" for s in stages),
     }
+
+
+def get_report_arguments(wildcards, input):
+    """The report script's arguments, its inputs and their labels (derived from the input: the
+    labels, a param of their own, are what a rerun compares). None of them while a keep_best
+    checkpoint is pending: Snakemake then knows the report's inputs only as the checkpoint's output,
+    and a dry run prints the job all the same."""
+    if "metrics" not in input.keys():
+        return ""
+    labels = get_report_labels(wildcards)
+    named = [(f"--{name.replace('_', '-')}", input[name]) for name in ("metrics", "predictions", "prepared")]
+    named += [(f"--{name}", input[name]) for name in ("summaries", "logs", "selections")]
+    arguments = [f"{flag} {' '.join(shlex.quote(path) for path in paths)}" for flag, paths in named]
+    arguments += [f"--image-roots {get_report_image_roots(wildcards, input)}"]
+    arguments += [f"--{name.replace('_', '-')} {labels[name]}" for name in ("evaluations", "stages", "init_from")]
+    return " ".join(arguments)
 
 
 def outputs_to_remake():

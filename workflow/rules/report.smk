@@ -16,12 +16,10 @@ rule report:
         # In hex: a job's resources travel on the command lines SLURM's jobs start Snakemake with.
         sweeps=json.dumps(PLAN.sweeps, sort_keys=True).encode().hex(),
     params:
+        # What a rerun compares: the evaluations and stages the report is of.
         labels=get_report_labels,
-        image_roots=get_report_image_roots,
+        arguments=get_report_arguments,
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python -m vlft.jobs.launch scripts/report.py --metrics {input.metrics:q} --predictions {input.predictions:q} "
-        "--prepared {input.prepared:q} --image-roots {params.image_roots} --evaluations {params.labels[evaluations]} "
-        "--summaries {input.summaries:q} --logs {input.logs:q} --stages {params.labels[stages]} "
-        "--init-from {params.labels[init_from]} "
-        "--sweeps {resources.sweeps} --output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch scripts/report.py {params.arguments} --sweeps {resources.sweeps} "
+        "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
