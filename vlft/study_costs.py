@@ -51,6 +51,7 @@ class StudyCosts:
         self.plan, self.config, self.digests, self.results = plan, config, digests, results
         self.planning = config["planning"]
         self.memo = CountsMemo(Path(digests.path).parent / "counts")
+        self.split_digests: dict[tuple, str] = {}
 
     @cached_property
     def device(self) -> tuple[str, str]:
@@ -88,7 +89,10 @@ class StudyCosts:
             records = described["splits"][split]
             if not Path(records).is_file():
                 return None
-            digest = split_digest(records, described["image_root"], self.digests)
+            key = (records, described["image_root"])
+            if key not in self.split_digests:  # once a plan: it stats each of the split's images
+                self.split_digests[key] = split_digest(records, described["image_root"], self.digests)
+            digest = self.split_digests[key]
             pixels = (settings["min_pixels"], settings["max_pixels"])
             total += self.memo.counts(digest, records, described["image_root"], self.shape, pixels, filters)
         return total
