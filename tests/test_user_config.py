@@ -5,6 +5,7 @@ Snakemake and reading the settings its training job would get."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -80,7 +81,12 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     assert evaluate["max_new_tokens"] == evaluation["max_new_tokens"]["default"] == 512
     assert evaluate["batch_size"] == evaluation["batch_size"]["default"]
     resources = re.search(r"^rule train:\n(?:\s+.*\n)*?\s+resources: (.*)$", output, re.MULTILINE).group(1)
-    assert "runtime=360" in resources and "mem_mb=32000" in resources and "checkpoint_every=200" in resources
+    assert "mem_mb=32000" in resources and "checkpoint_every=200" in resources
+    # The runtime left out is the stage's predicted time with the documented margin, at least the floor.
+    planning = load_schema()["properties"]["planning"]["properties"]
+    runtime, predicted = (int(re.search(rf"{key}=(\d+)", resources).group(1)) for key in ("runtime", "predicted_s"))
+    assert predicted > 0 and planning["margin"]["default"] == 1.5 and planning["floor_minutes"]["default"] == 15
+    assert runtime == max(15, math.ceil(predicted * 1.5 / 60)), resources
     assert "activation_checkpointing=0" in resources  # how the job runs: a resource, not a setting
 
 

@@ -158,7 +158,7 @@ def record_table(
                 with Image.open(Path(image_root) / image) as opened:
                     width, height = opened.size
                 sizes[image] = image_tokens(height, width, shape.factor, *pixels)
-            except (OSError, ValueError):
+            except (OSError, ValueError, Image.DecompressionBombError):  # prepare_split names it
                 sizes[image] = 0
         table.images.append(image)
         table.image_tokens.append(sizes[image])

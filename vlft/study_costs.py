@@ -75,7 +75,10 @@ class StudyCosts:
             model = hub_id and hub_files_dir(hub_id, self.config["model"].get("revision"), needed)
             if not model:
                 return None
-        return ModelShape.of(model)
+        try:
+            return ModelShape.of(model)
+        except (OSError, ValueError, KeyError, TypeError):  # a config of another shape: predict nothing
+            return None
 
     @cached_property
     def rate(self):

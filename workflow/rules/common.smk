@@ -251,19 +251,19 @@ def print_dry_run_costs():
     jobs, needs, cpu_jobs = [], {}, {}
     for job in workflow.dag.needrun_jobs(exclude_finished=False):
         needs[job] = list(workflow.dag.job_dependencies(job))
-        w, rule = job.wildcards, job.rule.name
-        if rule == "train":
+        w, step = job.wildcards, job.rule.name
+        if step == "train":
             gpus = PLAN.resources(w.experiment, w.stage)["gpus"]
             jobs.append((job, f"train {w.experiment}/{w.stage}", COSTS.train(w.experiment, w.stage), gpus))
-        elif rule == "evaluate":
+        elif step == "evaluate":
             prediction = COSTS.evaluation(w.experiment, w.stage, w.split)
             gpus = config["evaluation"]["resources"]["gpus"]
             jobs.append((job, f"evaluate {w.experiment}/{w.stage} on {w.split}", prediction, gpus))
-        elif rule == "cache_vision":
+        elif step == "cache_vision":
             prediction = COSTS.vision_cache(w.dataset, w.split, w.pixels)
             jobs.append((job, f"cache_vision {w.dataset}/{w.split}", prediction, PLAN.defaults["resources"]["gpus"]))
-        elif rule != "all":
-            cpu_jobs[rule] = cpu_jobs.get(rule, 0) + 1
+        elif step != "all":
+            cpu_jobs[step] = cpu_jobs.get(step, 0) + 1
     resources = {name: getattr(value, "value", value) for name, value in workflow.global_resources.items()}
     capacity, named = capacity_of(resources, resources.get("_nodes"))
     # The most a job may run: max_runtime, else the SLURM partition's own limit.
