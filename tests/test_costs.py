@@ -19,6 +19,7 @@ from vlft.costs import (
     Prediction,
     Refinement,
     SplitCounts,
+    Throughputs,
     attempts_needed,
     count_split,
     eval_seconds,
@@ -175,6 +176,19 @@ def test_a_prediction_follows_what_the_stage_computes():
     # A twice larger model takes twice the time a token; its fixed cost is the same.
     larger = train_seconds(STAGE, counts, throughputs("H100", 2 * 7.57e9))
     assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s
+    # A grpo stage: num_iterations steps learn each rollout, drawn once: twice the updates, the same
+    # rollouts (with rollouts taking no time, exactly twice the time).
+    grpo = dict(STAGE, method="grpo", num_generations=8, max_completion_length=20)
+    no_rollouts = Throughputs(
+        rate.device,
+        rate.model,
+        rate.values | {"prefill_tokens_per_s": math.inf, "decode_step_s": 0, "decode_row_s": 0},
+        1.0,
+    )
+    once, twice = (train_seconds(dict(grpo, num_iterations=n), counts, rate) for n in (1, 2))
+    updates_once, updates_twice = (train_seconds(dict(grpo, num_iterations=n), counts, no_rollouts) for n in (1, 2))
+    assert updates_twice.work_s == pytest.approx(2 * updates_once.work_s) and once.work_s > updates_once.work_s
+    assert twice.work_s - once.work_s == pytest.approx(updates_once.work_s)
     # Evaluation: answers capped at max_new_tokens, decoded in rows of batch_size.
     long = kvasir_like(300)
     capped = eval_seconds({"max_new_tokens": 100, "batch_size": 128}, long, rate)

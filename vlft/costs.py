@@ -313,7 +313,12 @@ def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Pre
     trains from pixels, and a method's own passes (dpo: the reference, once; grpo: its rollouts)."""
     records = max(counts.records, 1)
     step_size = settings["micro_batch"] * settings["grad_accum"]
-    samples = settings["max_steps"] * step_size if settings["max_steps"] else counts.records * settings["epochs"]
+    # A grpo stage learns each rollout num_iterations steps in a row (vlft.training.steps.plan_steps):
+    # max_steps counts those repeats, epochs do not.
+    repeats = settings["num_iterations"] if settings["method"] == "grpo" else 1
+    samples = (
+        settings["max_steps"] * step_size if settings["max_steps"] else counts.records * settings["epochs"] * repeats
+    )
     passes = samples / records  # times each record is trained on
     image = counts.distinct_image_tokens if settings["image_groups"] else counts.image_tokens
     text = counts.records * TEMPLATE_TOKENS + counts.question_tokens
@@ -325,12 +330,13 @@ def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Pre
         image = counts.distinct_image_tokens  # a question's answers share its prompt: an image group
         text += generations * completion * counts.records
         # The rollouts: each step's prompts prefilled once, then decoded in rows of all their answers.
-        prompts = (counts.distinct_image_tokens + counts.records * TEMPLATE_TOKENS + counts.question_tokens) * passes
+        prompts = counts.distinct_image_tokens + counts.records * TEMPLATE_TOKENS + counts.question_tokens
         rows = generations * step_size
         longest = counts.longest_answer(settings["max_completion_length"])
-        steps = samples / step_size
-        extra_s = prompts / rate["prefill_tokens_per_s"] + _decode_s(longest * steps * rows, rows, rate)
-        extra_s /= settings["num_iterations"]  # a rollout serves num_iterations steps
+        rollouts = samples / step_size / repeats  # one for its num_iterations steps
+        extra_s = prompts * passes / repeats / rate["prefill_tokens_per_s"] + _decode_s(
+            longest * rollouts * rows, rows, rate
+        )
     else:
         text += counts.answer_tokens() + (counts.rejected_tokens if method == "dpo" else 0)
     step_s = passes * (
