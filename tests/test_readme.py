@@ -4,6 +4,7 @@ A line the README gains without a way to run it here fails this test."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -226,7 +227,12 @@ def run_kvasir_on_slurm(command, fixture, tmp_path):
     assert len(train_jobs) == len(KVASIR_STAGES)
     for resources in train_jobs:
         assert "slurm_account=myaccount" in resources and "slurm_partition=gpu" in resources
-        assert "runtime=420" in resources and "gpu=1" in resources
+        assert "gpu=1" in resources
+        # The example leaves runtime to the prediction: its predicted time x 1.5, at least 15 minutes.
+        runtime, predicted = (
+            int(re.search(rf"\b{key}=(\d+)", resources).group(1)) for key in ("runtime", "predicted_s")
+        )
+        assert predicted > 0 and runtime == max(15, math.ceil(predicted * 1.5 / 60)), resources
 
 
 def run_slurm_trial(command, fixture, tmp_path):
