@@ -224,8 +224,9 @@ TOOK = re.compile(r"^took (\d+) s, predicted (\d+) s", re.M)
 def predicted_against_measured(results: Path) -> dict:
     """Each training and evaluation job's predicted time (the plan's, made before any of the study's
     jobs ran: its `predicted_s` resource) against what it took, from the last line of its log. The
-    first job of each kind pays the GPU process's one-time costs (the model's load, the compile) and
-    is set apart; the rest give the median error and the worst ratio; `refined` predicts each of
+    first job of each kind pays the GPU process's one-time costs (the model's load, the compile), and
+    the first evaluation of each split its decode step's compile for that shape: they are set apart
+    (the dry run counts those costs once, on lines of their own); the rest give the median error and the worst ratio; `refined` predicts each of
     them again with the median measured/predicted ratio of the others of its kind (leave one out)."""
     jobs = []
     for log in sorted((results / "logs").rglob("*.log")):
@@ -247,7 +248,12 @@ def predicted_against_measured(results: Path) -> dict:
                 }
             )
     jobs.sort(key=lambda job: job["started"])
-    firsts = {next(j["job"] for j in jobs if j["kind"] == kind) for kind in {j["kind"] for j in jobs}}
+    for job in jobs:
+        job["shape"] = evaluation_shape(results, job["job"]) if job["kind"] == "evaluate" else "train"
+    # The first job of each kind pays the GPU process's one-time costs, and the first evaluation of
+    # each split's shape compiles the decode step for it: the dry run counts both once, apart.
+    firsts = {next(j["job"] for j in jobs if j["shape"] == shape) for shape in {j["shape"] for j in jobs}}
+    firsts |= {next(j["job"] for j in jobs if j["kind"] == kind) for kind in {j["kind"] for j in jobs}}
     rest = [j for j in jobs if j["job"] not in firsts]
     for job in rest:
         others = [o["ratio"] for o in rest if o["kind"] == job["kind"] and o is not job]
@@ -265,6 +271,14 @@ def predicted_against_measured(results: Path) -> dict:
         "median_error_refined": error("refined_s"),
         "worst_ratio": max((max(j["ratio"], 1 / j["ratio"]) for j in rest), default=None),
     }
+
+
+def evaluation_shape(results: Path, job: str) -> str:
+    """An evaluation job's decode-step shape, as the dry run keys it: the dataset and split (all this
+    study's evaluations share their pixel range)."""
+    _, experiment, stage, split = job.split("/")
+    metrics = json.loads((results / "eval" / experiment / stage / split / "metrics.json").read_text())
+    return f"{metrics['dataset']}/{split}"
 
 
 SNAKEMAKE_TIME = re.compile(r"^\[(\w{3} \w{3} +\d+ [\d:]+ \d{4})\]$")
@@ -456,7 +470,7 @@ def main():
     print(predicted_plan)
     accuracy = result["predicted_against_measured"]
     for job in accuracy["jobs"]:
-        first = " (first of its kind: the one-time costs)" if job["first_of_its_kind"] else ""
+        first = " (first of its kind or shape: the one-time costs)" if job["first_of_its_kind"] else ""
         print(
             f"{job['job']}: predicted {job['predicted_s']} s, took {job['measured_s']} s, refined {job.get('refined_s')}{first}"
         )

@@ -216,15 +216,20 @@ def test_time_limits_and_attempts_follow_the_prediction():
 
 
 def test_the_study_own_jobs_refine_the_rest():
+    """A finished job's whole time against its whole prediction: on a small study a job is mostly its
+    fixed cost (15 of a training job's 19 s on the 8B), and a host's differs from the table's."""
     refinement = Refinement()
     assert refinement.ratio("train") == 1.0
-    for predicted, measured in ((100, 120), (200, 260), (50, 55)):
-        refinement.add("train", Prediction(0.0, predicted, ""), measured)
+    for fixed, work, measured in ((15, 5, 24), (15, 45, 78), (15, 35, 55)):
+        refinement.add("train", Prediction(fixed, work, ""), measured)
     assert refinement.ratio("train") == pytest.approx(1.2) and refinement.jobs("train") == 3
-    assert Prediction(10.0, 100.0, "").refined(1.2).seconds == pytest.approx(130.0)
+    refined = Prediction(10.0, 100.0, "", compiles=("d", "val", 1, 2)).refined(1.2)
+    assert refined.seconds == pytest.approx(132.0) and refined.compiles == ("d", "val", 1, 2)
 
 
-def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partition_splits(demo_workdir, tmp_path):
+def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partition_splits(
+    demo_workdir, tmp_path, monkeypatch
+):
     """The README's dry run on the finished demo with every stage and evaluation forced: a line a
     job with its predicted time, refined by the jobs that ran; the plan's total at the GPUs given; a
     stage longer than max_runtime named with its attempts; each train job's runtime its prediction."""
@@ -251,6 +256,17 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
     for job in ("train exp1/main", "train click_grpo/grpo", "evaluate exp1/main on val", "evaluate base/base on test"):
         assert re.search(rf"^  {re.escape(job)} +\d+(\.\d)? (s|min|h)  ", table, re.M), (job, table)
     assert re.search(r"total: \d+\.\d\d GPU-hours; wall time .* at gpu=2", table), table
+    # Each split at each pixel range its evaluations use compiles the decode step once: 9 s on an H100.
+    from vlft.config import resolve_config
+    from vlft.plan import build_plan
+
+    monkeypatch.chdir(workdir)  # the config's paths are the workflow's
+    plan = build_plan(resolve_config(config))
+    shapes = set()
+    for experiment, stage, split in plan.evaluations():
+        settings = plan.eval_settings(experiment, stage, config["evaluation"])
+        shapes.add((settings["dataset"], split, settings["min_pixels"], settings["max_pixels"]))
+    assert f"its decode step's compile: {len(shapes)} x 9 s" in table and len(shapes) > 1, table
     # A training job's 15 s of fixed cost alone, times the margin of 4, is more than max_runtime's minute.
     line = r"train exp1/main needs more than the 1 min a job may run: it runs as [2-9] attempts, .*: raise it"
     assert re.search(line, table), table

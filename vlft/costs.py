@@ -17,6 +17,7 @@ counts under .snakemake/vlft/counts/: a dry run that finds them reads nothing.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import math
@@ -36,7 +37,7 @@ CHARACTERS_A_TOKEN = 4
 COUNTS_VERSION = 1
 # Costs that do not grow with the model's size as its per-token work does: a job's own (reading its
 # data, saving), and what a GPU process pays once, with its first job (the model's load, the compile).
-FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s")
+FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s", "eval_compile_s")
 
 
 def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> int:
@@ -288,13 +289,18 @@ class Prediction:
     fixed_s: float
     work_s: float
     what: str  # the counted work, in words
+    # An evaluation's decode-step shape (its split and pixels): the first job of each shape in a study
+    # compiles the step for it (the rest load it from torch's cache), a cost the plan counts once a shape.
+    compiles: tuple | None = None
 
     @property
     def seconds(self) -> float:
         return self.fixed_s + self.work_s
 
     def refined(self, ratio: float) -> "Prediction":
-        return Prediction(self.fixed_s, self.work_s * ratio, self.what)
+        # The whole job scaled: a host's per-job costs (its CPU and disk: the load, the compile from
+        # cache) differ from the table's as much as its throughput does (20-40% on the mini study).
+        return dataclasses.replace(self, fixed_s=self.fixed_s * ratio, work_s=self.work_s * ratio)
 
 
 def tokens(count: float) -> str:
@@ -350,7 +356,7 @@ def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Pre
     return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
 
 
-def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs) -> Prediction:
+def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs, shape: tuple | None = None) -> Prediction:
     """An evaluation's time: each image once and every question with its reference answer in the
     prefill (which gives the loss too), then the answers decoded at `batch_size` rows, each as long as
     its reference answer, at most max_new_tokens."""
@@ -368,7 +374,7 @@ def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs) -> Pr
         + counts.distinct_image_tokens * rate["vision_s_per_image_token"]
     )
     what = f"{counts.records:,} answers, {tokens(prefill)} tokens prefilled, {tokens(answers)} generated"
-    return Prediction(rate["eval_fixed_s"], work, what)
+    return Prediction(rate["eval_fixed_s"], work, what, compiles=shape)
 
 
 def vision_cache_seconds(counts: SplitCounts, rate: Throughputs) -> Prediction:
@@ -381,15 +387,15 @@ def vision_cache_seconds(counts: SplitCounts, rate: Throughputs) -> Prediction:
 
 @dataclass
 class Refinement:
-    """The ratio of a study's measured work times to their predictions, per kind of job (train,
-    evaluate): the median over the jobs that ran on the device predicted for, applied to the work of
-    the rest. 1 until one has run."""
+    """The ratio of a study's measured job times to their predictions, per kind of job (train,
+    evaluate): the median over the jobs that ran on the device predicted for, applied to the rest's
+    predictions. 1 until one has run."""
 
     measured: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, kind: str, prediction: Prediction, measured_s: float) -> None:
-        if prediction.work_s > 0 and measured_s > 0:
-            self.measured.setdefault(kind, []).append(measured_s / prediction.work_s)
+        if prediction.seconds > 0 and measured_s > 0:  # the job's whole time against its whole prediction
+            self.measured.setdefault(kind, []).append(measured_s / prediction.seconds)
 
     def ratio(self, kind: str) -> float:
         return statistics.median(self.measured[kind]) if self.measured.get(kind) else 1.0

@@ -112,7 +112,8 @@ class StudyCosts:
             return None
         settings = self.plan.eval_settings(experiment, stage, self.config["evaluation"])
         counts = self.counts(settings["dataset"], [split], settings, {})
-        return eval_seconds(self.config["evaluation"], counts, self.rate) if counts else None
+        shape = (settings["dataset"], split, settings["min_pixels"], settings["max_pixels"])
+        return eval_seconds(self.config["evaluation"], counts, self.rate, shape) if counts else None
 
     def vision_cache(self, dataset: str, split: str, pixels: str) -> Prediction | None:
         if self.rate is None:
@@ -220,6 +221,15 @@ class StudyCosts:
             gpu_hours += once * processes / 3600
             wall += once
             lines.append(f"  once a GPU, before its first job: {_duration(once)} (the model's load and the compile)")
+        shapes = {p.compiles for _, _, p, _ in priced if p and p.compiles}
+        compile_s = len(shapes) * (self.rate["eval_compile_s"] if self.rate else 0.0)
+        if compile_s:  # paid by whichever evaluation of each shape runs first
+            gpu_hours += compile_s / 3600
+            wall += compile_s
+            lines.append(
+                f"  once an evaluation shape (a split at its pixels), its decode step's compile: "
+                f"{len(shapes)} x {_duration(compile_s / len(shapes))}"
+            )
         lines.append(
             f"  total: {gpu_hours:.2f} {hours}; wall time {_duration(wall)} at {capacity_named}"
             + (f"; {uncounted} job(s) not predicted (their data or model is made by this run)" if uncounted else "")
