@@ -3,16 +3,14 @@ With --processes N (the evaluation's GPUs) the split is shared out among N proce
 
 import argparse
 import json
-import time
 
 from vlft.jobs import distributed
-from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, took_line
+from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, say_took_at_exit
 from vlft.generation.evaluate import evaluate_split
 from vlft.modeling import require_gpus
 
 
 def main():
-    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -53,7 +51,7 @@ def main():
         distributed.leave()
     if distributed.launched_rank() == 0:
         print(json.dumps(metrics))
-        print(took_line(args.predicted_seconds, started))
+        say_took_at_exit(args.predicted_seconds)
 
 
 if __name__ == "__main__":

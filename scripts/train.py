@@ -7,7 +7,7 @@ import sys
 import time
 
 from vlft.jobs import distributed
-from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, took_line
+from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, say_took_at_exit
 from vlft.modeling import require_gpus
 from vlft.jobs.stopping import StopRequest, slurm_end_time
 from vlft.training.train import Preempted, StageInputs, train_stage
@@ -17,7 +17,6 @@ EXIT_PREEMPTED = 75
 
 
 def main():
-    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -101,7 +100,7 @@ def main():
         distributed.leave()
     if main_process:
         print(json.dumps(summary))
-        print(took_line(args.predicted_seconds, started))
+        say_took_at_exit(args.predicted_seconds)
 
 
 if __name__ == "__main__":

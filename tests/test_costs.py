@@ -233,6 +233,19 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
     """The README's dry run on the finished demo with every stage and evaluation forced: a line a
     job with its predicted time, refined by the jobs that ran; the plan's total at the GPUs given; a
     stage longer than max_runtime named with its attempts; each train job's runtime its prediction."""
+    # Each training and evaluation log ends with what the job took, its launch to its exit: at least
+    # the time its own summary measured from its start to its outputs.
+    for log, summary in (
+        ("train/exp1/main.log", "train/exp1/main/summary.json"),
+        ("evaluate/exp1/main/val.log", "eval/exp1/main/val/metrics.json"),
+    ):
+        last = (demo_workdir / "results/logs" / log).read_text().strip().splitlines()[-1]
+        took = re.fullmatch(
+            r"took (\d+) s(, predicted \d+ s \(\d+\.\d\d of the prediction\)| \(not predicted: .*\))", last
+        )
+        assert took, (log, last)
+        inner = json.loads((demo_workdir / "results" / summary).read_text())["wall_time_s"]
+        assert int(took.group(1)) >= round(inner), (log, last, inner)
     workdir = tmp_path / "demo"
     shutil.copytree(demo_workdir, workdir, symlinks=True)
     forced = ("-n", "--forcerun", "train", "evaluate", "--resources", "gpu=2")

@@ -40,9 +40,35 @@ def add_predicted_argument(parser) -> None:
     parser.add_argument("--predicted-seconds", type=int, default=0, help="the plan's prediction; 0: none")
 
 
-def took_line(predicted_s: int, started: float) -> str:
-    """The job's last line: what it took (since the script started), beside the plan's prediction."""
-    took = time.monotonic() - started
+# When the job's process started: its launcher's time where one handed it over (vlft.jobs.launch),
+# else this module's import, at the script's start.
+JOB_STARTED = "VLFT_JOB_STARTED"
+_IMPORTED_AT = time.time()
+
+
+def job_started() -> float:
+    return float(os.environ.get(JOB_STARTED) or _IMPORTED_AT)
+
+
+def say_took_at_exit(predicted_s: int) -> None:
+    """The job's last line, once its outputs are written: what it took, from its launcher's start to
+    the end of its exit, beside the plan's prediction. Said last, so that it counts what the job's
+    process does at exit: torch's compile workers are shut down then (4-7 s after an 8B evaluation
+    whose kernels came from the compile cache, when the pool had not finished starting), and the
+    job's time limit and its place on the GPU last until it is done."""
+    import atexit
+
+    def say() -> None:
+        workers = sys.modules.get("torch._inductor.async_compile")
+        if workers is not None:  # what torch's own exit handler would do next: here, inside the time
+            workers.shutdown_compile_workers()
+        print(took_line(predicted_s, time.time() - job_started()), flush=True)
+
+    atexit.register(say)  # registered last, so run first: before the handlers that ran at import
+
+
+def took_line(predicted_s: int, took: float) -> str:
+    """What the job took, in seconds, beside the plan's prediction."""
     if not predicted_s:
         return f"took {took:.0f} s (not predicted: its data or model was made by the same run)"
     return f"took {took:.0f} s, predicted {predicted_s} s ({took / predicted_s:.2f} of the prediction)"

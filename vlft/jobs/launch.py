@@ -26,9 +26,11 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from vlft.jobs import gpus, warm_start
+from vlft.jobs.cli import JOB_STARTED
 
 # Where the workflow is (its Snakefile sets it for the jobs it starts): a job's `scripts/<job>.py`
 # is its, whatever the working directory (a study of the user's own, or the workflow as a module).
@@ -62,6 +64,8 @@ def workflow_script(script: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    # The job's start, for the time its log ends with (vlft.jobs.cli.say_took_at_exit).
+    os.environ[JOB_STARTED] = repr(time.time())
     count = 0
     if argv[:1] == ["--gpus"]:
         count, argv = int(argv[1]), argv[2:]

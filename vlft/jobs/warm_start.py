@@ -63,6 +63,7 @@ PER_JOB = (
     "MKL_NUM_THREADS",
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
+    "VLFT_JOB_STARTED",  # when the job's launcher started (vlft.jobs.cli): read at its end
 )
 # What the warm process imports once: the libraries and the project's modules the scripts use.
 PRELOAD = (
