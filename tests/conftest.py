@@ -239,14 +239,23 @@ def slurm_cluster():
 
 
 SLURM_DEMO_RUN = pytest.StashKey[SimpleNamespace]()
+# The demo's experiments the run through SLURM trains: one of each kind (a single stage, a curriculum
+# with keep: best, DPO from another experiment's stage, SFT then GRPO on the screens), every rule of
+# the workflow among their jobs. The rest of the demo adds jobs of the same rules, whose SLURM
+# handling is the same; on CI's 2 cores they would double the run (each SLURM job imports torch anew).
+SLURM_DEMO_EXPERIMENTS = ("exp1", "exp4", "exp7", "click_grpo")
 
 
 @pytest.fixture(scope="session")
 def slurm_demo_run(slurm_cluster, tmp_path_factory, request) -> SimpleNamespace:
-    """The whole demo through `--profile profiles/slurm`, its driver started in the background as the
+    """The demo (SLURM_DEMO_EXPERIMENTS of it) through `--profile profiles/slurm`, its driver started in the background as the
     session begins (start_the_slurm_demo_early), so that while it waits on the cluster's status
     checks the local demo and other tests use the cores. tests/test_slurm.py waits for it."""
     workdir = copy_workflow(tmp_path_factory.mktemp("slurm-demo"))
+    config_file = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["experiments"] = {name: config["experiments"][name] for name in SLURM_DEMO_EXPERIMENTS}
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     profile = site_profile(tmp_path_factory.mktemp("site"))
     output = workdir.parent / "driver.out"
     driver = subprocess.Popen(

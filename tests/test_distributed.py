@@ -228,9 +228,9 @@ def train_command(inputs: StageInputs, settings: dict, out, processes: int) -> l
 
 
 # A 2-process run of this many steps is long enough that a signal, sent once step 3 is logged, finds
-# the job running: steps take 50 ms or more here, so the rest leave it over 7 s to arrive, where
-# the test sends it within 50 ms.
-SIGNALLED_RUN_STEPS = 150
+# the job running: steps take 50 ms or more here, so the rest leave it over 1.8 s to arrive, where
+# the test sends it within 50 ms (the step at which it stops is read from the output, not assumed).
+SIGNALLED_RUN_STEPS = 40
 
 
 @pytest.fixture(scope="module")
