@@ -227,6 +227,17 @@ def test_the_study_own_jobs_refine_the_rest():
     assert refined.seconds == pytest.approx(132.0) and refined.compiles == ("d", "val", 1, 2)
 
 
+def test_a_finished_jobs_whole_time_is_read_from_its_logs_last_line(tmp_path):
+    """The refinement compares a job's time launch to exit, as predicted, which only its log holds."""
+    from vlft.jobs.cli import took_line, took_seconds
+
+    log = tmp_path / "job.log"
+    log.write_text("train.py: host h; started ...\n" + "x" * 1000 + "\n{}\n" + took_line(25, 21.4) + "\n")
+    assert took_seconds(log) == 21
+    log.write_text("train.py: host h; started ...\nerror: stopped\n")
+    assert took_seconds(log) is None and took_seconds(tmp_path / "missing.log") is None
+
+
 def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partition_splits(
     demo_workdir, tmp_path, monkeypatch
 ):

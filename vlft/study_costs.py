@@ -27,6 +27,7 @@ from vlft.costs import (
     wall_seconds,
 )
 from vlft.digests import DigestMemo, split_digest
+from vlft.jobs.cli import took_seconds
 from vlft.model_files import hub_files_dir
 from vlft.plan import Plan
 
@@ -133,14 +134,21 @@ class StudyCosts:
             device = (measured or {}).get("device")
             return device is not None and (device == "cpu") == on_cpu and not measured.get("steps_before")
 
+        def whole(measured: dict, log: Path) -> float:
+            # The job's time launch to exit, as predicted; its summary's own time (start to outputs)
+            # where its log has none (a log from before logs said it).
+            return took_seconds(log) or measured["wall_time_s"]
+
         for stage_id in self.plan.stages:
             measured = _read(Path(self.results, "train", stage_id, "summary.json"))
             if alike(measured) and (prediction := self._unrefined_train(stage_id)):
-                refinement.add("train", prediction, measured["wall_time_s"])
+                log = Path(self.results, "logs", "train", f"{stage_id}.log")
+                refinement.add("train", prediction, whole(measured, log))
         for experiment, stage, split in self.plan.evaluations():
             measured = _read(Path(self.results, "eval", experiment, stage, split, "metrics.json"))
             if alike(measured) and (prediction := self._unrefined_eval(experiment, stage, split)):
-                refinement.add("evaluate", prediction, measured["wall_time_s"])
+                log = Path(self.results, "logs", "evaluate", experiment, stage, f"{split}.log")
+                refinement.add("evaluate", prediction, whole(measured, log))
         return refinement
 
     def train(self, experiment: str, stage: str) -> Prediction | None:

@@ -4,11 +4,13 @@ ending in one line naming the file and line, not a traceback; Ctrl-C too ends in
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
 import warnings
 from datetime import datetime
+from pathlib import Path
 
 from vlft.jobs import warm_start
 from vlft.errors import ConfigError, DeviceError, InputError, StorageError
@@ -65,6 +67,20 @@ def say_took_at_exit(predicted_s: int) -> None:
         print(took_line(predicted_s, time.time() - job_started()), flush=True)
 
     atexit.register(say)  # registered last, so run first: before the handlers that ran at import
+
+
+TOOK = re.compile(r"^took (\d+) s", re.M)
+
+
+def took_seconds(log: Path) -> int | None:
+    """What a finished job took, launch to exit, from its log's last line (None where it has none)."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 400))
+            found = TOOK.findall(handle.read().decode(errors="replace"))
+    except OSError:
+        return None
+    return int(found[-1]) if found else None
 
 
 def took_line(predicted_s: int, took: float) -> str:
