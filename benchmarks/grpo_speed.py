@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from train_speed import (  # noqa: E402
     commit_of,
     image_processor_for,
     make_tokenizer,
+    WORDS,
     make_workload,
     our_settings,
     run_ours,
@@ -50,16 +52,30 @@ from vlft.files import read_jsonl, write_jsonl  # noqa: E402
 from vlft.training.grpo import TIMING  # noqa: E402
 
 
-def questions(work: Path, images: int, per_image: int, generations: int, tokenizer) -> tuple[Path, Path]:
-    """The same images two ways: `per_image` questions each (GRPO's prompts), and G questions for
-    each of those with their answers (SFT's image groups: as many answers an image as GRPO samples)."""
+def questions(
+    work: Path, images: int, per_image: int, generations: int, tokenizer, answer_tokens: int
+) -> tuple[Path, Path, Path]:
+    """The same images three ways: `per_image` questions each (GRPO's prompts); G questions for each
+    of those with their answers (SFT's image groups: as many answers an image as GRPO samples), of
+    1-16 tokens; and the same with every answer `answer_tokens` long, as long as the sampled
+    answers GRPO learns (with random weights each runs to its limit)."""
     each = per_image * generations
     rows = read_jsonl(make_workload(work, images * each, tokenizer, 0, each, short_answers=True))
-    for name, records in (("prompts", rows[::generations]), ("answers", rows)):
+    matched = [dict(r, answer=answer_of_length(tokenizer, answer_tokens, n)) for n, r in enumerate(rows)]
+    for name, records in (("prompts", rows[::generations]), ("answers", rows), ("answers-matched", matched)):
         (work / name).mkdir(parents=True, exist_ok=True)
         write_jsonl(work / name / "raw.jsonl", records)
         prepare_split(work / name / "raw.jsonl", work / "images", work / name / "prepared.jsonl")
-    return work / "prompts", work / "answers"
+    return work / "prompts", work / "answers", work / "answers-matched"
+
+
+def answer_of_length(tokenizer, tokens: int, seed: int) -> str:
+    """An answer of `tokens` tokens with its end of turn (words, then `Final answer: three`)."""
+    words = random.Random(seed)
+    text = []
+    while len(tokenizer(" ".join(text) + ". Final answer: three", add_special_tokens=False)["input_ids"]) < tokens - 1:
+        text.append(words.choice(WORDS))
+    return " ".join(text) + ". Final answer: three"
 
 
 ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats)
@@ -82,9 +98,14 @@ class TimedGc:
         return found
 
 
-def answer_requests_timed(*args, **kwargs):
+ANSWER = vlft.generation.engine.Engine.answer
+FITS = vlft.generation.engine.Engine.fits
+FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
+
+
+def answer_timed(self, *args, **kwargs):
     stats: dict = {}
-    vlft.generation.engine.answer_requests(*args, stats=stats, **kwargs)
+    ANSWER(self, *args, stats=stats, **kwargs)
     ENGINE_CALLS.append(stats)
 
 
@@ -214,12 +235,17 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--commit")
     parser.add_argument(
+        "--also-fresh-engines",
+        action="store_true",
+        help="GRPO again as it ran before its engine was kept: a fresh engine each rollout, no shared prompts",
+    )
+    parser.add_argument(
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    vlft.training.grpo.answer_requests = answer_requests_timed  # the benchmark's own timing of the engine
+    vlft.generation.engine.Engine.answer = answer_timed  # the benchmark's own timing of the engine
     vlft.training.grpo.gc = TimedGc()
 
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
@@ -227,7 +253,9 @@ def main() -> None:
     tokenizer = qwen_numbered_tokenizer() if args.swift_site else make_tokenizer()
     per_image = args.questions_per_image
     images = args.prompts * args.steps // per_image
-    prompts, answers = questions(args.work, images, per_image, args.generations, tokenizer)
+    prompts, answers, matched = questions(
+        args.work, images, per_image, args.generations, tokenizer, args.max_completion_length
+    )
     model = build_model(args.arch, tokenizer, "cuda")
     image_processor = image_processor_for(model)
     model_dir = args.work / "model"
@@ -236,7 +264,7 @@ def main() -> None:
     image_processor.save_pretrained(model_dir)
     if args.trl_site or args.swift_site:  # the processor files a published checkpoint has
         save_full_processor(model, tokenizer, image_processor, model_dir)
-    for directory in (prompts, answers):
+    for directory in (prompts, answers, matched):
         (directory / "images").symlink_to(args.work / "images", target_is_directory=True)
         build_caches(directory, image_processor, model)
     del model
@@ -258,11 +286,23 @@ def main() -> None:
             answers,
             dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
         ),
+        f"sft, image groups, {args.generations} answers an image of {args.max_completion_length} tokens": (
+            matched,
+            dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
+        ),
         f"grpo, {args.generations} sampled answers a question": (prompts, grpo),
     }
+    if args.also_fresh_engines:
+        runs[FRESH] = (prompts, grpo)
     results = {}
     for name, (directory, settings) in runs.items():
         started = time.time()
+        ENGINE_CALLS.clear()
+        COLLECTIONS.clear()
+        # As before the engine was kept: a fresh one each rollout, each answer with its own copy of its prompt.
+        fresh = name == FRESH
+        vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
+        vlft.training.grpo.SHARED_PROMPT_DEVICES = () if fresh else ("cuda",)
         run = run_ours(
             model_dir,
             directory / "prepared.jsonl",
@@ -270,7 +310,7 @@ def main() -> None:
             args.steps,
             args.warmup,
             settings,
-            args.work / name.split(",")[0],
+            args.work / f"run{len(results)}",
         )
         seconds = sum(run["step_s"])
         results[name] = {
@@ -302,7 +342,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, grpo_run = results.values()
+    sft, sft_matched, grpo_run = list(results.values())[:3]
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]
@@ -315,6 +355,10 @@ def main() -> None:
         if results["ms-swift"].get("answers_per_s"):
             results["ms-swift"]["ours_over_swift"] = grpo_run["answers_per_s"] / results["ms-swift"]["answers_per_s"]
         print("ms-swift", json.dumps(results["ms-swift"]), flush=True)
+    for name, run in results.items():
+        if name.startswith("grpo"):
+            run["over_sft_step"] = run["s_per_step"] / sft["s_per_step"]
+            run["over_sft_step_matched"] = run["s_per_step"] / sft_matched["s_per_step"]
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),
@@ -328,6 +372,8 @@ def main() -> None:
         "max_completion_length": args.max_completion_length,
         "runs": results,
         "grpo_over_sft_step": grpo_run["s_per_step"] / sft["s_per_step"],
+        # Against SFT on answers as long as the ones GRPO sampled and learned (the same tokens in its update).
+        "grpo_over_sft_step_matched": grpo_run["s_per_step"] / sft_matched["s_per_step"],
         "rollout_s_estimate": grpo_run["s_per_step"] - sft["s_per_step"],
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ from vlft.files import read_jsonl
 from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training.batching import to_device
+import vlft.training.grpo as grpo_module
+from vlft.generation.engine import Engine
 from vlft.training.grpo import GroupRelativePolicyOptimization, answer_seed
 from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack, pack_groups, use_packed_attention
@@ -136,6 +138,29 @@ def test_a_stage_learning_each_rollout_twice_resumed_within_a_rollout_trains_wha
     a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
     b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_what_fresh_engines_do(
+    screens, tmp_path, monkeypatch
+):
+    """A stage's rollouts share one engine (its cache and, on a GPU, its decode step's graph), and on
+    a GPU each question's prompt is kept once for its answers: the same draws, losses and adapter
+    as a fresh engine a rollout holding each answer's own copy of its prompt, bit for bit (float64)."""
+    made = []
+    monkeypatch.setattr(grpo_module, "Engine", lambda *args: made.append(Engine(*args)) or made[-1])
+    kept = train(screens, tmp_path / "kept")
+    assert len(made) == 1 and made[0].cascade is None  # one engine for the 3 rollouts
+    monkeypatch.setattr(grpo_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
+    shared = train(screens, tmp_path / "shared")
+    assert len(made) == 2 and made[1].cascade.seats == GRPO["num_generations"]
+    monkeypatch.setattr(Engine, "fits", lambda self, *args: False)
+    fresh = train(screens, tmp_path / "fresh")
+    assert len(made) == 2 + len(fresh)  # an engine a rollout
+    assert fresh[0]["reward"] != fresh[-1]["reward"] or fresh[0]["loss"] != fresh[-1]["loss"]
+    for run in (kept, shared):
+        assert [(r["reward"], r["loss"]) for r in run] == [(r["reward"], r["loss"]) for r in fresh]
+    adapters = [load_file(tmp_path / name / "adapter/adapter_model.safetensors") for name in ("kept", "shared", "fresh")]
+    assert all(torch.equal(a[k], adapters[2][k]) for a in adapters[:2] for k in adapters[2])
 
 
 def test_answer_seeds_depend_on_stage_step_record_and_answer_alone():

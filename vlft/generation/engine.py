@@ -72,41 +72,92 @@ def answer_requests(
     bookkeeping, handing answers over; the step's compile and capture apart), the steps, and the
     rows busy over all steps (synchronizing the device around each, which a benchmark can
     afford). `cascade`, where given, keeps the prefix that rows share once and reads it once a
-    step for all of them (vlft.generation.shared_prefixes)."""
-    text = language_model(model)
-    config = text.config
-    weight = text.embed_tokens.weight
-    timer = _Timer(weight.device, stats)
+    step for all of them (vlft.generation.shared_prefixes). An engine made for this call alone:
+    its memory is freed as it returns."""
+    timer = _Timer(language_model(model).embed_tokens.weight.device, stats)
     timer.start()
-    # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
-    max_length = -(-max_length // 256) * 256
-    cache = SlotCache(model, slots, own_length(cascade, max_length) if cascade else max_length)
-    if cascade:
-        cache.prefixes = SharedPrefixes(model, cascade, max_length, slots)
-    prefill_attention = config._attn_implementation
-    use_packed_attention(model)
+    engine = Engine(model, slots, max_length, sampling, cascade)
+    timer.stop("setup_s")
     try:
-        # Evaluating during training, the stage's layers are compiled for its steps: here they run
-        # eagerly, as in an evaluate job, so that the prefills compute what the job's would.
-        # Compiled, each layer's prefill through the KV cache was traced apart (on the GPU, dynamo
-        # gave up at its limit of 8 recompiles in a stage's first evaluation).
-        with layer_calls(text.layers, [None] * len(text.layers)):
-            # Compiled on a GPU (13 s for an 8B on a fresh machine, once a job), where it halves a step.
-            step = DecodeStep(model, cache, compile=weight.device.type == "cuda")
-            step.sampler = sampler_for(sampling, slots, step.positions)
-            timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
-            timer.add("max_length", max_length)
-            scheduler = Scheduler(iter(requests), slots, prefill_tokens)
-            Generation(model, cache, step, scheduler, end_id, on_answer, on_loss, timer).run()
-        # The first step compiled and captured the step's graph: apart.
-        timer.add("compile_s", step.capture_s)
-        timer.add("step_s", -step.capture_s)
-        timer.add("graphs", len(step.graphs or {}))
-        step.release()
+        engine.answer(requests, end_id, on_answer, prefill_tokens, stats, on_loss, timer)
     finally:
-        cache.release()
-        unwrapped(model).set_attn_implementation({"text_config": prefill_attention})
-        timer.stop("setup_s")  # once a job, before the first prompt and after the last answer
+        engine.release()
+
+
+class Engine:
+    """The engine's device state: the KV cache (and shared prefixes), the decode step, its sampler
+    and, on a GPU, its compiled layer and CUDA graph. Kept between runs (`answer`), a reward
+    stage's rollouts, one a step, capture the step's graph once, not once a rollout (0.19 s of an
+    8B's rollout on an H100); the graph reads the model's weights where they lie, so a caller that
+    changes them between runs writes the new values into the same tensors
+    (vlft.training.step_evals.adapter_in_model_dtype's `into`). `release` frees its memory."""
+
+    def __init__(self, model, slots: int, max_length: int, sampling: Sampling | None = None, cascade=None):
+        text = language_model(model)
+        weight = text.embed_tokens.weight
+        self.model, self.slots, self.cascade = model, slots, cascade
+        # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
+        self.max_length = -(-max_length // 256) * 256
+        self.cache = SlotCache(model, slots, own_length(cascade, self.max_length) if cascade else self.max_length)
+        if cascade:
+            self.cache.prefixes = SharedPrefixes(model, cascade, self.max_length, slots)
+        # Compiled on a GPU (13 s for an 8B on a fresh machine, once a process), where it halves a step.
+        self.step = DecodeStep(model, self.cache, compile=weight.device.type == "cuda")
+        self.step.sampler = sampler_for(sampling, slots, self.step.positions)
+
+    def fits(self, slots: int, max_length: int, cascade: Cascade | None) -> bool:
+        """Whether a run of `slots` rows of up to `max_length` positions, its shared prefixes laid
+        out as `cascade`, fits this engine (its rows, their length and its prefix slots as large or larger)."""
+        if slots > self.slots or max_length > self.max_length or (cascade is None) != (self.cascade is None):
+            return False
+        if cascade is None:
+            return True
+        kept = self.cascade
+        return (
+            cascade.seats <= kept.seats
+            and cascade.prefixes <= kept.prefixes
+            and own_length(cascade, max_length) <= own_length(kept, self.max_length)
+        )
+
+    def answer(
+        self,
+        requests: Iterable[Request],
+        end_id: int,
+        on_answer: Callable[[int, list[int]], None],
+        prefill_tokens: int = PACKED_ROW_TOKENS,
+        stats: dict | None = None,
+        on_loss: Callable[[int, float, int], None] | None = None,
+        timer: "_Timer | None" = None,
+    ) -> None:
+        """Answer every request (as answer_requests does); every row is free again as it returns."""
+        text = language_model(self.model)
+        timer = timer or _Timer(text.embed_tokens.weight.device, stats)
+        timer.start()
+        captured = self.step.capture_s
+        prefill_attention = text.config._attn_implementation
+        use_packed_attention(self.model)
+        try:
+            # Evaluating during training, the stage's layers are compiled for its steps: here they run
+            # eagerly, as in an evaluate job, so that the prefills compute what the job's would.
+            # Compiled, each layer's prefill through the KV cache was traced apart (on the GPU, dynamo
+            # gave up at its limit of 8 recompiles in a stage's first evaluation).
+            with layer_calls(text.layers, [None] * len(text.layers)):
+                timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
+                timer.add("max_length", self.max_length)
+                scheduler = Scheduler(iter(requests), self.slots, prefill_tokens)
+                Generation(self.model, self.cache, self.step, scheduler, end_id, on_answer, on_loss, timer).run()
+            # A first step compiled and captured the step's graph: apart.
+            timer.add("compile_s", self.step.capture_s - captured)
+            timer.add("step_s", captured - self.step.capture_s)
+            timer.add("graphs", len(self.step.graphs or {}))
+        finally:
+            unwrapped(self.model).set_attn_implementation({"text_config": prefill_attention})
+            timer.stop("setup_s")  # once a run, before the first prompt and after the last answer
+
+    def release(self) -> None:
+        """Its KV cache and CUDA graph freed now."""
+        self.step.release()
+        self.cache.release()
 
 
 class Generation:

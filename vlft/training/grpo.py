@@ -37,9 +37,10 @@ import torch
 
 from vlft.data.prompts import Sample
 from vlft.data.stage_data import StageData
-from vlft.generation.engine import answer_requests
+from vlft.generation.engine import Engine
 from vlft.generation.evaluate import prompt_request
 from vlft.generation.sampling import Sampling
+from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
 from vlft.training.batching import to_device
 from vlft.training.image_groups import ImageGroup
@@ -61,6 +62,10 @@ def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
 # The seconds a step spends drawing its answers and in its passes without gradients (verl's names);
 # the rest of its time is its update.
 TIMING = ("timing_s/gen", "timing_s/ref", "timing_s/old_log_prob")
+
+# Where a question's prompt is kept once in the rollout's KV cache for its answers and read once a
+# decode step (vlft.generation.shared_prefixes); a CPU answers as `generate` does (a test adds it).
+SHARED_PROMPT_DEVICES = ("cuda",)
 
 # What a step's rollout adds to its log line, besides each reward's mean and spread (TRL's names).
 ROLLOUT_FIELDS = (
@@ -106,6 +111,12 @@ class GroupRelativePolicyOptimization:
         # With several updates a rollout: the adapter's weights it was drawn with, until its last update.
         self.drawn_with: list[torch.Tensor] | None = None
         self.next_index = 0  # the step after the last one laid out
+        # The rollouts' engine, kept from one to the next (its KV cache, and on a GPU its decode
+        # step's CUDA graph, captured once a stage, not once a rollout), and the adapter's weights
+        # in the model's dtype where that graph reads them.
+        self.engine: Engine | None = None
+        self.answer_weights = None
+        self.share_prompts = device.type in SHARED_PROMPT_DEVICES
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
     def step_groups(self, step: Step, index: int) -> list[ImageGroup]:
@@ -215,7 +226,9 @@ class GroupRelativePolicyOptimization:
         )
 
     def after_last_step(self, model, log) -> None:
-        pass
+        if self.engine is not None:
+            self.engine.release()
+            self.engine = None
 
     def summary(self, log: list[dict]) -> dict:
         """The mean reward over the first and the last tenth of the stage's steps."""
@@ -257,18 +270,28 @@ class GroupRelativePolicyOptimization:
             answers[key][n] = list(ids)
 
         longest = max(data.samples[key].prompt_length for key in keys) + settings.max_completion_length
-        sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
-        with _answering(self.model, self.dtype), _released():
-            answer_requests(
-                unwrapped(self.model),
-                requests(),
-                slots=len(asked),
-                end_id=self.builder.end_of_turn,
-                max_length=longest,
-                on_answer=answered,
-                sampling=sampling,
-            )
+        engine = self._engine(asked, longest)
+        with _answering(self.model, self.dtype, self.answer_weights), _released():
+            engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
         return answers
+
+    def _engine(self, asked: list[tuple[str, int]], longest: int) -> Engine:
+        """The kept engine, made anew where this rollout's rows, their length or their shared
+        prompts do not fit it."""
+        cascade = None
+        if self.share_prompts:
+            samples = [self.data.samples[key] for key, _ in asked]
+            prompts = [(self.data.images[s.record_id][1], s.input_ids[: s.prompt_length]) for s in samples]
+            cascade = cascade_for(prompts, len(asked), self.settings.max_completion_length)
+        if self.engine is None or not self.engine.fits(len(asked), longest, cascade):
+            if self.engine is not None:
+                self.engine.release()
+            settings = self.settings
+            sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
+            self.engine = Engine(unwrapped(self.model), len(asked), longest, sampling, cascade)
+            if self.dtype not in (torch.float32, torch.float64):
+                self.answer_weights = [torch.empty_like(p, dtype=self.dtype) for p in self.trainable]
+        return self.engine
 
     def _answer_sample(self, key: str, number: int, answer: list[int]) -> Sample:
         """A sampled answer after its record's prompt, as a training sample of its own id; its
@@ -297,11 +320,12 @@ class GroupRelativePolicyOptimization:
 
 
 @contextmanager
-def _answering(model, dtype):
-    """The model as the evaluation answers: no dropout, no gradients, the adapter in the model's dtype."""
+def _answering(model, dtype, into=None):
+    """The model as the evaluation answers: no dropout, no gradients, the adapter in the model's
+    dtype (written `into` the kept engine's tensors, where given)."""
     model.eval()
     try:
-        with torch.no_grad(), adapter_in_model_dtype(model, dtype):
+        with torch.no_grad(), adapter_in_model_dtype(model, dtype, into):
             yield
     finally:
         model.train()

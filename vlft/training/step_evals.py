@@ -246,15 +246,17 @@ def describe(record: dict) -> str:
 
 
 @contextmanager
-def adapter_in_model_dtype(model, dtype: torch.dtype):
+def adapter_in_model_dtype(model, dtype: torch.dtype, into: list[torch.Tensor] | None = None):
     """The adapter's float32 weights in the model's dtype while it answers, as the evaluation job's
     merged weights are (generation runs no autocast); its float32 weights, which the optimizer
-    holds, are put back as they were."""
+    holds, are put back as they were. `into`: tensors of the model's dtype, one a trained
+    parameter, that the answering weights are written into (a kept CUDA graph reads them there)."""
     if dtype in (torch.float32, torch.float64):
         yield
         return
     trained = [p for p in model.parameters() if p.requires_grad]
-    with swapped_data(trained, [p.data.to(dtype) for p in trained]):
+    answering = [p.data.to(dtype) for p in trained] if into is None else [t.copy_(p.data) for t, p in zip(into, trained)]
+    with swapped_data(trained, answering):
         yield
 
 
