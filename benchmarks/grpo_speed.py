@@ -290,10 +290,10 @@ def main() -> None:
             matched,
             dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
         ),
-        f"grpo, {args.generations} sampled answers a question": (prompts, grpo),
     }
-    if args.also_fresh_engines:
+    if args.also_fresh_engines:  # before the kept one: neither runs on what the other left
         runs[FRESH] = (prompts, grpo)
+    runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
     results = {}
     for name, (directory, settings) in runs.items():
         started = time.time()
@@ -342,7 +342,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = list(results.values())[:3]
+    sft, sft_matched, grpo_run = [results[name] for name in runs if name != FRESH]
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]
