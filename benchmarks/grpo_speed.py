@@ -265,6 +265,7 @@ def main() -> None:
     if args.trl_site or args.swift_site:  # the processor files a published checkpoint has
         save_full_processor(model, tokenizer, image_processor, model_dir)
     for directory in (prompts, answers, matched):
+        (directory / "images").unlink(missing_ok=True)  # a --work left by an earlier run
         (directory / "images").symlink_to(args.work / "images", target_is_directory=True)
         build_caches(directory, image_processor, model)
     del model
