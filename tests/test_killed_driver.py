@@ -54,11 +54,14 @@ def planned_jobs_with_reasons(workdir) -> dict[str, str]:
 
 def smaller_demo(workdir):
     """The demo's shapes experiments exp1 to exp3 (five stages, three of them a curriculum), evaluated
-    on val. What a killed driver leaves behind depends on which jobs were complete or running, not
-    on how many there were."""
+    on val, each stage one epoch. What a killed driver leaves behind depends on which jobs were
+    complete or running, not on how many there were or how long they ran."""
     path = workdir / "config/config.yaml"
     config = yaml.safe_load(path.read_text())
     config["experiments"] = {name: config["experiments"][name] for name in ("exp1", "exp2", "exp3")}
+    config["defaults"]["epochs"] = 1
+    for stage in config["experiments"]["exp3"]["stages"]:
+        stage.pop("epochs", None)
     del config["datasets"]["screens"], config["demo"]["datasets"]["screens"]
     config["defaults"]["eval_splits"] = ["val"]
     path.write_text(yaml.safe_dump(config))

@@ -116,6 +116,7 @@ class GroupRelativePolicyOptimization:
         # in the model's dtype where that graph reads them.
         self.engine: Engine | None = None
         self.answer_weights = None
+        self.longest: int | None = None  # the stage's longest prompt and answer
         self.share_prompts = device.type in SHARED_PROMPT_DEVICES
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
@@ -269,26 +270,35 @@ class GroupRelativePolicyOptimization:
             key, n = asked[index]
             answers[key][n] = list(ids)
 
-        longest = max(data.samples[key].prompt_length for key in keys) + settings.max_completion_length
-        engine = self._engine(asked, longest)
+        engine = self._engine(asked)
         with _answering(self.model, self.dtype, self.answer_weights), _released():
             engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
         return answers
 
-    def _engine(self, asked: list[tuple[str, int]], longest: int) -> Engine:
-        """The kept engine, made anew where this rollout's rows, their length or their shared
-        prompts do not fit it."""
+    def _engine(self, asked: list[tuple[str, int]]) -> Engine:
+        """The kept engine, made anew only where this rollout's rows or their shared prompts do not
+        fit it. Its rows are as long as the stage's longest prompt and answer, so that one decode
+        step, compiled and captured once, serves every rollout (a step's own longest gave each
+        rollout a shape of its own: 1.7 s of recompiling a rollout on a Kvasir-like stage)."""
+        settings = self.settings
+        if self.longest is None:
+            self.longest = max(s.prompt_length for s in self.data.samples.values()) + settings.max_completion_length
         cascade = None
         if self.share_prompts:
             samples = [self.data.samples[key] for key, _ in asked]
             prompts = [(self.data.images[s.record_id][1], s.input_ids[: s.prompt_length]) for s in samples]
-            cascade = cascade_for(prompts, len(asked), self.settings.max_completion_length)
-        if self.engine is None or not self.engine.fits(len(asked), longest, cascade):
+            cascade = cascade_for(prompts, len(asked), settings.max_completion_length)
+        if cascade is not None:
+            # A prefix slot a question: its answers' seats. With image groups a slot holds the prefix
+            # its image's questions share, and each row its question past it; seats for all of an
+            # image's answers (72 at 9 questions of 8) are past what flex_attention's decoding kernel
+            # compiles for.
+            cascade = replace(cascade, seats=self.generations, prefixes=len(asked) // self.generations)
+        if self.engine is None or not self.engine.fits(len(asked), self.longest, cascade):
             if self.engine is not None:
                 self.engine.release()
-            settings = self.settings
             sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
-            self.engine = Engine(unwrapped(self.model), len(asked), longest, sampling, cascade)
+            self.engine = Engine(unwrapped(self.model), len(asked), self.longest, sampling, cascade)
             if self.dtype not in (torch.float32, torch.float64):
                 self.answer_weights = [torch.empty_like(p, dtype=self.dtype) for p in self.trainable]
         return self.engine
