@@ -159,7 +159,9 @@ def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_w
     assert fresh[0]["reward"] != fresh[-1]["reward"] or fresh[0]["loss"] != fresh[-1]["loss"]
     for run in (kept, shared):
         assert [(r["reward"], r["loss"]) for r in run] == [(r["reward"], r["loss"]) for r in fresh]
-    adapters = [load_file(tmp_path / name / "adapter/adapter_model.safetensors") for name in ("kept", "shared", "fresh")]
+    adapters = [
+        load_file(tmp_path / name / "adapter/adapter_model.safetensors") for name in ("kept", "shared", "fresh")
+    ]
     assert all(torch.equal(a[k], adapters[2][k]) for a in adapters[:2] for k in adapters[2])
 
 

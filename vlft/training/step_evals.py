@@ -255,7 +255,9 @@ def adapter_in_model_dtype(model, dtype: torch.dtype, into: list[torch.Tensor] |
         yield
         return
     trained = [p for p in model.parameters() if p.requires_grad]
-    answering = [p.data.to(dtype) for p in trained] if into is None else [t.copy_(p.data) for t, p in zip(into, trained)]
+    answering = (
+        [p.data.to(dtype) for p in trained] if into is None else [t.copy_(p.data) for t, p in zip(into, trained)]
+    )
     with swapped_data(trained, answering):
         yield
 
