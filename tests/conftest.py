@@ -192,12 +192,126 @@ DEMO_THREADS = min(8, os.cpu_count())
 
 
 @pytest.fixture(scope="session")
-def demo_workdir(tmp_path_factory) -> Path:
+def demo_workdir(tmp_path_factory, request) -> Path:
     """The whole demo pipeline, run once, exactly as the README's quick start runs it."""
     workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
     run = snakemake(workdir, *DEMO_COMMAND.split()[1:])
     (workdir.parent / "terminal.txt").write_text(run.stdout + run.stderr)  # what the terminal showed
+    # The SLURM scenarios that start from the demo's data, in the background from now on.
+    selected = {item.name for item in request.session.items}
+    for key, (test, start) in BACKGROUND_SCENARIOS.items():
+        if test in selected and slurm_problem() is None:
+            request.session.stash[key] = start(workdir, tmp_path_factory.mktemp(test[:30]))
+    yield workdir
+    for key in BACKGROUND_SCENARIOS:
+        run = request.session.stash.get(key, None)
+        for process in (run.driver, getattr(run, "uninterrupted", None)) if run else ():
+            if process is not None and process.poll() is None:  # the session ended early (-x, Ctrl-C)
+                process.terminate()
+                process.wait(timeout=120)
+
+
+def long_stage_workflow(demo_workdir, directory, epochs, runtime=1):
+    """The demo workflow with one training stage of `epochs` (50 steps each) under a time limit of
+    `runtime` minutes x attempt, its data, model and caches those the demo made: the stage's job is
+    the only one to run."""
+    workdir = copy_demo_upstream(demo_workdir, directory)
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    stage = {
+        "name": "main",
+        "epochs": epochs,
+        "lora_dropout": 0.1,
+        "checkpoint_every": 1000,
+        "resources": {"runtime": runtime, "mem_mb": 4000, "gpus": 1},
+    }
+    config["experiments"] = {"long": {"stages": [stage]}}
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
     return workdir
+
+
+LONG_ADAPTER = "results/train/long/main/adapter"
+# Epochs of the stage that must outlast its first one-minute attempt. An attempt stops once 20 s
+# for saving and two steps would no longer fit, so after its start-up (about 10 s) it trains for
+# about 30 s; 25 epochs (1,250 steps) took 69 s on one thread of a 2-core machine, so the stage
+# needs a second attempt even on a machine twice as fast. It runs beside other tests, which slow
+# it: its five attempts (1 + 2 + ... + 5 minutes) cover one four times as slow.
+RESUMED_STAGE_EPOCHS = 25
+RESUMED_STAGE_TEST = "test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run"
+
+
+RESUMED_STAGE_RUN = pytest.StashKey[SimpleNamespace]()
+
+
+def start_resumed_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
+    """The long stage of RESUMED_STAGE_EPOCHS through SLURM under attempts of 1, 2, 3 (4 and 5) minutes
+    (retries beyond the profile's keep a slower machine from running out of attempts), and
+    the same stage uninterrupted, in a copy of the same workflow on this machine; both in the
+    background, as soon as the demo exists (demo_workdir), since they mostly wait: the SLURM run
+    for its time limits and the driver's status checks. One thread each (`--cores 1` here,
+    `max-threads: 1` there), so that neither run's threads wait on the other's.
+    tests/test_slurm.py checks what they did."""
+    workdir = long_stage_workflow(demo_workdir, directory / "work", RESUMED_STAGE_EPOCHS)
+    reference = shutil.copytree(workdir, directory / "reference")
+    reference_output = directory / "reference.out"
+    uninterrupted = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
+        cwd=reference,
+        stdout=reference_output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    profile = site_profile(directory / "site", retries=4, **{"max-threads": 1})
+    output = directory / "driver.out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), LONG_ADAPTER],
+        cwd=workdir,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    return SimpleNamespace(
+        workdir=workdir,
+        reference=reference,
+        driver=driver,
+        output=output,
+        uninterrupted=uninterrupted,
+        reference_output=reference_output,
+    )
+
+
+TWO_GPU_STAGE_RUN = pytest.StashKey[SimpleNamespace]()
+TWO_GPU_STAGE_TEST = "test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job"
+
+
+def start_two_gpu_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
+    """The demo's exp1 given 2 of the cluster's GPUs, and its evaluation on val given 2 too, through
+    SLURM from the demo's data, in the background as soon as the demo exists (it mostly waits on the
+    driver's status checks). One epoch of the stage's four: the two processes' steps are checked
+    equal to one process's in float64 by tests/test_distributed.py; here, that SLURM gives one job
+    both GPUs and they train. tests/test_slurm.py checks what it did."""
+    workdir = copy_demo_upstream(demo_workdir, directory / "work")
+    config_path = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["experiments"] = {"exp1": config["experiments"]["exp1"]}
+    config["experiments"]["exp1"]["stages"][0] |= {"epochs": 1}
+    config["experiments"]["exp1"]["stages"][0]["resources"] = {"runtime": 30, "mem_mb": 4000, "gpus": 2}
+    config["evaluation"]["resources"]["gpus"] = 2
+    config_path.write_text(yaml.safe_dump(config))
+    output = directory / "driver.out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(site_profile(directory))]
+        + list(TWO_GPU_TARGETS),
+        cwd=workdir,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    return SimpleNamespace(workdir=workdir, driver=driver, output=output)
+
+
+TWO_GPU_TARGETS = ("results/train/exp1/main/adapter", "results/eval/exp1/main/val/metrics.json")
+# Each scenario's stash key: (the test that checks it, what starts it).
+BACKGROUND_SCENARIOS = {
+    RESUMED_STAGE_RUN: (RESUMED_STAGE_TEST, start_resumed_stage),
+    TWO_GPU_STAGE_RUN: (TWO_GPU_STAGE_TEST, start_two_gpu_stage),
+}
 
 
 @pytest.fixture(scope="session")
@@ -239,6 +353,8 @@ def slurm_cluster():
 
 
 SLURM_DEMO_RUN = pytest.StashKey[SimpleNamespace]()
+# The SLURM runs this session starts in the background: tests that read the whole queue wait for them.
+BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS)
 # The demo's experiments the run through SLURM trains: one of each kind (a single stage, a curriculum
 # with keep: best, DPO from another experiment's stage, SFT then GRPO on the screens), every rule of
 # the workflow among their jobs. The rest of the demo adds jobs of the same rules, whose SLURM

@@ -18,7 +18,20 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import SLURM_DEMO_EXPERIMENTS, SLURM_DEMO_RUN, copy_demo_upstream, site_profile, snakemake
+from conftest import (
+    BACKGROUND_SLURM_RUNS,
+    LONG_ADAPTER,
+    RESUMED_STAGE_RUN,
+    SLURM_DEMO_EXPERIMENTS,
+    SLURM_DEMO_RUN,
+    long_stage_workflow,
+    site_profile,
+    snakemake,
+    TWO_GPU_STAGE_RUN,
+    TWO_GPU_TARGETS,
+    start_resumed_stage,
+    start_two_gpu_stage,
+)
 
 from vlft.files import read_jsonl
 
@@ -66,10 +79,26 @@ def slurm_demo(slurm_demo_run):
 @pytest.fixture
 def cluster_to_itself(slurm_cluster, request):
     """A cluster that runs no other test's jobs: tests that read its whole queue first wait for the
-    demo this session started in the background, where it started one."""
-    run = request.session.stash.get(SLURM_DEMO_RUN, None)
-    if run is not None:
-        run.driver.wait(timeout=3600)
+    runs this session started in the background (conftest), where it started them."""
+    for key in BACKGROUND_SLURM_RUNS:
+        run = request.session.stash.get(key, None)
+        if run is not None:
+            run.driver.wait(timeout=3600)
+
+
+@pytest.fixture
+def two_gpu_stage(slurm_cluster, demo_workdir, request, tmp_path):
+    """exp1 on 2 GPUs through SLURM, started in the background as soon as the demo existed
+    (conftest's demo_workdir), or now where it was not."""
+    return request.session.stash.get(TWO_GPU_STAGE_RUN, None) or start_two_gpu_stage(demo_workdir, tmp_path)
+
+
+@pytest.fixture
+def resumed_stage(slurm_cluster, demo_workdir, request, tmp_path):
+    """The long stage through SLURM and its uninterrupted copy, started in the background as soon as
+    the demo existed (conftest's demo_workdir), or now where they were not."""
+    run = request.session.stash.get(RESUMED_STAGE_RUN, None)
+    return run or start_resumed_stage(demo_workdir, tmp_path)
 
 
 def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workdir):
@@ -138,60 +167,18 @@ def test_slurm_output_of_each_job_lands_under_snakemake_slurm_logs(slurm_demo):
     assert train_output.stem == job and gpus in {"0", "1"}
 
 
-def long_stage_workflow(demo_workdir, directory, epochs, runtime=1):
-    """The demo workflow with one training stage of `epochs` (50 steps each) under a time limit of
-    `runtime` minutes x attempt, its data, model and caches those the demo made: the stage's job is
-    the only one to run."""
-    workdir = copy_demo_upstream(demo_workdir, directory)
-    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
-    stage = {
-        "name": "main",
-        "epochs": epochs,
-        "lora_dropout": 0.1,
-        "checkpoint_every": 1000,
-        "resources": {"runtime": runtime, "mem_mb": 4000, "gpus": 1},
-    }
-    config["experiments"] = {"long": {"stages": [stage]}}
-    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
-    return workdir
-
-
-LONG_ADAPTER = "results/train/long/main/adapter"
-# Epochs of the stage that must outlast its first one-minute attempt. An attempt stops once 20 s
-# for saving and two steps would no longer fit, so after its start-up (about 10 s) it trains for
-# about 30 s; 25 epochs (1,250 steps) took 69 s on one thread of a 2-core machine, so the stage
-# needs a second attempt even on a machine twice as fast, and a third at most on one twice as slow.
-RESUMED_STAGE_EPOCHS = 25
-
-
 def job_outputs_of_long_stage(workdir):
     """SLURM's output of each job of the long stage, oldest first."""
     return sorted((workdir / ".snakemake/slurm_logs/rule_train/long_main").glob("*.log"), key=lambda p: int(p.stem))
 
 
-def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(
-    cluster_to_itself, demo_workdir, tmp_path
-):
-    workdir = long_stage_workflow(demo_workdir, tmp_path / "work", RESUMED_STAGE_EPOCHS)
-    # The same stage, uninterrupted, in a copy of the same workflow on this machine, side by side
-    # with the SLURM run, which mostly waits (for its time limit, for the driver's status checks).
-    # One thread each (`--cores 1` here, `max-threads: 1` there), so that neither run's threads
-    # wait on the other's: both compute with the same threads as they would alone.
-    reference = shutil.copytree(workdir, tmp_path / "reference")
-    uninterrupted_run = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
-        cwd=reference,
-        stdout=(tmp_path / "reference.out").open("w"),
-        stderr=subprocess.STDOUT,
-        env=os.environ | {"OMP_WAIT_POLICY": "PASSIVE"},
-    )
-    # Attempts get 1, 2, 3 (and 4) minutes: one retry more than the profile's keeps a slower
-    # machine from running out of attempts.
-    profile = site_profile(tmp_path / "site", retries=3, **{"max-threads": 1})
+def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_uninterrupted_run(resumed_stage):
+    workdir, reference = resumed_stage.workdir, resumed_stage.reference
     try:
-        slurm_run(workdir, profile, LONG_ADAPTER)
+        status = resumed_stage.driver.wait(timeout=1800)
+        assert status == 0, f"the stage through SLURM failed:\n{resumed_stage.output.read_text()[-5000:]}"
     finally:
-        assert uninterrupted_run.wait(timeout=900) == 0, (tmp_path / "reference.out").read_text()[-3000:]
+        assert resumed_stage.uninterrupted.wait(timeout=900) == 0, resumed_stage.reference_output.read_text()[-3000:]
 
     job_outputs = job_outputs_of_long_stage(workdir)
     states = sacct_states([p.stem for p in job_outputs])
@@ -307,25 +294,17 @@ def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(cluster_to_i
     assert "Nothing to be done" in dry_run.stdout + dry_run.stderr, dry_run.stdout
 
 
-def test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job(slurm_demo, tmp_path):
+def test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job(two_gpu_stage, demo_workdir):
     """exp1 given 2 of the cluster's GPUs: one SLURM job holding both, with two training processes
     (on this machine's CPU: the cluster's GPUs are fake) taking the 1-GPU stage's steps; its
     evaluation, given 2 GPUs too, shares the split out and answers every sample."""
-    workdir = tmp_path / "work"
-    shutil.copytree(slurm_demo, workdir, symlinks=True)
-    config_path = workdir / "config/config.yaml"
-    config = yaml.safe_load(config_path.read_text())
-    # One epoch of the stage's four: the two processes' steps are checked equal to one process's in
-    # float64 by tests/test_distributed.py; here, that SLURM gives one job both GPUs and they train.
-    epochs = config["defaults"]["epochs"]
-    config["experiments"]["exp1"]["stages"][0] |= {"epochs": 1}
-    config["experiments"]["exp1"]["stages"][0]["resources"] = {"runtime": 30, "mem_mb": 4000, "gpus": 2}
-    config["evaluation"]["resources"]["gpus"] = 2
-    config_path.write_text(yaml.safe_dump(config))
-    adapter, metrics = "results/train/exp1/main/adapter", "results/eval/exp1/main/val/metrics.json"
-    slurm_run(workdir, site_profile(tmp_path / "site"), "--forcerun", adapter, metrics)
+    workdir = two_gpu_stage.workdir
+    status = two_gpu_stage.driver.wait(timeout=1800)
+    assert status == 0, f"the 2-GPU stage through SLURM failed:\n{two_gpu_stage.output.read_text()[-5000:]}"
+    epochs = yaml.safe_load((demo_workdir / "config/config.yaml").read_text())["defaults"]["epochs"]
+    metrics = TWO_GPU_TARGETS[1]
 
-    # The newest SLURM output of each rule: the copied demo holds the earlier 1-GPU jobs' too.
+    # The newest SLURM output of each rule (a retry's, where there was one).
     train_output = max((workdir / ".snakemake/slurm_logs/rule_train/exp1_main").glob("*.log"), key=os.path.getmtime)
     job, gpus = placement(train_output)
     assert gpus == "0,1"
@@ -335,11 +314,11 @@ def test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job(slurm_demo, tmp_
     assert eval_gpus == "0,1" and "the split shared out among 2 processes" in read_job_output(eval_output)
     assert set(sacct_states([job, eval_job]).values()) == {"COMPLETED"}
 
-    one_gpu, two_gpus = (read_jsonl(root / "results/train/exp1/main/log.jsonl") for root in (slurm_demo, workdir))
+    one_gpu, two_gpus = (read_jsonl(root / "results/train/exp1/main/log.jsonl") for root in (demo_workdir, workdir))
     assert len(two_gpus) * epochs == len(one_gpu) and len(two_gpus) >= 50
     assert two_gpus[-1]["loss"] < two_gpus[0]["loss"] / 3
     answered = json.loads((workdir / metrics).read_text())
-    assert answered["n"] == json.loads((slurm_demo / metrics).read_text())["n"]
+    assert answered["n"] == json.loads((demo_workdir / metrics).read_text())["n"]
 
 
 def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it(slurm_demo):
