@@ -101,12 +101,38 @@ class TimedGc:
 ANSWER = vlft.generation.engine.Engine.answer
 FITS = vlft.generation.engine.Engine.fits
 FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
+KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
+ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
 
 def answer_timed(self, *args, **kwargs):
     stats: dict = {}
+    drawn: dict[int, list[int]] = {}
+    on_answer = kwargs.pop("on_answer")
+    kwargs["on_answer"] = lambda key, ids: (drawn.__setitem__(key, list(ids)), on_answer(key, ids))
     ANSWER(self, *args, stats=stats, **kwargs)
     ENGINE_CALLS.append(stats)
+    ROLLOUTS.append(drawn)
+
+
+def agreement(ours: list[dict], theirs: list[dict]) -> dict:
+    """How alike two runs' sampled answers are, rollout by rollout (each rollout's answers come
+    from the weights the rollouts before them trained, so a difference carries on)."""
+    same, tokens, total = [], [], 0
+    for a, b in zip(ours, theirs):
+        for key in a:
+            x, y = a[key], b.get(key, [])
+            common = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            same.append(x == y)
+            tokens.append(common)
+            total += 1
+    first = [a[k] == b.get(k) for a, b in zip(ours[:1], theirs[:1]) for k in a]
+    return {
+        "answers": total,
+        "identical": sum(same) / max(total, 1),
+        "identical_first_rollout": sum(first) / max(len(first), 1),
+        "mean_tokens_before_they_part": sum(tokens) / max(total, 1),
+    }
 
 
 def run_trl(args, model_dir: Path, prompts: Path) -> dict:
@@ -294,8 +320,9 @@ def main() -> None:
     }
     if args.also_fresh_engines:  # before the kept one: neither runs on what the other left
         runs[FRESH] = (prompts, grpo)
+        runs[KEPT_UNSHARED] = (prompts, grpo)
     runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
-    results = {}
+    results, drawn = {}, {}
     for name, (directory, settings) in runs.items():
         started = time.time()
         ENGINE_CALLS.clear()
@@ -303,7 +330,8 @@ def main() -> None:
         # As before the engine was kept: a fresh one each rollout, each answer with its own copy of its prompt.
         fresh = name == FRESH
         vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
-        vlft.training.grpo.SHARED_PROMPT_DEVICES = () if fresh else ("cuda",)
+        vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
+        ROLLOUTS.clear()
         run = run_ours(
             model_dir,
             directory / "prepared.jsonl",
@@ -313,6 +341,7 @@ def main() -> None:
             settings,
             args.work / f"run{len(results)}",
         )
+        drawn[name] = list(ROLLOUTS)
         seconds = sum(run["step_s"])
         results[name] = {
             "s_per_step": seconds / len(run["step_s"]),
@@ -343,7 +372,11 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [results[name] for name in runs if name != FRESH]
+    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED)]
+    if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
+        kept = f"grpo, {args.generations} sampled answers a question"
+        for name in (KEPT_UNSHARED, kept):
+            results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]
