@@ -261,6 +261,12 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--commit")
     parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="0: the weights never move, so every rollout of two runs should draw the same answers (an agreement check)",
+    )
+    parser.add_argument(
         "--also-fresh-engines",
         action="store_true",
         help="GRPO again as it ran before its engine was kept: a fresh engine each rollout, no shared prompts",
@@ -298,6 +304,8 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     base = dict(our_settings(args.steps), answer_format="final", max_batch_tokens=args.max_batch_tokens)
+    if args.learning_rate is not None:
+        base["learning_rate"] = args.learning_rate
     grpo = dict(
         base,
         method="grpo",
