@@ -109,8 +109,12 @@ def answer_timed(self, *args, **kwargs):
     stats: dict = {}
     drawn: dict[int, list[int]] = {}
     on_answer = kwargs.pop("on_answer")
-    kwargs["on_answer"] = lambda key, ids: (drawn.__setitem__(key, list(ids)), on_answer(key, ids))
-    ANSWER(self, *args, stats=stats, **kwargs)
+
+    def kept_and_handed_on(key: int, ids: list[int]) -> None:
+        drawn[key] = list(ids)
+        on_answer(key, ids)
+
+    ANSWER(self, *args, stats=stats, on_answer=kept_and_handed_on, **kwargs)
     ENGINE_CALLS.append(stats)
     ROLLOUTS.append(drawn)
 

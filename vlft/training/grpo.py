@@ -347,12 +347,13 @@ ROLLOUT_LEFT_BYTES = 64 << 20
 
 @contextmanager
 def _released():
-    """After a rollout, its engine's memory free before the update needs it: its KV cache (128 rows
-    of an 8B's 1,300-token prompts: about 25 GB) and its CUDA graph. The engine lets go of them
-    itself as it ends (vlft.generation.engine), though its objects sit in reference cycles; a
-    collection runs only where the device still holds more than the rollout found: the young
-    generations first (the rollout's own objects), then all (without any, the 8B's first update
-    once ran out of an H200's memory). On a CPU, where that cannot be read, both run."""
+    """After a rollout, what it allocated beyond the kept engine free before the update needs it
+    (its prefills' packed caches; the engine itself, its cache and CUDA graph, is kept for the next
+    rollout and made before this starts). Those objects may sit in reference cycles; a collection
+    runs only where the device still holds more than the rollout found: the young generations
+    first (the rollout's own objects), then all (with an engine made a rollout and none, the 8B's
+    first update once ran out of an H200's memory). On the GPU it ran at most once a stage, after the
+    first rollout, whose step captured its graph. On a CPU, where that cannot be read, both run."""
     cuda = torch.cuda.is_available()
     found = torch.cuda.memory_allocated() if cuda else 0
     try:
