@@ -48,6 +48,7 @@ from peers import qwen_numbered_tokenizer, save_full_processor  # noqa: E402
 from vlft.data.records import prepare_split  # noqa: E402
 import vlft.generation.engine  # noqa: E402
 import vlft.training.grpo  # noqa: E402
+import vlft.training.train  # noqa: E402
 from vlft.files import read_jsonl, write_jsonl  # noqa: E402
 from vlft.training.grpo import TIMING  # noqa: E402
 
@@ -102,6 +103,8 @@ ANSWER = vlft.generation.engine.Engine.answer
 FITS = vlft.generation.engine.Engine.fits
 FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
 KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
+TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then the update's forward)"
+PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
 
@@ -276,6 +279,11 @@ def main() -> None:
         help="GRPO again as it ran before its engine was kept: a fresh engine each rollout, no shared prompts",
     )
     parser.add_argument(
+        "--also-prompts-twice",
+        action="store_true",
+        help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
+    )
+    parser.add_argument(
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
@@ -333,6 +341,8 @@ def main() -> None:
     if args.also_fresh_engines:  # before the kept one: neither runs on what the other left
         runs[FRESH] = (prompts, grpo)
         runs[KEPT_UNSHARED] = (prompts, grpo)
+    if args.also_prompts_twice:
+        runs[TWICE] = (prompts, grpo)
     runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
     results, drawn = {}, {}
     for name, (directory, settings) in runs.items():
@@ -343,6 +353,8 @@ def main() -> None:
         fresh = name == FRESH
         vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
         vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
+        twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
+        vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
         ROLLOUTS.clear()
         run = run_ours(
             model_dir,
@@ -384,11 +396,14 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED)]
+    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         kept = f"grpo, {args.generations} sampled answers a question"
         for name in (KEPT_UNSHARED, kept):
             results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
+    if args.also_prompts_twice:  # the prefill under the training's autocast (float32 adapter) against the bf16 one
+        once = f"grpo, {args.generations} sampled answers a question"
+        results[once]["answers_against_prompts_twice"] = agreement(drawn[once], drawn[TWICE])
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]

@@ -23,7 +23,7 @@ from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training.batching import to_device
 import vlft.training.grpo as grpo_module
 from vlft.generation.engine import Engine
-from vlft.training.grpo import GroupRelativePolicyOptimization, answer_seed
+from vlft.training.grpo import KEPT_PROMPTS, GroupRelativePolicyOptimization, answer_seed
 from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack, pack_groups, use_packed_attention
 from vlft.modeling import rope_index
@@ -165,6 +165,42 @@ def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_w
     assert all(torch.equal(a[k], adapters[2][k]) for a in adapters[:2] for k in adapters[2])
 
 
+def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_and_trains_to_their_adapter(
+    screens, shared_images, tmp_path, monkeypatch, capsys
+):
+    """The rollout's prefill, run with gradients, serves the update too (vlft.training.shared_prompts):
+    the same draws (bit for bit: float64, the same prefill) and, step after step, the losses of a
+    stage that computes each prompt again in its update, within float64's reassociation bound (each
+    step's loss is computed by the adapter the steps before trained); with image groups (two
+    questions on each image) too. A step whose prompts exceed the token budget computes them twice,
+    as before. Each step's gradients are the next test's."""
+    import vlft.training.train as train_module
+
+    grouped = dict(answer_format="final", rewards={"test_grpo:answer_length_reward": 1.0}, image_groups=True)
+    runs = {}
+    for name, root, settings in [
+        ("alone", screens, {}),
+        ("grouped", shared_images, grouped),
+        ("over budget", screens, {"max_batch_tokens": 64}),
+    ]:
+        once = train(root, tmp_path / name / "once", **settings)
+        assert "grpo: each prompt computed once a step" in capsys.readouterr().out
+        with monkeypatch.context() as patched:
+            patched.setattr(train_module, "prompts_once_unless", lambda *args: "as before")
+            twice = train(root, tmp_path / name / "twice", **settings)
+        assert "computed twice a step (as before)" in capsys.readouterr().out
+        runs[name] = once, twice
+        assert [r["reward"] for r in once] == [r["reward"] for r in twice]
+        assert [r["completions/mean_length"] for r in once] == [r["completions/mean_length"] for r in twice]
+        losses = torch.tensor([[r["loss"] for r in run] for run in (once, twice)])
+        assert torch.allclose(losses[0], losses[1], rtol=SHARED_BY_EIGHT_RTOL, atol=1e-15)
+    # Over the budget the stage computed its prompts twice, whichever it was set to do: bit for bit.
+    once, twice = runs["over budget"]
+    assert [r["loss"] for r in once] == [r["loss"] for r in twice]
+    a, b = (load_file(tmp_path / "over budget" / run / "adapter/adapter_model.safetensors") for run in ("once", "twice"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_answer_seeds_depend_on_stage_step_record_and_answer_alone():
     seeds = {answer_seed(s, step, key, n) for s in (0, 1) for step in (0, 1) for key in ("a", "b") for n in (0, 1)}
     assert len(seeds) == 16 and all(0 <= seed < 2**63 for seed in seeds)
@@ -178,6 +214,7 @@ def shared_images(tmp_path_factory):
     return tiny_family_data(root, "qwen3_vl", questions_on_shared_images(root, images=2, per_image=2))
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["update's own forward", "prompts kept from the rollout"])
 @pytest.mark.parametrize(
     "loss_type, layout",
     [
@@ -188,23 +225,25 @@ def shared_images(tmp_path_factory):
     ],
 )
 def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separate_sequences(
-    screens, shared_images, loss_type, layout
+    screens, shared_images, loss_type, layout, kept
 ):
     """Family (b) and (a): the loss and LoRA gradients of a step whose answers share their
     question's prompt in one packed row (with image groups, the answers to all questions on one
     image sharing the image) equal TRL's GRPO loss (its formulas, as tests/test_rewards.py checks
-    them against TRL's own code) over each answer computed as a sequence of its own."""
+    them against TRL's own code) over each answer computed as a sequence of its own. `kept`: the
+    prompts computed once a step, by the rollout's prefill with gradients, the update computing
+    the answers' tokens alone (vlft.training.shared_prompts)."""
     grouped = layout.endswith("image groups")
     root, answer_format = (shared_images, "final") if grouped else (screens, "click")
-    on = MethodOn(root, answer_format, loss_type=loss_type)
+    on = MethodOn(root, answer_format, loss_type=loss_type, prompts_once=kept)
     keys = [r["key"] for r in on.data.records[: 4 if grouped else 2]]
     step = [keys[:2], keys[2:]] if grouped else [[k] for k in keys]
-    groups = on.method.step_groups(step, 0)
+    groups = on.method.step_groups(step, 0, keep_prompts=kept)
     # Each group's answers share their prompt (with image groups: the header and the image).
     assert [len(g.samples) for g in groups] == [8, 8] if grouped else [4, 4]
     assert all(g.shared > 0 for g in groups)
     # TRL's _compute_loss with old = current (num_iterations 1) and beta 0.
-    advantages = on.step_equals_trls(groups, loss_type, old=None)
+    advantages = on.step_equals_trls(groups, loss_type, old=None, kept=kept)
     # Each question's advantages are its answers' rewards against their group's mean: they sum to 0.
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
@@ -228,7 +267,7 @@ def test_a_rollout_learned_twice_is_clipped_against_its_log_probabilities_at_the
 class MethodOn:
     """A grpo method over a tiny float64 Qwen3-VL with a random adapter, and TRL's loss beside it."""
 
-    def __init__(self, root, answer_format: str, **overrides):
+    def __init__(self, root, answer_format: str, prompts_once: bool = False, **overrides):
         tokenizer = load_tokenizer(root / "model")
         self.model = model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
         use_packed_attention(model)
@@ -249,7 +288,15 @@ class MethodOn:
         overrides |= {"rewards": rewards, "answer_format": answer_format}
         settings = StageSettings.resolve(tiny_stage_settings(**(GRPO | overrides)))
         self.method = GroupRelativePolicyOptimization(
-            self.data, settings, Rewards(rewards, answer_format), self.builder, tokenizer, model, CPU, FLOAT64
+            self.data,
+            settings,
+            Rewards(rewards, answer_format),
+            self.builder,
+            tokenizer,
+            model,
+            CPU,
+            FLOAT64,
+            prompts_once=prompts_once,
         )
 
     def separate_logps(self, samples) -> list[torch.Tensor]:
@@ -261,13 +308,16 @@ class MethodOn:
             for s in samples
         ]
 
-    def step_equals_trls(self, groups, loss_type: str, old, clipped: bool = False) -> torch.Tensor:
-        """Our step's loss and LoRA gradients (each prompt once for its answers) against TRL's GRPO
-        loss over every answer as a padded sequence of its own (`old`: the rollout's token
-        log-probabilities, None: the current ones, detached); the step's advantages."""
+    def step_equals_trls(self, groups, loss_type: str, old, clipped: bool = False, kept: bool = False) -> torch.Tensor:
+        """Our step's loss and LoRA gradients (each prompt once for its answers; `kept`: from the
+        rollout's prefill) against TRL's GRPO loss over every answer as a padded sequence of its own
+        (`old`: the rollout's token log-probabilities, None: the current ones, detached); the
+        step's advantages."""
         method, model = self.method, self.model
         weight = method.step_weight(groups)
-        batch = to_device(pack_groups(groups, self.data.images, self.builder, rope_index(model)), CPU, FLOAT64)
+        batch = KEPT_PROMPTS
+        if not kept:
+            batch = to_device(pack_groups(groups, self.data.images, self.builder, rope_index(model)), CPU, FLOAT64)
         loss = method.loss_sums(model, batch)[0] / weight
         trainable = [p for p in model.parameters() if p.requires_grad]
         shared = torch.autograd.grad(loss, trainable)

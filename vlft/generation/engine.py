@@ -128,8 +128,12 @@ class Engine:
         stats: dict | None = None,
         on_loss: Callable[[int, float, int], None] | None = None,
         timer: "_Timer | None" = None,
+        prefill_with: Callable = prefill,
     ) -> None:
-        """Answer every request (as answer_requests does); every row is free again as it returns."""
+        """Answer every request (as answer_requests does); every row is free again as it returns.
+        `prefill_with`: what computes a packed prefill (vlft.generation.runner.prefill's arguments and
+        result); a reward stage's keeps the prompts' forward for its update
+        (vlft.training.shared_prompts)."""
         text = language_model(self.model)
         timer = timer or _Timer(text.embed_tokens.weight.device, stats)
         timer.start()
@@ -145,7 +149,9 @@ class Engine:
                 timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
                 timer.add("max_length", self.max_length)
                 scheduler = Scheduler(iter(requests), self.slots, prefill_tokens)
-                Generation(self.model, self.cache, self.step, scheduler, end_id, on_answer, on_loss, timer).run()
+                Generation(
+                    self.model, self.cache, self.step, scheduler, end_id, on_answer, on_loss, timer, prefill_with
+                ).run()
             # A first step compiled and captured the step's graph: apart.
             timer.add("compile_s", self.step.capture_s - captured)
             timer.add("step_s", captured - self.step.capture_s)
@@ -166,7 +172,16 @@ class Generation:
     step at a time."""
 
     def __init__(
-        self, model, cache: SlotCache, step: DecodeStep, scheduler: Scheduler, end_id, on_answer, on_loss, timer
+        self,
+        model,
+        cache: SlotCache,
+        step: DecodeStep,
+        scheduler: Scheduler,
+        end_id,
+        on_answer,
+        on_loss,
+        timer,
+        prefill_with: Callable = prefill,
     ):
         self.model, self.cache, self.step, self.scheduler = model, cache, step, scheduler
         self.end_id, self.on_answer, self.on_loss, self.timer = end_id, on_answer, on_loss, timer
@@ -176,6 +191,7 @@ class Generation:
         # computes on the whole cache (one shape, one CUDA graph); otherwise on the rows and length in use.
         self.whole = step.live is not None
         self.prefixes = cache.prefixes
+        self.prefill = prefill_with
 
     def run(self) -> None:
         while True:
@@ -196,7 +212,7 @@ class Generation:
 
     def start(self, group: list[Request], free: list[int]) -> None:
         """Prefill `group` and give each prompt a free row, unless its first token answered it."""
-        prefilled = prefill(self.model, group, self.step.sampler)
+        prefilled = self.prefill(self.model, group, self.step.sampler)
         rows, slots_of = self.scheduler.rows, []  # each prompt's row, None where its first token answered it
         for request, first, loss in zip(group, prefilled.firsts, prefilled.losses):
             if loss is not None and self.on_loss is not None:

@@ -29,8 +29,10 @@ DECODE_ATTENTION = "vlft_slot_decode"
 class Prefilled:
     """What one packed prefill gives: each prompt's first answer token, the cache it filled, each
     prompt's stretches of that cache in order (a shared prefix, then its own), each scored
-    request's (loss sum, answer tokens) or None, the tokens the forward computed, and the length of
-    the prefix each prompt shares with those beside it on its image (0: none)."""
+    request's (loss sum, answer tokens) or None, the tokens the forward computed, the length of
+    the prefix each prompt shares with those beside it on its image (0: none), and each prompt's
+    last hidden state, which scored its first answer token (a reward stage's update learns that
+    token from it: vlft.training.shared_prompts)."""
 
     firsts: list[int]
     cache: object
@@ -38,6 +40,7 @@ class Prefilled:
     losses: list[tuple[float, int] | None]
     tokens: int
     shared: list[int]
+    last_hidden: torch.Tensor | None = None
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, live=None, **kwargs):
@@ -269,7 +272,8 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     )
     hidden = output.last_hidden_state[0]
     # Each prompt's last token predicts its first answer token.
-    firsts = (sampler or Greedy()).first(outer.lm_head(hidden[torch.tensor(lasts, device=device)]), group).tolist()
+    last_hidden = hidden[torch.tensor(lasts, device=device)]
+    firsts = (sampler or Greedy()).first(outer.lm_head(last_hidden), group).tolist()
     losses: list[tuple[float, int] | None] = [None] * len(group)
     if scored:
         owners = torch.cat(owners)
@@ -281,7 +285,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
     prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
     shared = [prefix for prefix, run in runs for _ in run]
-    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1], shared)
+    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1], shared, last_hidden)
 
 
 def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:

@@ -43,11 +43,12 @@ from vlft.generation.sampling import Sampling
 from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
 from vlft.training.batching import to_device
-from vlft.training.image_groups import ImageGroup
+from vlft.training.image_groups import ImageGroup, common_prefix
 from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack_groups
 from vlft.training.methods import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
 from vlft.training.rewards import Answer, Rewards
+from vlft.training.shared_prompts import PromptPass
 from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
 
@@ -78,6 +79,10 @@ ROLLOUT_FIELDS = (
 )
 
 
+# The one micro-batch of a step whose rollout kept its prompts' forward: its answers, learned from it.
+KEPT_PROMPTS = "the step's answers after the prompts its rollout kept"
+
+
 def image_markers(config) -> tuple[int, ...]:
     """The ids of the tokens that stand for or around an image or a video in a Qwen-VL prompt."""
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -89,7 +94,9 @@ class GroupRelativePolicyOptimization:
     METRICS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean")
     on_policy = True
 
-    def __init__(self, data: StageData, settings, rewards: Rewards, builder, tokenizer, model, device, dtype):
+    def __init__(
+        self, data: StageData, settings, rewards: Rewards, builder, tokenizer, model, device, dtype, prompts_once=False
+    ):
         self.data, self.settings, self.rewards = data, settings, rewards
         self.builder, self.tokenizer, self.model, self.device, self.dtype = builder, tokenizer, model, device, dtype
         self.generations = settings.num_generations
@@ -118,9 +125,34 @@ class GroupRelativePolicyOptimization:
         self.answer_weights = None
         self.longest: int | None = None  # the stage's longest prompt and answer
         self.share_prompts = device.type in SHARED_PROMPT_DEVICES
+        # `prompts_once` (vlft.training.shared_prompts.prompts_once_unless): a step whose prompts
+        # fit its token budget computes them once, in the rollout's prefill, for its update too.
+        compiled = settings.compile and device.type == "cuda"
+        self.prompt_pass = PromptPass(model, device, dtype, compiled) if prompts_once else None
+        self.kept_answers: list[tuple[int, list[int]]] | None = None  # the rollout's, where its prompts are kept
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
-    def step_groups(self, step: Step, index: int) -> list[ImageGroup]:
+    def step_batches(self, step: Step, index: int, batcher) -> tuple[list[ImageGroup], list]:
+        """The step's groups (`step_groups`) and its micro-batches: where the rollout kept its
+        prompts' forward, one that learns the answers from it (KEPT_PROMPTS); else the batcher's."""
+        keep = self.prompt_pass is not None and self._prompts_fit(step, batcher.budget)
+        groups = self.step_groups(step, index, keep)
+        return groups, [KEPT_PROMPTS] if self.kept_answers is not None else batcher(groups)
+
+    def _prompts_fit(self, step: Step, budget: int | None) -> bool:
+        """Whether the step's prompts as a prefill lays them out (an image's prefix once), with
+        every answer at its longest, fit the token budget that one micro-batch holds."""
+        if budget is None:
+            return True
+        tokens = 0
+        for keys in step:
+            prompts = [self.data.samples[key].input_ids[: self.data.samples[key].prompt_length] for key in keys]
+            shared = common_prefix(prompts, min(len(p) for p in prompts) - 1)
+            answer = self.settings.max_completion_length
+            tokens += shared + sum(self.generations * (len(p) - shared + answer) for p in prompts)
+        return tokens <= budget
+
+    def step_groups(self, step: Step, index: int, keep_prompts: bool = False) -> list[ImageGroup]:
         """The step's questions answered by the adapter as it stands (`index`: the step's number),
         or, at a rollout's later updates, the rollout's answers again."""
         iteration, self.next_index = index % self.iterations, index + 1
@@ -131,7 +163,7 @@ class GroupRelativePolicyOptimization:
             self.drawn_with = [p.detach().clone() for p in self.trainable]
         # Resumed within a rollout's updates: drawn again with the weights it was drawn with.
         with swapped_data(self.trainable, self.drawn_with) if iteration else nullcontext():
-            self.groups = self._roll_out(step, index // self.iterations)
+            self.groups = self._roll_out(step, index // self.iterations, keep_prompts)
         return self.groups
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -144,12 +176,13 @@ class GroupRelativePolicyOptimization:
         if tensors:
             self.drawn_with = [tensors[f"drawn_with.{i}"].to(p.device) for i, p in enumerate(self.trainable)]
 
-    def _roll_out(self, step: Step, rollout: int) -> list[ImageGroup]:
+    def _roll_out(self, step: Step, rollout: int, keep_prompts: bool = False) -> list[ImageGroup]:
         """The step's questions answered by the adapter as it stands, rewarded; each answer's
-        advantage and log-probabilities kept for the updates."""
+        advantage and log-probabilities kept for the updates (and with `keep_prompts`, its
+        prompt's forward, vlft.training.shared_prompts)."""
         keys = [key for group in step for key in group]
         began = time.perf_counter()
-        answers = self._sample(keys, rollout)  # its answers read back to the host: the device is done
+        answers = self._sample(keys, rollout, keep_prompts)  # read back to the host: the device is done
         timing = dict.fromkeys(TIMING, 0.0) | {"timing_s/gen": time.perf_counter() - began}
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
@@ -194,10 +227,17 @@ class GroupRelativePolicyOptimization:
         self.token_weight = weight / max(1, sum(lengths))
         return weight
 
-    def loss_sums(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
-        logps = answer_token_logps(model, batch)
-        owners = batch["answer_owners"]
-        ids = batch["sample_ids"]
+    def loss_sums(self, model, batch) -> tuple[torch.Tensor, ...]:
+        if batch is KEPT_PROMPTS:  # the rollout's answers after the prompts its prefill kept
+            answers, self.kept_answers = self.kept_answers, None
+            logps = self.prompt_pass.answer_logps(answers)
+            lengths = torch.tensor([len(tokens) for _, tokens in answers], device=logps.device)
+            owners = torch.repeat_interleave(torch.arange(len(answers), device=logps.device), lengths)
+            ids = [s.record_id for g in self.groups for s in g.samples]
+        else:
+            logps = answer_token_logps(model, batch)
+            owners = batch["answer_owners"]
+            ids = batch["sample_ids"]
         advantages = torch.tensor([self.rollout[i][0] for i in ids], dtype=logps.dtype, device=logps.device)
         reference = None
         if self.start is not None:
@@ -241,9 +281,10 @@ class GroupRelativePolicyOptimization:
 
     # ---------------------------------------------------------------- the rollout
 
-    def _sample(self, keys: list[str], rollout: int) -> dict[str, list[list[int]]]:
+    def _sample(self, keys: list[str], rollout: int, keep_prompts: bool = False) -> dict[str, list[list[int]]]:
         """`num_generations` answers to each record's question, each drawn with its own seed (the
-        rollout's number: the step's, with one update a rollout)."""
+        rollout's number: the step's, with one update a rollout). `keep_prompts`: prefilled by the
+        prompt pass, which keeps their forward for the update (`kept_answers`, in the step's order)."""
         settings, data = self.settings, self.data
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.builder.end_of_turn
         asked = [(key, n) for key in keys for n in range(self.generations)]
@@ -271,6 +312,13 @@ class GroupRelativePolicyOptimization:
             answers[key][n] = list(ids)
 
         engine = self._engine(asked)
+        self.kept_answers = None
+        if keep_prompts:  # the prefills' forward kept for the update: nothing of theirs to free
+            with self.prompt_pass.rollout(), _answering(self.model, self.dtype, self.answer_weights):
+                prefill = self.prompt_pass.prefill
+                engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, prefill_with=prefill)
+            self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
+            return answers
         with _answering(self.model, self.dtype, self.answer_weights), _released():
             engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
         return answers

@@ -104,22 +104,24 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 def answer_token_logps(model, batch: dict) -> torch.Tensor:
     """The log-probability of each answer token of the batch (in the order of its answer positions,
     `batch["answer_owners"]` saying whose), with gradients: what a policy-gradient loss weighs. The
-    head is applied to answer positions only, a chunk of rows at a time, recomputed in the backward
-    pass (liger's fused kernel returns only a total, not one value a token)."""
-    outer = unwrapped(model)
-    answer_hidden = answer_hidden_states(model, batch)
-    targets = batch["answer_targets"]
+    head is applied to answer positions only (`token_logps`)."""
+    return token_logps(answer_hidden_states(model, batch), unwrapped(model).lm_head.weight, batch["answer_targets"])
+
+
+def token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(hidden @ weight.T) at each row's target, a chunk of rows at a time, recomputed in
+    the backward pass (liger's fused kernel returns only a total, not one value a token)."""
     chunks = [
         checkpoint(
             _chunk_losses,
-            answer_hidden[start : start + CHUNK_ROWS],
-            outer.lm_head.weight,
+            hidden[start : start + CHUNK_ROWS],
+            weight,
             targets[start : start + CHUNK_ROWS],
             use_reentrant=False,
         )
-        for start in range(0, answer_hidden.shape[0], CHUNK_ROWS)
+        for start in range(0, hidden.shape[0], CHUNK_ROWS)
     ]
-    return -torch.cat(chunks) if chunks else answer_hidden.new_zeros(0, dtype=_loss_dtype(answer_hidden.dtype))
+    return -torch.cat(chunks) if chunks else hidden.new_zeros(0, dtype=_loss_dtype(hidden.dtype))
 
 
 def answer_logps(model, batch: dict) -> torch.Tensor:

@@ -124,6 +124,8 @@ def packed_attention(
     packed_key_index=None,
     packed_cu_seqlens_k=None,
     packed_max_seqlen_k=None,
+    packed_prompt_keys=None,
+    packed_prompt_values=None,
     **kwargs,
 ):
     """Attention over a packed row: each query segment causally over its keys, nothing else.
@@ -131,12 +133,17 @@ def packed_attention(
     Takes and returns transformers' attention-interface shapes (query (1, heads, tokens, dim),
     output (1, tokens, heads, dim)). A segment's keys are its own tokens, or, with
     `packed_key_index`, the row positions it names: a shared prefix and then the segment's own
-    tokens, the segment's queries aligned with the last of them. On a GPU with bf16 or fp16, one
-    variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
+    tokens, the segment's queries aligned with the last of them. With `packed_prompt_keys` and
+    `packed_prompt_values` (this layer's keys and values of prompts an earlier forward computed,
+    vlft.training.shared_prompts), the row's positions come after theirs and `packed_key_index`
+    names positions of both. On a GPU with bf16 or fp16, one variable-length flash kernel call;
+    elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
     cu_k, max_k = packed_cu_seqlens, packed_max_seqlen
+    if packed_prompt_keys is not None:
+        key, value = torch.cat([packed_prompt_keys, key], dim=2), torch.cat([packed_prompt_values, value], dim=2)
     if packed_key_index is not None:
         # The prefix's keys and values gathered once for each sample on it: the backward pass sums
         # the samples' gradients back into the one prefix.

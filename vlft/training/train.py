@@ -64,6 +64,7 @@ from vlft.training.held_out_pairs import HeldOutPairs
 from vlft.training.reference import REFERENCE_FILE, reference_logps
 from vlft.training.grpo import GroupRelativePolicyOptimization
 from vlft.training.rewards import Rewards
+from vlft.training.shared_prompts import prompts_once_unless
 from vlft.training.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
@@ -172,7 +173,7 @@ def _step_batches(method, steps: list, todo: range, batcher):
     where the method samples its answers (grpo: on-policy), at the step itself, after the step
     before has updated the adapter (the generator runs as the loop asks for the next step)."""
     if method.on_policy:
-        return ((g, batcher(g)) for g in (method.step_groups(steps[step], step) for step in todo))
+        return (method.step_batches(steps[step], step, batcher) for step in todo)
     return prefetched((g, batcher(g)) for g in (method.step_groups(steps[step]) for step in todo))
 
 
@@ -203,8 +204,10 @@ class Trainer:
         dtype = torch.promote_types(self.dtype, torch.float32)
         totals = torch.zeros(len(self.method.METRICS), device=self.device, dtype=dtype)
         for host_batch in micro_batches:
+            # A host batch, or what the method keeps on the device for itself (grpo: the prompts' forward).
+            batch = to_device(host_batch, self.device, self.dtype) if isinstance(host_batch, dict) else host_batch
             with self.forward_context:
-                sums = self.method.loss_sums(self.model, to_device(host_batch, self.device, self.dtype))
+                sums = self.method.loss_sums(self.model, batch)
             (sums[0] / weight).backward()
             totals += torch.stack([s.detach() for s in sums])
         if self.group.size > 1:
@@ -308,7 +311,12 @@ def _setup_method(
         return SupervisedFineTuning(data)
     if settings.method == "grpo":
         rewards = Rewards(settings.rewards, settings.answer_format)
-        return GroupRelativePolicyOptimization(data, settings, rewards, builder, tokenizer, model, device, dtype)
+        twice = prompts_once_unless(model, settings, group.size)
+        if group.is_main:
+            print(f"grpo: each prompt computed {f'twice a step ({twice})' if twice else 'once a step'}", flush=True)
+        return GroupRelativePolicyOptimization(
+            data, settings, rewards, builder, tokenizer, model, device, dtype, prompts_once=twice is None
+        )
 
     def batcher_of(pairs: StageData):
         batcher = _host_batcher(settings, tokenizer, builder, pairs, model, device, group)

@@ -1,0 +1,212 @@
+"""A reward stage's prompts computed once a step: the rollout's prefill is the update's forward over them.
+
+With one update a rollout (`num_iterations: 1`), GRPO learns a step's sampled answers under the
+very weights that drew them. TRL, ms-swift and verl compute each prompt twice a step: the
+rollout's prefill, without gradients, then the update's forward over prompt and answer. Here the
+rollout's prefill runs as the update's forward would (the adapter's float32 weights under
+autocast, with gradients, through a compiled decoder layer on a GPU), and each layer's keys and
+values are kept (`PromptPass.prefill`, the engine's prefill). The decode steps read those keys and
+values, detached, from the engine's cache. The update then computes only the answers' tokens
+(`PromptPass.answer_logps`): each attends to its prompt's kept keys and values and causally to
+itself (vlft.training.packing.packed_attention's `packed_prompt_keys`), and its first token is
+scored from its prompt's last hidden state. One backward pass goes through both forwards.
+
+The log-probabilities and gradients are those of the full forward over prompt and answer
+(tests/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
+the update compute the same prompts: one update a rollout, no LoRA dropout (a prefill in training
+mode would draw the masks the answers are then sampled under), one process (each one's share of
+the step is the batcher's, after the rollout), and no activation checkpointing (its recomputation
+would not keep the prompts' keys). `prompts_once_unless` says which of those a stage lacks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from vlft.generation.kv_cache import language_model, prompt_positions
+from vlft.generation.runner import Prefilled, layer_calls, prefill
+from vlft.modeling import adapter_autocast, unwrapped
+from vlft.training.loss import token_logps
+from vlft.training.step_evals import swapped_data
+
+
+def prompts_once_unless(model, settings, processes: int) -> str | None:
+    """Why a GRPO stage computes its prompts twice a step (once a step where None)."""
+    dropout = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if settings.num_iterations != 1:
+        return f"num_iterations {settings.num_iterations}: a rollout is learned by later weights too"
+    if dropout:
+        return f"the adapter's LoRA dropout {max(dropout)}: the answers are drawn without it"
+    if processes > 1:
+        return f"{processes} processes share out each step's answers after the rollout"
+    if getattr(language_model(unwrapped(model)), "gradient_checkpointing", False):
+        return "activation checkpointing recomputes the prompts' forward"
+    return None
+
+
+@dataclass
+class KeptLayer:
+    """One layer's keys and values of a prefill, as its attention computed them (normed, rotated):
+    handed to the layer as its cache, they stay with their gradients."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+@dataclass
+class KeptKeys:
+    """A prefill's keys and values, a KeptLayer a layer (what the engine's cache copies from)."""
+
+    layers: list[KeptLayer] = field(default_factory=list)
+
+
+def _layer_keeping_keys(layer, cache_name: str, *args, **kwargs):
+    """A decoder layer's own call, its cache a KeptLayer of its own: its output, keys and values.
+    Compiled once, every layer runs it with its own weights (the KeptLayer is made inside, so the
+    compiled graph returns its tensors rather than storing them into an object of the caller's)."""
+    kept = KeptLayer()
+    kwargs[cache_name] = kept
+    return layer._call_impl(*args, **kwargs), kept.keys, kept.values
+
+
+def _layer_after_prompts(layer, keys, values, *args, **kwargs):
+    """A decoder layer's own call over answer tokens that attend to its kept prompt `keys` and `values`."""
+    return layer._call_impl(*args, packed_prompt_keys=keys, packed_prompt_values=values, **kwargs)
+
+
+@dataclass
+class _Asked:
+    """Where a request's prompt lies: its prefill, its place among that prefill's requests, and the
+    text position of its answer's first token."""
+
+    prefill: int
+    place: int
+    first_position: int
+
+
+class PromptPass:
+    """The prompts of one rollout, prefilled with gradients, until its answers' update has used them."""
+
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, compile: bool):
+        self.model, self.text = model, language_model(unwrapped(model))
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.forward_context = adapter_autocast(model, device, dtype)
+        compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
+        self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
+        self.clear()
+
+    def clear(self) -> None:
+        """Nothing held (the backward pass keeps what it needs of the last rollout's forward)."""
+        self.prefills: list[Prefilled] = []
+        self.asked: dict[int, _Asked] = {}
+        self.own: list[torch.Tensor] | None = None
+
+    @contextmanager
+    def rollout(self):
+        """Around the engine's run: the adapter's own float32 weights noted, for the prefills, before
+        the run puts the model's dtype's in their place for the decode steps."""
+        self.clear()
+        self.own = [p.data for p in self.trainable]
+        yield
+
+    def prefill(self, model, group: list, sampler) -> Prefilled:
+        """The engine's prefill of `group`, computed as the training's forward, its keys kept."""
+        kept = [KeptLayer() for _ in self.text.layers]
+        calls = [partial(self._keeping_call, kept, i) for i in range(len(kept))]
+        with swapped_data(self.trainable, self.own), torch.enable_grad(), self.forward_context:
+            with _training(model), layer_calls(self.text.layers, calls):
+                prefilled = prefill(model, group, sampler)
+        prefilled.cache = KeptKeys(kept)
+        for place, request in enumerate(group):
+            first = int(request.positions[..., : request.prompt].max()) + 1
+            self.asked[request.key] = _Asked(len(self.prefills), place, first)
+        self.prefills.append(prefilled)
+        return prefilled
+
+    def _keeping_call(self, kept: list[KeptLayer], index: int, *args, **kwargs):
+        name = "cache" if "cache" in kwargs else "past_key_values"
+        output, kept[index].keys, kept[index].values = self.keeping(self.text.layers[index], name, *args, **kwargs)
+        return output
+
+    def answer_logps(self, answers: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """The token log-probabilities of `answers` ((the request's key, its tokens), each drawn
+        after its prompt was prefilled here), answer after answer, with gradients through both
+        forwards; everything held is let go (the backward pass keeps what it needs)."""
+        offsets, start = [], 0  # where each prefill's positions begin among all prefills' keys
+        for prefilled in self.prefills:
+            offsets.append(start)
+            start += prefilled.cache.layers[0].keys.shape[2]
+        device = self.prefills[0].last_hidden.device
+        inputs, positions, key_index, query_lengths, key_lengths = [], [], [], [], []
+        firsts, order, row = [], [], 0
+        for key, tokens in answers:
+            asked = self.asked[key]
+            prefilled = self.prefills[asked.prefill]
+            firsts.append(prefilled.last_hidden[asked.place])
+            own = len(tokens) - 1  # the answer's tokens before its last: each predicts the next
+            order.append((len(firsts) - 1, row, own))
+            if not own:
+                continue
+            prompt = prompt_positions(prefilled.spans[asked.place]) + offsets[asked.prefill]
+            inputs.append(torch.tensor(tokens[:-1]))
+            positions.append(torch.arange(own) + asked.first_position)
+            key_index += [prompt, torch.arange(row, row + own) + start]
+            query_lengths.append(own)
+            key_lengths.append(len(prompt) + own)
+            row += own
+        answer_hidden = self._answer_hidden(inputs, positions, key_index, query_lengths, key_lengths, device)
+        # Each answer's rows in order: its prompt's last hidden state, then its own tokens'.
+        first_hidden = torch.stack(firsts)
+        hidden = torch.cat([first_hidden, answer_hidden]) if answer_hidden is not None else first_hidden
+        rows = torch.cat([torch.cat([torch.tensor([n]), torch.arange(at, at + own) + len(firsts)]) for n, at, own in order])
+        targets = torch.tensor([t for _, tokens in answers for t in tokens], device=device)
+        self.clear()
+        return token_logps(hidden.index_select(0, rows.to(device)), unwrapped(self.model).lm_head.weight, targets)
+
+    def _answer_hidden(self, inputs, positions, key_index, query_lengths, key_lengths, device):
+        """The last hidden states of every answer token but each answer's last, in one packed row."""
+        if not inputs:
+            return None
+        layers = len(self.text.layers)
+        keys = [torch.cat([p.cache.layers[i].keys for p in self.prefills], dim=2) for i in range(layers)]
+        values = [torch.cat([p.cache.layers[i].values for p in self.prefills], dim=2) for i in range(layers)]
+        calls = [partial(self._after_call, keys[i], values[i], i) for i in range(layers)]
+        text_positions = torch.cat(positions).to(device)
+        with layer_calls(self.text.layers, calls):
+            output = self.text(
+                input_ids=torch.cat(inputs)[None].to(device),
+                position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
+                use_cache=False,
+                packed_cu_seqlens=_cumulative(query_lengths, device),
+                packed_max_seqlen=max(query_lengths),
+                packed_key_index=torch.cat(key_index).to(device),
+                packed_cu_seqlens_k=_cumulative(key_lengths, device),
+                packed_max_seqlen_k=max(key_lengths),
+            )
+        return output.last_hidden_state[0]
+
+    def _after_call(self, keys, values, index: int, *args, **kwargs):
+        return self.after(self.text.layers[index], keys, values, *args, **kwargs)
+
+
+def _cumulative(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + lengths, device=device).cumsum(0, dtype=torch.int32)
+
+
+@contextmanager
+def _training(model):
+    """The model in training mode (as the update's forward runs), its mode before put back after."""
+    was = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was)
