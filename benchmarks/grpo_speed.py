@@ -85,6 +85,57 @@ ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' 
 COLLECTIONS: list[tuple[int, float]] = []  # each rollout's collections: (generation, seconds)
 
 
+# With --phases: each step's seconds in each phase, the device synchronized around each call.
+STEP_PHASES: list[dict[str, float]] = [{}]
+
+
+def timed_phase(name: str, function):
+    """`function`, each call's seconds (the device synchronized before and after) added to this step's `name`."""
+
+    def timed(*args, **kwargs):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            phases = STEP_PHASES[-1]
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+
+    return timed
+
+
+def time_phases() -> None:
+    """The GRPO step's phases timed (--phases): what its rollout reads, prefills, decodes and scores,
+    and its update's forward, backward, clipping and optimizer step; a step ends with Trainer.step."""
+    import vlft.generation.runner
+    import vlft.training.rewards
+    import vlft.training.shared_prompts
+
+    patches = [
+        (vlft.training.grpo, "prompt_request", "reading prompts"),
+        (vlft.generation.engine, "prefill", "prefill without gradients"),
+        (vlft.training.shared_prompts.PromptPass, "prefill", "prefill with gradients"),
+        (vlft.generation.runner.DecodeStep, "__call__", "decode steps"),
+        (vlft.training.rewards.Rewards, "score", "rewards"),
+        (vlft.training.shared_prompts.PromptPass, "answer_logps", "answers' forward after kept prompts"),
+        (vlft.training.grpo, "answer_token_logps", "forward over prompts and answers"),
+        (torch.Tensor, "backward", "backward"),
+        (torch.nn.utils, "clip_grad_norm_", "clipping"),
+        (torch.optim.AdamW, "step", "optimizer step"),
+    ]
+    for owner, attribute, name in patches:
+        setattr(owner, attribute, timed_phase(name, getattr(owner, attribute)))
+    step = vlft.training.train.Trainer.step
+
+    def step_then_next(*args, **kwargs):
+        result = step(*args, **kwargs)
+        STEP_PHASES.append({})
+        return result
+
+    vlft.training.train.Trainer.step = step_then_next
+
+
 class TimedGc:
     """The gc module as vlft.training.grpo sees it, each collection timed (the benchmark's own)."""
 
@@ -279,6 +330,11 @@ def main() -> None:
         help="GRPO again as it ran before its engine was kept: a fresh engine each rollout, no shared prompts",
     )
     parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="each GRPO step's phases timed, the device synchronized around each (a little slower overall)",
+    )
+    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -291,6 +347,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.generation.engine.Engine.answer = answer_timed  # the benchmark's own timing of the engine
     vlft.training.grpo.gc = TimedGc()
+    if args.phases:
+        time_phases()
 
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
     # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).
@@ -356,6 +414,7 @@ def main() -> None:
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
         vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
         ROLLOUTS.clear()
+        STEP_PHASES[:] = [{}]
         run = run_ours(
             model_dir,
             directory / "prepared.jsonl",
@@ -386,6 +445,10 @@ def main() -> None:
                 "young_ones": sum(g != 2 for g, _ in COLLECTIONS),
                 "s_a_rollout": sum(t for _, t in COLLECTIONS) / args.steps,
             }
+            if args.phases:  # each phase's mean seconds a step, over the steps after the warm-up
+                measured = STEP_PHASES[args.warmup : args.steps]
+                names = sorted({k for phases in measured for k in phases})
+                results[name]["phases_s"] = {k: sum(p.get(k, 0.0) for p in measured) / len(measured) for k in names}
             results[name]["engine_s"] = {
                 k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
                 for k in sorted({k for c in ENGINE_CALLS for k in c})

@@ -128,11 +128,11 @@ class Engine:
         stats: dict | None = None,
         on_loss: Callable[[int, float, int], None] | None = None,
         timer: "_Timer | None" = None,
-        prefill_with: Callable = prefill,
+        prefill_with: Callable | None = None,
     ) -> None:
         """Answer every request (as answer_requests does); every row is free again as it returns.
-        `prefill_with`: what computes a packed prefill (vlft.generation.runner.prefill's arguments and
-        result); a reward stage's keeps the prompts' forward for its update
+        `prefill_with`: what computes a packed prefill, in place of vlft.generation.runner.prefill
+        (its arguments and result); a reward stage's keeps the prompts' forward for its update
         (vlft.training.shared_prompts)."""
         text = language_model(self.model)
         timer = timer or _Timer(text.embed_tokens.weight.device, stats)
@@ -181,7 +181,7 @@ class Generation:
         on_answer,
         on_loss,
         timer,
-        prefill_with: Callable = prefill,
+        prefill_with: Callable | None = None,
     ):
         self.model, self.cache, self.step, self.scheduler = model, cache, step, scheduler
         self.end_id, self.on_answer, self.on_loss, self.timer = end_id, on_answer, on_loss, timer
@@ -191,7 +191,7 @@ class Generation:
         # computes on the whole cache (one shape, one CUDA graph); otherwise on the rows and length in use.
         self.whole = step.live is not None
         self.prefixes = cache.prefixes
-        self.prefill = prefill_with
+        self.prefill = prefill_with or prefill
 
     def run(self) -> None:
         while True:
