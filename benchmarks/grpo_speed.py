@@ -113,7 +113,7 @@ def time_phases() -> None:
     import vlft.training.shared_prompts
 
     patches = [
-        (vlft.training.grpo, "prompt_request", "reading prompts"),
+        (vlft.training.grpo, "prompt_request", "reading prompts (the rest: a step ahead)"),
         (vlft.generation.engine, "prefill", "prefill without gradients"),
         (vlft.training.shared_prompts.PromptPass, "prefill", "prefill with gradients"),
         (vlft.generation.runner.DecodeStep, "__call__", "decode steps"),

@@ -237,12 +237,22 @@ def scores(predictions: list[dict], loss_sum: float, loss_tokens: int, answer_fo
 
 
 def prompt_request(
-    key, sample, data: StageData, builder, pad_id: int, model, device, dtype, max_new_tokens: int, scored: bool = False
+    key,
+    sample,
+    data: StageData,
+    builder,
+    pad_id: int,
+    model,
+    device,
+    dtype,
+    max_new_tokens: int,
+    scored: bool = False,
+    inputs: dict | None = None,
 ) -> Request:
     """One sample's prompt as vlft.generation.engine answers it (a Request): its model inputs on the
     device and its M-RoPE positions; `scored`, the reference answer after the prompt too, with
-    the targets of its loss."""
-    inputs = collate([sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model))
+    the targets of its loss. `inputs`: its host inputs, read already (`prompt_inputs`)."""
+    inputs = inputs or prompt_inputs(sample, data, builder, pad_id, model, scored)
     inputs = to_device(inputs, device, dtype)
     positions = inputs.pop("position_ids")
     cache, image = data.images[sample.record_id]
@@ -252,6 +262,12 @@ def prompt_request(
         request.prompt_length = sample.prompt_length
         request.loss_positions, request.loss_targets = inputs["answer_positions"], inputs["answer_targets"]
     return request
+
+
+def prompt_inputs(sample, data: StageData, builder, pad_id: int, model, scored: bool = False) -> dict:
+    """A sample's prompt (and reference answer, `scored`) as model inputs on the host: its image read
+    and its M-RoPE positions computed (what a reward stage reads a step ahead, in a thread)."""
+    return collate([sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model))
 
 
 def shared_prefixes(data: StageData, indices: list[int], slots: int, answer_room: int) -> Cascade | None:

@@ -77,11 +77,6 @@ def _layer_keeping_keys(layer, cache_name: str, *args, **kwargs):
     return layer._call_impl(*args, **kwargs), kept.keys, kept.values
 
 
-def _layer_after_prompts(layer, keys, values, *args, **kwargs):
-    """A decoder layer's own call over answer tokens that attend to its kept prompt `keys` and `values`."""
-    return layer._call_impl(*args, packed_prompt_keys=keys, packed_prompt_values=values, **kwargs)
-
-
 @dataclass
 class _Asked:
     """Where a request's prompt lies: its prefill, its place among that prefill's requests, and the
@@ -100,7 +95,15 @@ class PromptPass:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.forward_context = adapter_autocast(model, device, dtype)
         compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
-        self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
+        # The prompts' forward is long (thousands of tokens): one compiled layer, which every layer
+        # runs, keeps the device busy. The answers' forward is short (a few hundred tokens): there
+        # a compiled layer's call costs more on the host than its kernels on the device, so the
+        # whole forward is compiled as one graph (its backward too). Its layers read their prompt
+        # keys from `prompt_keys`, which each step fills: the graph is traced once, not a step.
+        self.keeping, self.answers_forward = compiled(_layer_keeping_keys), compiled(self._answers_forward)
+        self.answer_calls = [partial(self._answer_layer_call, i) for i in range(len(self.text.layers))]
+        self.prompt_keys: list[torch.Tensor] = []
+        self.prompt_values: list[torch.Tensor] = []
         self.clear()
 
     def clear(self) -> None:
@@ -175,26 +178,38 @@ class PromptPass:
         """The last hidden states of every answer token but each answer's last, in one packed row."""
         if not inputs:
             return None
-        layers = len(self.text.layers)
-        keys = [torch.cat([p.cache.layers[i].keys for p in self.prefills], dim=2) for i in range(layers)]
-        values = [torch.cat([p.cache.layers[i].values for p in self.prefills], dim=2) for i in range(layers)]
-        calls = [partial(self._after_call, keys[i], values[i], i) for i in range(layers)]
+        layers = range(len(self.text.layers))
+        self.prompt_keys = [_joined([p.cache.layers[i].keys for p in self.prefills]) for i in layers]
+        self.prompt_values = [_joined([p.cache.layers[i].values for p in self.prefills]) for i in layers]
         text_positions = torch.cat(positions).to(device)
-        with layer_calls(self.text.layers, calls):
-            output = self.text(
-                input_ids=torch.cat(inputs)[None].to(device),
-                position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
-                use_cache=False,
-                packed_cu_seqlens=_cumulative(query_lengths, device),
-                packed_max_seqlen=max(query_lengths),
-                packed_key_index=torch.cat(key_index).to(device),
-                packed_cu_seqlens_k=_cumulative(key_lengths, device),
-                packed_max_seqlen_k=max(key_lengths),
-            )
-        return output.last_hidden_state[0]
+        try:
+            with layer_calls(self.text.layers, self.answer_calls):
+                return self.answers_forward(
+                    input_ids=torch.cat(inputs)[None].to(device),
+                    position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
+                    use_cache=False,
+                    packed_cu_seqlens=_cumulative(query_lengths, device),
+                    packed_max_seqlen=max(query_lengths),
+                    packed_key_index=torch.cat(key_index).to(device),
+                    packed_cu_seqlens_k=_cumulative(key_lengths, device),
+                    packed_max_seqlen_k=max(key_lengths),
+                )
+        finally:
+            self.prompt_keys, self.prompt_values = [], []
 
-    def _after_call(self, keys, values, index: int, *args, **kwargs):
-        return self.after(self.text.layers[index], keys, values, *args, **kwargs)
+    def _answers_forward(self, **inputs) -> torch.Tensor:
+        return self.text(**inputs).last_hidden_state[0]
+
+    def _answer_layer_call(self, index: int, *args, **kwargs):
+        """Decoder layer `index` over the answers' tokens, which attend to its kept prompt keys and values."""
+        keys, values = self.prompt_keys[index], self.prompt_values[index]
+        layer = self.text.layers[index]
+        return layer._call_impl(*args, packed_prompt_keys=keys, packed_prompt_values=values, **kwargs)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Several prefills' keys (or values) end to end; one prefill's as they are."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=2)
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:

@@ -173,7 +173,8 @@ def _step_batches(method, steps: list, todo: range, batcher):
     where the method samples its answers (grpo: on-policy), at the step itself, after the step
     before has updated the adapter (the generator runs as the loop asks for the next step)."""
     if method.on_policy:
-        return (method.step_batches(steps[step], step, batcher) for step in todo)
+        upcoming = [steps[step + 1] if step + 1 < len(steps) else None for step in todo]
+        return (method.step_batches(steps[step], step, batcher, next_step) for step, next_step in zip(todo, upcoming))
     return prefetched((g, batcher(g)) for g in (method.step_groups(steps[step]) for step in todo))
 
 
