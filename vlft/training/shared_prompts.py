@@ -94,13 +94,12 @@ class PromptPass:
         self.model, self.text = model, language_model(unwrapped(model))
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.forward_context = adapter_autocast(model, device, dtype)
-        compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
-        # The prompts' forward is long (thousands of tokens): one compiled layer, which every layer
-        # runs, keeps the device busy. The answers' forward is short (a few hundred tokens): there
-        # a compiled layer's call costs more on the host than its kernels on the device, so the
-        # whole forward is compiled as one graph (its backward too). Its layers read their prompt
-        # keys from `prompt_keys`, which each step fills: the graph is traced once, not a step.
-        self.keeping, self.answers_forward = compiled(_layer_keeping_keys), compiled(self._answers_forward)
+        # The prompts' forward is long (thousands of tokens): a compiled layer, which every layer
+        # runs, keeps the device busy. The answers' forward is short (a few hundred tokens): there a
+        # compiled layer's call cost more on the host than its kernels on the device (62 ms for
+        # 608 tokens of the 8B on an H200), and the whole forward compiled as one graph had not
+        # compiled in 200 s; it runs eagerly.
+        self.keeping = torch.compile(_layer_keeping_keys, dynamic=True) if compile else _layer_keeping_keys
         self.answer_calls = [partial(self._answer_layer_call, i) for i in range(len(self.text.layers))]
         self.prompt_keys: list[torch.Tensor] = []
         self.prompt_values: list[torch.Tensor] = []
@@ -184,7 +183,7 @@ class PromptPass:
         text_positions = torch.cat(positions).to(device)
         try:
             with layer_calls(self.text.layers, self.answer_calls):
-                return self.answers_forward(
+                return self.text(
                     input_ids=torch.cat(inputs)[None].to(device),
                     position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
                     use_cache=False,
@@ -193,12 +192,9 @@ class PromptPass:
                     packed_key_index=torch.cat(key_index).to(device),
                     packed_cu_seqlens_k=_cumulative(key_lengths, device),
                     packed_max_seqlen_k=max(key_lengths),
-                )
+                ).last_hidden_state[0]
         finally:
             self.prompt_keys, self.prompt_values = [], []
-
-    def _answers_forward(self, **inputs) -> torch.Tensor:
-        return self.text(**inputs).last_hidden_state[0]
 
     def _answer_layer_call(self, index: int, *args, **kwargs):
         """Decoder layer `index` over the answers' tokens, which attend to its kept prompt keys and values."""
