@@ -77,6 +77,11 @@ def _layer_keeping_keys(layer, cache_name: str, *args, **kwargs):
     return layer._call_impl(*args, **kwargs), kept.keys, kept.values
 
 
+def _layer_after_prompts(layer, keys, values, *args, **kwargs):
+    """A decoder layer's own call over answer tokens that attend to its kept prompt `keys` and `values`."""
+    return layer._call_impl(*args, packed_prompt_keys=keys, packed_prompt_values=values, **kwargs)
+
+
 @dataclass
 class _Asked:
     """Where a request's prompt lies: its prefill, its place among that prefill's requests, and the
@@ -94,12 +99,12 @@ class PromptPass:
         self.model, self.text = model, language_model(unwrapped(model))
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.forward_context = adapter_autocast(model, device, dtype)
-        # The prompts' forward is long (thousands of tokens): a compiled layer, which every layer
-        # runs, keeps the device busy. The answers' forward is short (a few hundred tokens): there a
-        # compiled layer's call cost more on the host than its kernels on the device (62 ms for
-        # 608 tokens of the 8B on an H200), and the whole forward compiled as one graph had not
-        # compiled in 200 s; it runs eagerly.
-        self.keeping = torch.compile(_layer_keeping_keys, dynamic=True) if compile else _layer_keeping_keys
+        # One compiled decoder layer, which every layer runs, for each forward. The answers' forward
+        # is short (608 tokens at 4 questions of 8 answers): its host's work outweighs its kernels
+        # (62 ms on an H200), yet eagerly it took 164 ms, and compiled whole (one graph of every
+        # layer) it had not compiled in 200 s.
+        compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
+        self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
         self.answer_calls = [partial(self._answer_layer_call, i) for i in range(len(self.text.layers))]
         self.prompt_keys: list[torch.Tensor] = []
         self.prompt_values: list[torch.Tensor] = []
@@ -197,10 +202,8 @@ class PromptPass:
             self.prompt_keys, self.prompt_values = [], []
 
     def _answer_layer_call(self, index: int, *args, **kwargs):
-        """Decoder layer `index` over the answers' tokens, which attend to its kept prompt keys and values."""
         keys, values = self.prompt_keys[index], self.prompt_values[index]
-        layer = self.text.layers[index]
-        return layer._call_impl(*args, packed_prompt_keys=keys, packed_prompt_values=values, **kwargs)
+        return self.after(self.text.layers[index], keys, values, *args, **kwargs)
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
