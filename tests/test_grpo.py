@@ -197,8 +197,30 @@ def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_an
     # Over the budget the stage computed its prompts twice, whichever it was set to do: bit for bit.
     once, twice = runs["over budget"]
     assert [r["loss"] for r in once] == [r["loss"] for r in twice]
-    a, b = (load_file(tmp_path / "over budget" / run / "adapter/adapter_model.safetensors") for run in ("once", "twice"))
+    a, b = (
+        load_file(tmp_path / "over budget" / run / "adapter/adapter_model.safetensors") for run in ("once", "twice")
+    )
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_stage_says_why_it_computes_its_prompts_twice_where_once_would_not_be_the_same(screens):
+    """One update a rollout, no LoRA dropout, one process, no activation checkpointing: once a step.
+    Each other case names what would make the rollout's prefill and the update's forward differ."""
+    from vlft.modeling import use_activation_checkpointing
+    from vlft.training.shared_prompts import prompts_once_unless
+
+    def model(lora_dropout: float):
+        return with_new_adapter(load_base_model(screens / "model", CPU, FLOAT64), LORA | {"lora_dropout": lora_dropout})
+
+    settings = StageSettings.resolve(tiny_stage_settings(**GRPO))
+    assert "LoRA dropout 0.05" in prompts_once_unless(model(0.05), settings, 1)
+    model = model(0.0)
+    assert prompts_once_unless(model, settings, 1) is None
+    twice = StageSettings.resolve(tiny_stage_settings(**(GRPO | {"num_iterations": 2})))
+    assert "num_iterations 2" in prompts_once_unless(model, twice, 1)
+    assert "2 processes" in prompts_once_unless(model, settings, 2)
+    use_activation_checkpointing(model)
+    assert "activation checkpointing" in prompts_once_unless(model, settings, 1)
 
 
 def test_answer_seeds_depend_on_stage_step_record_and_answer_alone():

@@ -173,7 +173,9 @@ class PromptPass:
         # Each answer's rows in order: its prompt's last hidden state, then its own tokens'.
         first_hidden = torch.stack(firsts)
         hidden = torch.cat([first_hidden, answer_hidden]) if answer_hidden is not None else first_hidden
-        rows = torch.cat([torch.cat([torch.tensor([n]), torch.arange(at, at + own) + len(firsts)]) for n, at, own in order])
+        rows = torch.cat(
+            [torch.cat([torch.tensor([n]), torch.arange(at, at + own) + len(firsts)]) for n, at, own in order]
+        )
         targets = torch.tensor([t for _, tokens in answers for t in tokens], device=device)
         self.clear()
         return token_logps(hidden.index_select(0, rows.to(device)), unwrapped(self.model).lm_head.weight, targets)
