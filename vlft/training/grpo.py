@@ -8,7 +8,9 @@ a question's answers share its prompt's prefill). The answers are scored by the 
 (`group_advantages`), and the step learns them under PPO's clipped objective (`grpo_token_losses`,
 `grpo_loss_sum`, `grpo_step_weight`, in vlft.training.methods, each tested against TRL's). A
 question's answers are one image group: its prompt laid out once, each answer at the positions it
-has alone, so each token's log-probability and gradient are the ones it gets alone.
+has alone, so each token's log-probability and gradient are the ones it gets alone. Where the
+stage allows it (vlft.training.shared_prompts.prompts_once_unless), the rollout's prefill is the
+update's forward over the prompts: each prompt computed once a step, not twice.
 
 An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update
 a rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
