@@ -266,6 +266,7 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     assert all(g.shared > 0 for g in groups)
     # TRL's _compute_loss with old = current (num_iterations 1) and beta 0.
     advantages = on.step_equals_trls(groups, loss_type, old=None, kept=kept)
+    assert (on.method.prompt_pass is not None) == kept
     # Each question's advantages are its answers' rewards against their group's mean: they sum to 0.
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
