@@ -105,9 +105,6 @@ class PromptPass:
         # layer) it had not compiled in 200 s.
         compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
         self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
-        self.answer_calls = [partial(self._answer_layer_call, i) for i in range(len(self.text.layers))]
-        self.prompt_keys: list[torch.Tensor] = []
-        self.prompt_values: list[torch.Tensor] = []
         self.clear()
 
     def clear(self) -> None:
@@ -184,28 +181,23 @@ class PromptPass:
         """The last hidden states of every answer token but each answer's last, in one packed row."""
         if not inputs:
             return None
-        layers = range(len(self.text.layers))
-        self.prompt_keys = [_joined([p.cache.layers[i].keys for p in self.prefills]) for i in layers]
-        self.prompt_values = [_joined([p.cache.layers[i].values for p in self.prefills]) for i in layers]
+        calls = []
+        for i, layer in enumerate(self.text.layers):
+            keys = _joined([p.cache.layers[i].keys for p in self.prefills])
+            values = _joined([p.cache.layers[i].values for p in self.prefills])
+            calls.append(partial(self.after, layer, keys, values))
         text_positions = torch.cat(positions).to(device)
-        try:
-            with layer_calls(self.text.layers, self.answer_calls):
-                return self.text(
-                    input_ids=torch.cat(inputs)[None].to(device),
-                    position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
-                    use_cache=False,
-                    packed_cu_seqlens=_cumulative(query_lengths, device),
-                    packed_max_seqlen=max(query_lengths),
-                    packed_key_index=torch.cat(key_index).to(device),
-                    packed_cu_seqlens_k=_cumulative(key_lengths, device),
-                    packed_max_seqlen_k=max(key_lengths),
-                ).last_hidden_state[0]
-        finally:
-            self.prompt_keys, self.prompt_values = [], []
-
-    def _answer_layer_call(self, index: int, *args, **kwargs):
-        keys, values = self.prompt_keys[index], self.prompt_values[index]
-        return self.after(self.text.layers[index], keys, values, *args, **kwargs)
+        with layer_calls(self.text.layers, calls):
+            return self.text(
+                input_ids=torch.cat(inputs)[None].to(device),
+                position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
+                use_cache=False,
+                packed_cu_seqlens=_cumulative(query_lengths, device),
+                packed_max_seqlen=max(query_lengths),
+                packed_key_index=torch.cat(key_index).to(device),
+                packed_cu_seqlens_k=_cumulative(key_lengths, device),
+                packed_max_seqlen_k=max(key_lengths),
+            ).last_hidden_state[0]
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
