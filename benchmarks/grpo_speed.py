@@ -105,14 +105,14 @@ def timed_phase(name: str, function):
     return timed
 
 
-def time_phases() -> None:
-    """The GRPO step's phases timed (--phases): what its rollout reads, prefills, decodes and scores,
-    and its update's forward, backward, clipping and optimizer step; a step ends with Trainer.step."""
+def phase_patches() -> list[tuple[object, str, str]]:
+    """Where a GRPO step's phases begin and end: what its rollout reads, prefills, decodes and
+    scores, and its update's forward, backward, clipping and optimizer step."""
     import vlft.generation.runner
     import vlft.training.rewards
     import vlft.training.shared_prompts
 
-    patches = [
+    return [
         (vlft.training.grpo, "prompt_request", "reading prompts (the rest: a step ahead)"),
         (vlft.generation.engine, "prefill", "prefill without gradients"),
         (vlft.training.shared_prompts.PromptPass, "prefill", "prefill with gradients"),
@@ -124,7 +124,11 @@ def time_phases() -> None:
         (torch.nn.utils, "clip_grad_norm_", "clipping"),
         (torch.optim.AdamW, "step", "optimizer step"),
     ]
-    for owner, attribute, name in patches:
+
+
+def time_phases() -> None:
+    """The GRPO step's phases timed (--phases); a step ends with Trainer.step."""
+    for owner, attribute, name in phase_patches():
         setattr(owner, attribute, timed_phase(name, getattr(owner, attribute)))
     step = vlft.training.train.Trainer.step
 
@@ -134,6 +138,97 @@ def time_phases() -> None:
         return result
 
     vlft.training.train.Trainer.step = step_then_next
+
+
+def profile_a_step(directory: Path, step_to_profile: int) -> None:
+    """(--profile) Step `step_to_profile` of each run under torch.profiler, each phase a labelled
+    range (no synchronizing): its Chrome trace, gzipped, and what `profile_summary` reads from it,
+    written to `directory`, one file per run, numbered."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(name, function):
+        def call(*args, **kwargs):
+            with record_function(f"phase: {name}"):
+                return function(*args, **kwargs)
+
+        return call
+
+    for owner, attribute, name in phase_patches():
+        setattr(owner, attribute, labelled(name, getattr(owner, attribute)))
+    step, state = vlft.training.train.Trainer.step, {"steps": 0, "profiler": None, "runs": 0}
+
+    def step_profiled(*args, **kwargs):
+        result = step(*args, **kwargs)
+        state["steps"] += 1
+        if state["profiler"] is not None:
+            torch.cuda.synchronize()
+            state["profiler"].stop()
+            trace = directory / f"run{state['runs']}.trace.json"
+            state["profiler"].export_chrome_trace(str(trace))
+            (directory / f"run{state['runs']}.summary.json").write_text(json.dumps(profile_summary(trace), indent=1))
+            with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            trace.unlink()
+            state["profiler"], state["runs"] = None, state["runs"] + 1
+        elif state["steps"] == step_to_profile:
+            torch.cuda.synchronize()
+            state["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["profiler"].start()
+        return result
+
+    def run_begins(*args, **kwargs):
+        state["steps"] = 0
+        return RUN_OURS(*args, **kwargs)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vlft.training.train.Trainer.step = step_profiled
+    globals()["run_ours"] = run_begins
+
+
+def profile_summary(trace: Path) -> dict:
+    """From a profiled step's Chrome trace: the step's span, the device's busy time (kernels and
+    copies, overlaps counted once), each phase's span on the host and on the device with the
+    kernel time within it, and the kernels that took the most time, by name."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    device = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+
+    def busy(start: float, end: float) -> float:
+        total, reached = 0.0, start
+        for a, b, _ in device:
+            a, b = max(a, reached), min(b, end)
+            if b > a:
+                total, reached = total + b - a, b
+        return total / 1e6
+
+    phases: dict[str, dict] = {}
+    for e in events:
+        if e.get("name", "").startswith("phase: ") and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
+            side = "device" if e["cat"] == "gpu_user_annotation" else "host"
+            entry = phases.setdefault(e["name"][7:], {"host_s": 0.0, "device_span_s": 0.0, "device_busy_s": 0.0})
+            if side == "host":
+                entry["host_s"] += e["dur"] / 1e6
+            else:
+                entry["device_span_s"] += e["dur"] / 1e6
+                entry["device_busy_s"] += busy(e["ts"], e["ts"] + e["dur"])
+    kernels: dict[str, list] = {}
+    for a, b, name in device:
+        entry = kernels.setdefault(name[:120], [0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + (b - a) / 1e6
+    start = min(e["ts"] for e in events if "dur" in e and e.get("ph") == "X")
+    end = max(e["ts"] + e["dur"] for e in events if "dur" in e and e.get("ph") == "X")
+    return {
+        "span_s": (end - start) / 1e6,
+        "device_busy_s": busy(start, end),
+        "phases": phases,
+        "kernels_by_time": sorted(([n, c, round(t, 5)] for n, (c, t) in kernels.items()), key=lambda k: -k[2])[:60],
+    }
 
 
 class TimedGc:
@@ -150,6 +245,7 @@ class TimedGc:
         return found
 
 
+RUN_OURS = run_ours
 ANSWER = vlft.generation.engine.Engine.answer
 FITS = vlft.generation.engine.Engine.fits
 FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
@@ -335,6 +431,11 @@ def main() -> None:
         help="each GRPO step's phases timed, the device synchronized around each (a little slower overall)",
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        help="a folder: the first step after the warm-up of each run profiled (torch.profiler), its trace and summary there",
+    )
+    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -349,6 +450,8 @@ def main() -> None:
     vlft.training.grpo.gc = TimedGc()
     if args.phases:
         time_phases()
+    if args.profile:
+        profile_a_step(args.profile, args.warmup)
 
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
     # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).
