@@ -142,9 +142,11 @@ def time_phases() -> None:
 
 def profile_a_step(directory: Path, step_to_profile: int) -> None:
     """(--profile) Step `step_to_profile` of each run under torch.profiler, each phase a labelled
-    range (no synchronizing): its Chrome trace, gzipped, and what `profile_summary` reads from it,
-    written to `directory`, one file per run, numbered."""
+    range (no synchronizing): its Chrome trace, gzipped, what `profile_summary` reads from it, and
+    the main thread's Python (cProfile) written to `directory`, one file each per run, numbered."""
+    import cProfile
     import gzip
+    import pstats
     import shutil
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -172,11 +174,16 @@ def profile_a_step(directory: Path, step_to_profile: int) -> None:
             with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
                 shutil.copyfileobj(raw, packed)
             trace.unlink()
+            state["python"].disable()
+            with (directory / f"run{state['runs']}.python.txt").open("w") as out:
+                pstats.Stats(state["python"], stream=out).sort_stats("cumulative").print_stats(80)
             state["profiler"], state["runs"] = None, state["runs"] + 1
         elif state["steps"] == step_to_profile:
             torch.cuda.synchronize()
             state["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             state["profiler"].start()
+            state["python"] = cProfile.Profile()  # the main thread's Python, where the device waits on the host
+            state["python"].enable()
         return result
 
     def run_begins(*args, **kwargs):
