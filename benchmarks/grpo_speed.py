@@ -79,7 +79,8 @@ def answer_of_length(tokenizer, tokens: int, seed: int) -> str:
     return " ".join(text) + ". Final answer: three"
 
 
-ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats)
+ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats), with --phases
+ENGINE_PHASES = False
 
 
 COLLECTIONS: list[tuple[int, float]] = []  # each rollout's collections: (generation, seconds)
@@ -263,7 +264,9 @@ ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request k
 
 
 def answer_timed(self, *args, **kwargs):
-    stats: dict = {}
+    # The engine's phases (--phases): its timer synchronizes the device at each, which stops a
+    # decode step from being launched while the one before still runs.
+    stats: dict | None = {} if ENGINE_PHASES else None
     drawn: dict[int, list[int]] = {}
     on_answer = kwargs.pop("on_answer")
 
@@ -272,7 +275,7 @@ def answer_timed(self, *args, **kwargs):
         on_answer(key, ids)
 
     ANSWER(self, *args, stats=stats, on_answer=kept_and_handed_on, **kwargs)
-    ENGINE_CALLS.append(stats)
+    ENGINE_CALLS.append(stats or {})
     ROLLOUTS.append(drawn)
 
 
@@ -457,6 +460,7 @@ def main() -> None:
     vlft.training.grpo.gc = TimedGc()
     if args.phases:
         time_phases()
+        globals()["ENGINE_PHASES"] = True
     if args.profile:
         profile_a_step(args.profile, args.warmup)
 

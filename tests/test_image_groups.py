@@ -14,7 +14,7 @@ from vlft.demo.shapes import make_dataset
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
-from vlft.training.image_groups import ImageGroup, group_rows, share_groups, shared_prefix_length
+from vlft.training.image_groups import ImageGroup, common_prefix, group_rows, share_groups, shared_prefix_length
 from vlft.job_settings import StageSettings
 from vlft.training.steps import groups_in_order, image_of, plan_steps
 from vlft.jobs.distributed import share_by_tokens
@@ -69,6 +69,32 @@ def test_the_shared_prefix_stops_where_the_prompts_part_and_before_each_ones_las
     assert shared_prefix_length([a, same]) == len(a.input_ids) - 4 - 1  # the last prompt token kept
     group = ImageGroup.of([a, b, same])
     assert group.tokens == group.shared + sum(len(s.input_ids) - group.shared for s in (a, b, same))
+
+
+def test_the_common_prefix_is_the_token_at_a_time_count():
+    """common_prefix's binary search over slices against its definition: the leading positions at
+    which every sequence holds the first one's token, at most `limit`; on sequences that part at
+    every place, of one to four sequences over a three-token alphabet."""
+    import random
+
+    def one_at_a_time(sequences, limit):
+        length = 0
+        while length < limit and all(seq[length] == sequences[0][length] for seq in sequences):
+            length += 1
+        return length
+
+    draw = random.Random(0)
+    cases = 0
+    for _ in range(5000):
+        base = [draw.randint(0, 2) for _ in range(draw.randint(0, 12))]
+        sequences = [
+            base[: draw.randint(0, len(base))] + [draw.randint(0, 2) for _ in range(draw.randint(0, 5))]
+            for _ in range(draw.randint(1, 4))
+        ]
+        limit = draw.randint(0, min(map(len, sequences)))
+        assert common_prefix(sequences, limit) == one_at_a_time(sequences, limit), (sequences, limit)
+        cases += 0 < one_at_a_time(sequences, limit) < limit
+    assert cases > 500  # many part before the limit, not at its start
 
 
 def records_of(groups: list[int], field=None) -> tuple[list[dict], dict]:

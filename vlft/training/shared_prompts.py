@@ -211,8 +211,13 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
 
 @contextmanager
 def _training(model):
-    """The model in training mode (as the update's forward runs), its mode before put back after."""
+    """The model in training mode (as the update's forward runs), its mode before put back after;
+    nothing switched where it is in training mode already (the rollout keeps it there where its
+    eval mode would compute the same: vlft.training.grpo)."""
     was = model.training
+    if was:
+        yield
+        return
     model.train()
     try:
         yield
