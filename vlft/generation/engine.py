@@ -175,6 +175,10 @@ class Generation:
     state (the cache, each row's latest token, text position and whether it answers), one decode
     step at a time."""
 
+    # Whether a whole-cache step is launched before the one before it is read (off: each step read
+    # before the next is launched, as a benchmark compares).
+    launch_ahead = True
+
     def __init__(
         self,
         model,
@@ -219,7 +223,7 @@ class Generation:
                 self.timer.add("steps_launched_ahead", 1)
             if launched is not None:
                 self.finish(launched)
-            if following is not None and not self.whole:
+            if following is not None and not (self.whole and self.launch_ahead):
                 self.finish(following)
                 following = None
             launched = following
