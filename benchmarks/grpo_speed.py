@@ -259,7 +259,6 @@ FITS = vlft.generation.engine.Engine.fits
 FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
 KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
 TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then the update's forward)"
-IN_TURN = "grpo, each decode step read before the next is launched"
 PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
@@ -447,12 +446,6 @@ def main() -> None:
         help="a folder: the first step after the warm-up of each run profiled (torch.profiler), its trace and summary there",
     )
     parser.add_argument(
-        "--also-steps-in-turn",
-        action="store_true",
-        help="GRPO again with each decode step read before the next is launched (no launching ahead); with "
-        "--learning-rate 0 every answer drawn should be the same",
-    )
-    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -522,8 +515,6 @@ def main() -> None:
         runs[KEPT_UNSHARED] = (prompts, grpo)
     if args.also_prompts_twice:
         runs[TWICE] = (prompts, grpo)
-    if args.also_steps_in_turn:
-        runs[IN_TURN] = (prompts, grpo)
     runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
     results, drawn = {}, {}
     for name, (directory, settings) in runs.items():
@@ -536,7 +527,6 @@ def main() -> None:
         vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
         vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
-        vlft.generation.engine.Generation.launch_ahead = name != IN_TURN
         ROLLOUTS.clear()
         STEP_PHASES[:] = [{}]
         run = run_ours(
@@ -583,14 +573,11 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, IN_TURN)]
+    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         kept = f"grpo, {args.generations} sampled answers a question"
         for name in (KEPT_UNSHARED, kept):
             results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
-    if args.also_steps_in_turn:  # launching a step ahead changes no answer
-        once = f"grpo, {args.generations} sampled answers a question"
-        results[IN_TURN]["answers_against_launching_ahead"] = agreement(drawn[IN_TURN], drawn[once])
     if args.also_prompts_twice:  # the prefill under the training's autocast (float32 adapter) against the bf16 one
         once = f"grpo, {args.generations} sampled answers a question"
         results[once]["answers_against_prompts_twice"] = agreement(drawn[once], drawn[TWICE])

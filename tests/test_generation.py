@@ -506,13 +506,6 @@ def test_answers_with_shared_prefixes_are_the_unshared_ones(family, sampled):
     assert shared == plain, name
     assert len({len(ids) for ids in plain.values()}) >= 3  # rows ended at different steps
     assert stats["prefills"] >= 5  # the slots held prompts back: more prefills than the 5 images
-    # Computing the whole cache, each step was launched before the one before it was read, and rows
-    # that ended were seen a step late, computed once more by the step launched meanwhile.
-    # Computing the whole cache, each step was launched before the one before it was read (but
-    # where every row ended with the step in flight: at most once a prefill), and rows that ended
-    # were seen a step late, computed once more by the step launched meanwhile.
-    assert stats["steps_launched_ahead"] >= stats["decode_steps"] - stats["prefills"]
-    assert stats["rows_seen_late"] >= 1
     # The layout an evaluation on a GPU takes: its rows' own parts hold what follows each prefix.
     layout = shared_prefixes(data, list(range(len(samples))), 4, max(LIMITS))
     on_image = [IMAGE_OF_RECORD.count(owner) for owner in dict.fromkeys(IMAGE_OF_RECORD)]

@@ -13,10 +13,7 @@ long ones. Here instead:
   on a GPU it is compiled and replayed as a CUDA graph, its attention a flex_attention kernel
   that reads each row's cache only to its length;
 - a row whose answer ends (end of turn, or its sample's token limit) takes the next prompt before
-  the next step;
-- where a step computes the whole cache (on a GPU), it is launched before the tokens of the step
-  before it are read, so that the device does not wait on the host: a row that ended is seen a
-  step late (the step launched meanwhile computes it once more, and nothing reads that).
+  the next step.
 
 The model's layers do all the arithmetic; the engine owns only the cache, the mask and the
 schedule, so that the answers are the ones `generate` gives, token for token (on a CPU in float32,
@@ -36,7 +33,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -175,10 +171,6 @@ class Generation:
     state (the cache, each row's latest token, text position and whether it answers), one decode
     step at a time."""
 
-    # Whether a whole-cache step is launched before the one before it is read (off: each step read
-    # before the next is launched, as a benchmark compares).
-    launch_ahead = True
-
     def __init__(
         self,
         model,
@@ -200,10 +192,8 @@ class Generation:
         self.whole = step.live is not None
         self.prefixes = cache.prefixes
         self.prefill = prefill_with or prefill
-        self.readback = Readback(self.active)
 
     def run(self) -> None:
-        launched = None  # the step in flight, its tokens on their way to the host
         while True:
             free = self.scheduler.free()
             while free and (group := self.scheduler.next_group(len(free), self._free_prefixes())):
@@ -213,20 +203,9 @@ class Generation:
             if self.scheduler.drained and not self.whole:
                 for source, target in self.scheduler.moves_down():
                     self.move(source, target)
-            if launched is None and not self.scheduler.answering():
+            if not self.scheduler.answering():
                 return
-            # Computing the whole cache, a step's shape does not hang on the one before: it is
-            # launched before that one's tokens are read, so the device never waits for the host's
-            # bookkeeping or for a CUDA graph's launch (some 4 ms for an 8B's step on an H100).
-            following = self.launch() if self._another_step(launched) else None
-            if following is not None and launched is not None:
-                self.timer.add("steps_launched_ahead", 1)
-            if launched is not None:
-                self.finish(launched)
-            if following is not None and not (self.whole and self.launch_ahead):
-                self.finish(following)
-                following = None
-            launched = following
+            self.decode()
 
     def _free_prefixes(self) -> tuple[int, int] | None:
         return None if self.prefixes is None else (len(self.prefixes.free), self.prefixes.seats)
@@ -273,24 +252,9 @@ class Generation:
         self.timer.stop("prefill_s")
         self.timer.add("prefills", 1)
 
-    def _another_step(self, launched: "Launched | None") -> bool:
-        """Whether a row still answers once the step in flight is read: one that has not reached
-        its token limit with that step's token (an answer that ends with its end of turn is seen
-        a step late, and the step launched meanwhile computes it once more, for nothing)."""
-        if launched is None:
-            return bool(self.scheduler.answering())
-        rows, computed = self.scheduler.rows, dict(launched.rows)
-        return any(
-            computed.get(slot) is not row or len(row.answer) + 1 < row.request.max_new_tokens
-            for slot, row in enumerate(rows)
-            if row is not None
-        )
-
-    def launch(self) -> "Launched":
+    def decode(self) -> None:
         """One token of each row up to the last that answers, over the cache up to the longest;
-        idle rows among them compute on what they hold, and nothing reads it. The device's state
-        moves on (each answering row's latest token, its length and text position); its tokens
-        are read with `finish`."""
+        idle rows among them compute on what they hold, and nothing reads it."""
         answering, rows = self.scheduler.answering(), self.scheduler.rows
         count, length = self.scheduler.slots, self.cache.keys[0].shape[2]
         if not self.whole:
@@ -301,21 +265,13 @@ class Generation:
         self.step.tokens[:count].copy_(chosen[:count])
         self.cache.write_at += self.active
         self.step.positions += self.active
+        chosen = chosen[:count].tolist()
+        self.timer.stop("bookkeeping_s")
         self.timer.add("decode_steps", 1)
         self.timer.add("busy_rows", len(answering))
         self.timer.add("computed_rows", count)
-        return Launched([(slot, rows[slot]) for slot in answering], self.readback.send(chosen[:count]))
-
-    def finish(self, launched: "Launched") -> None:
-        """A launched step's tokens appended to the rows it computed for; a row that ends frees
-        its row. A row that ended at the step before (seen late) is not its row's any more."""
-        chosen = self.readback.receive(launched.tokens)
-        self.timer.stop("bookkeeping_s")
-        rows = self.scheduler.rows
-        for slot, row in launched.rows:
-            if rows[slot] is not row:
-                self.timer.add("rows_seen_late", 1)
-                continue
+        for slot in answering:
+            row = rows[slot]
             row.answer.append(chosen[slot])
             row.written += 1
             if row.finished(self.end_id):
@@ -333,43 +289,6 @@ class Generation:
             state[target] = state[source]
         self.step.sampler.move(source, target)
         self.active[source], self.cache.write_at[source] = 0, 0
-
-
-@dataclass
-class Launched:
-    """A decode step launched: the rows it computed for, as they were, and its tokens on their way."""
-
-    rows: list[tuple[int, Row]]
-    tokens: object
-
-
-class Readback:
-    """A step's tokens to the host without waiting for the steps launched after it: on a GPU, copied
-    into pinned host memory behind the step, with an event to wait on; two buffers, one for the
-    step being read and one for the step in flight. On a CPU, read at once."""
-
-    def __init__(self, like: torch.Tensor):
-        self.cuda = like.device.type == "cuda"
-        if self.cuda:
-            self.buffers = [torch.empty(like.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
-            self.sent = 0
-
-    def send(self, tokens: torch.Tensor):
-        if not self.cuda:
-            return tokens.tolist()
-        buffer = self.buffers[self.sent % 2][: tokens.shape[0]]
-        self.sent += 1
-        buffer.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return buffer, done
-
-    def receive(self, sent) -> list[int]:
-        if not self.cuda:
-            return sent
-        buffer, done = sent
-        done.synchronize()
-        return buffer.tolist()
 
 
 class _Timer:
