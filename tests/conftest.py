@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -307,10 +309,74 @@ def start_two_gpu_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
 
 
 TWO_GPU_TARGETS = ("results/train/exp1/main/adapter", "results/eval/exp1/main/val/metrics.json")
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def jobs_of(workdir: Path) -> list[str]:
+    """The SLURM job ids in the queue (pending or running) of the workflow in `workdir`."""
+    queue = subprocess.run(["squeue", "-h", "-o", "%i|%Z"], capture_output=True, text=True, check=True).stdout
+    return [job for job, directory in (line.split("|", 1) for line in queue.splitlines()) if directory == str(workdir)]
+
+
+def training_steps_done(workdir: Path) -> int:
+    logs = list((workdir / "results/checkpoints/long/main").glob("*/log.jsonl"))
+    return len(logs[0].read_text().splitlines()) if logs else 0
+
+
+# How long the driver may take to see a job's end: the plugin's status checks come at most 180 s
+# apart (profiles/slurm/config.yaml), and a check takes well under a second here.
+STATUS_CHECK_BOUND_S = 180 + 20
+
+CANCELLED_JOB_RUN = pytest.StashKey[SimpleNamespace]()
+CANCELLED_JOB_TEST = "test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound"
+
+
+def start_cancelled_job(demo_workdir: Path, directory: Path) -> SimpleNamespace:
+    """The long stage of 8 epochs through SLURM, its job cancelled (scancel) once it has trained 50
+    steps, by a thread that then waits for the driver to resubmit it; in the background as soon as
+    the demo exists, since the run mostly waits on the driver's status checks. tests/test_slurm.py
+    checks what it did (`cancelled`: the job's id, `reaction_s`: the seconds from scancel to the
+    resubmission, `problem`: what stopped the thread)."""
+    workdir = long_stage_workflow(demo_workdir, directory / "work", epochs=8, runtime=30)
+    output = directory / "driver.out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(site_profile(directory))]
+        + [LONG_ADAPTER],
+        cwd=workdir,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    run = SimpleNamespace(workdir=workdir, driver=driver, output=output, cancelled=None, reaction_s=None, problem=None)
+
+    def cancel_once_training():
+        try:
+            wait_for(lambda: training_steps_done(workdir) >= 50, 900, "the job to train 50 steps")
+            (run.cancelled,) = jobs_of(workdir)
+            subprocess.run(["scancel", run.cancelled], check=True)
+            cancelled_at = time.time()
+            wait_for(lambda: set(jobs_of(workdir)) - {run.cancelled}, STATUS_CHECK_BOUND_S, "the driver to resubmit")
+            run.reaction_s = time.time() - cancelled_at
+        except Exception as error:  # the test reports it
+            run.problem = error
+
+    run.canceller = threading.Thread(target=cancel_once_training, daemon=True)
+    run.canceller.start()
+    return run
+
+
 # Each scenario's stash key: (the test that checks it, what starts it).
 BACKGROUND_SCENARIOS = {
     RESUMED_STAGE_RUN: (RESUMED_STAGE_TEST, start_resumed_stage),
     TWO_GPU_STAGE_RUN: (TWO_GPU_STAGE_TEST, start_two_gpu_stage),
+    CANCELLED_JOB_RUN: (CANCELLED_JOB_TEST, start_cancelled_job),
 }
 
 
@@ -353,8 +419,10 @@ def slurm_cluster():
 
 
 SLURM_DEMO_RUN = pytest.StashKey[SimpleNamespace]()
+CHANGED_STAGE_RUN = pytest.StashKey[SimpleNamespace]()
+CHANGED_STAGE_TEST = "test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it"
 # The SLURM runs this session starts in the background: tests that read the whole queue wait for them.
-BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS)
+BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS, CHANGED_STAGE_RUN)
 # The demo's experiments the run through SLURM trains: one of each kind (a single stage, a curriculum
 # with keep: best, DPO from another experiment's stage, SFT then GRPO on the screens), every rule of
 # the workflow among their jobs. The rest of the demo adds jobs of the same rules, whose SLURM
@@ -382,10 +450,50 @@ def slurm_demo_run(slurm_cluster, tmp_path_factory, request) -> SimpleNamespace:
     )
     run = SimpleNamespace(workdir=workdir, driver=driver, output=output)
     request.session.stash[SLURM_DEMO_RUN] = run
+    changed = None
+    if CHANGED_STAGE_TEST in {item.name for item in request.session.items}:
+        changed = start_changed_stage(run, tmp_path_factory.mktemp("changed-stage"))
+        request.session.stash[CHANGED_STAGE_RUN] = changed
     yield run
-    if driver.poll() is None:  # the session ended early (a failure with -x, Ctrl-C): stop it
-        driver.terminate()
-        driver.wait(timeout=120)
+    for process in (driver, getattr(changed, "driver", None)):
+        if process is not None and process.poll() is None:  # the session ended early (-x, Ctrl-C): stop it
+            process.terminate()
+            process.wait(timeout=120)
+
+
+def start_changed_stage(slurm_demo: SimpleNamespace, directory: Path) -> SimpleNamespace:
+    """The sequence of a failed retraining, on a copy of the demo through SLURM once it has finished
+    (its own tests read the original): exp4 stage 1 edited, its outputs deleted (as Snakemake deletes
+    a failed job's), then `all` again through SLURM. A thread waits for the demo, prepares the copy
+    and runs the driver, in the background from the session's start: the run mostly waits on the
+    driver's status checks. tests/test_slurm.py checks what it did (`before`: each metrics file's
+    time before, `report`: the report's, `problem`: what stopped the thread)."""
+    run = SimpleNamespace(workdir=directory / "work", output=directory / "driver.out", driver=None, problem=None)
+    run.profile = site_profile(directory / "site")
+
+    def change_and_rerun():
+        try:
+            status = slurm_demo.driver.wait()
+            assert status == 0, f"the demo through SLURM failed:\n{slurm_demo.output.read_text()[-3000:]}"
+            shutil.copytree(slurm_demo.workdir, run.workdir, symlinks=True)  # times kept: nothing is out of date
+            config_path = run.workdir / "config/config.yaml"
+            config = yaml.safe_load(config_path.read_text())
+            config["experiments"]["exp4"]["stages"][0]["learning_rate"] = 1.0e-3
+            config_path.write_text(yaml.safe_dump(config))
+            shutil.rmtree(run.workdir / "results/train/exp4/stage1")
+            run.before = {p: p.stat().st_mtime for p in (run.workdir / "results").rglob("metrics.json")}
+            run.report = (run.workdir / "results/report/index.html").stat().st_mtime
+            command = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(run.profile)]
+            run.driver = subprocess.Popen(
+                command + ["all"], cwd=run.workdir, stdout=run.output.open("w"), stderr=subprocess.STDOUT
+            )
+            run.driver.wait()
+        except Exception as error:  # the test reports it
+            run.problem = error
+
+    run.thread = threading.Thread(target=change_and_rerun, daemon=True)
+    run.thread.start()
+    return run
 
 
 @pytest.fixture(scope="session", autouse=True)

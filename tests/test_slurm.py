@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 from conftest import (
     BACKGROUND_SLURM_RUNS,
+    CANCELLED_JOB_RUN,
+    CHANGED_STAGE_RUN,
     LONG_ADAPTER,
     RESUMED_STAGE_RUN,
     SLURM_DEMO_EXPERIMENTS,
@@ -29,8 +31,11 @@ from conftest import (
     snakemake,
     TWO_GPU_STAGE_RUN,
     TWO_GPU_TARGETS,
+    start_cancelled_job,
     start_resumed_stage,
     start_two_gpu_stage,
+    training_steps_done,
+    wait_for,
 )
 
 from vlft.files import read_jsonl
@@ -82,7 +87,9 @@ def cluster_to_itself(slurm_cluster, request):
     runs this session started in the background (conftest), where it started them."""
     for key in BACKGROUND_SLURM_RUNS:
         run = request.session.stash.get(key, None)
-        if run is not None:
+        if getattr(run, "thread", None) is not None:  # a run whose driver a thread starts and waits for
+            run.thread.join(timeout=3600)
+        elif run is not None:
             run.driver.wait(timeout=3600)
 
 
@@ -91,6 +98,22 @@ def two_gpu_stage(slurm_cluster, demo_workdir, request, tmp_path):
     """exp1 on 2 GPUs through SLURM, started in the background as soon as the demo existed
     (conftest's demo_workdir), or now where it was not."""
     return request.session.stash.get(TWO_GPU_STAGE_RUN, None) or start_two_gpu_stage(demo_workdir, tmp_path)
+
+
+@pytest.fixture
+def changed_stage(slurm_demo_run, request):
+    """exp4 stage 1 changed on a copy of the demo through SLURM and `all` rerun, started with the
+    SLURM demo (conftest's slurm_demo_run) where this session runs the test."""
+    run = request.session.stash.get(CHANGED_STAGE_RUN, None)
+    assert run is not None, "started by slurm_demo_run when the session selects this test"
+    return run
+
+
+@pytest.fixture
+def cancelled_job(slurm_cluster, demo_workdir, request, tmp_path):
+    """The long stage through SLURM, its job cancelled once it trains, started in the background as
+    soon as the demo existed (conftest's demo_workdir), or now where it was not."""
+    return request.session.stash.get(CANCELLED_JOB_RUN, None) or start_cancelled_job(demo_workdir, tmp_path)
 
 
 @pytest.fixture
@@ -221,15 +244,6 @@ def queued_jobs():
     return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
 
 
-def wait_for(condition, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def start_driver(workdir, profile, *targets):
     return subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), *targets],
@@ -240,40 +254,22 @@ def start_driver(workdir, profile, *targets):
     )
 
 
-def training_steps_done(workdir) -> int:
-    logs = list((workdir / "results/checkpoints/long/main").glob("*/log.jsonl"))
-    return len(logs[0].read_text().splitlines()) if logs else 0
-
-
-# How long the driver may take to see a job's end: the plugin's status checks come at most 180 s
-# apart (profiles/slurm/config.yaml), and a check takes well under a second here.
-STATUS_CHECK_BOUND_S = 180 + 20
-
-
-def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound(
-    cluster_to_itself, demo_workdir, tmp_path
-):
-    workdir = long_stage_workflow(demo_workdir, tmp_path / "work", epochs=8, runtime=30)
-    profile = site_profile(tmp_path / "site")
-    driver = start_driver(workdir, profile, LONG_ADAPTER)
-    try:
-        wait_for(lambda: training_steps_done(workdir) >= 50, 300, "the job to train 50 steps")
-        (cancelled,) = queued_jobs()
-        subprocess.run(["scancel", cancelled], check=True)
-        cancelled_at = time.time()
-        wait_for(lambda: [j for j in queued_jobs() if j != cancelled], STATUS_CHECK_BOUND_S, "the driver to resubmit")
-        reaction_s = time.time() - cancelled_at
-        assert driver.wait(timeout=600) == 0
-    finally:
-        driver.kill()
-    outputs = job_outputs_of_long_stage(workdir)
-    assert [p.stem for p in outputs][0] == cancelled and len(outputs) == 2
-    assert sacct_states([cancelled])[cancelled].startswith("CANCELLED")
+def test_a_cancelled_job_is_retried_from_its_checkpoint_within_the_status_check_bound(cancelled_job):
+    """The long stage's job cancelled after 50 steps (conftest's start_cancelled_job): the driver
+    resubmits it within its status checks' bound, and the new job resumes from the checkpoint the
+    cancelled one saved."""
+    run = cancelled_job
+    run.canceller.join(timeout=1200)
+    assert run.problem is None, f"{run.problem}\n{run.output.read_text()[-3000:]}"
+    assert run.driver.wait(timeout=900) == 0, run.output.read_text()[-3000:]
+    outputs = job_outputs_of_long_stage(run.workdir)
+    assert [p.stem for p in outputs][0] == run.cancelled and len(outputs) == 2
+    assert sacct_states([run.cancelled])[run.cancelled].startswith("CANCELLED")
     first = read_job_output(outputs[0])
     stopped = re.search(r"SIGTERM received: stopped after step (\d+) of \d+ with a checkpoint saved", first)
     assert stopped, first[-3000:]
     assert f"resuming from step {stopped.group(1)}" in read_job_output(outputs[1])
-    print(f"the driver resubmitted the cancelled job {reaction_s:.0f} s after scancel")
+    print(f"the driver resubmitted the cancelled job {run.reaction_s:.0f} s after scancel")
 
 
 def test_after_a_killed_driver_a_rerun_redoes_no_job_that_completed(cluster_to_itself, demo_workdir, tmp_path):
@@ -321,32 +317,26 @@ def test_a_stage_given_two_gpus_trains_on_both_in_one_slurm_job(two_gpu_stage, d
     assert answered["n"] == json.loads((demo_workdir / metrics).read_text())["n"]
 
 
-def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it(slurm_demo):
-    """The sequence of a failed retraining: exp4 stage 1 edited, its outputs deleted (as Snakemake
-    deletes a failed job's), then `all` again: stage 1, stage 2 (trained from the old stage 1),
-    their evaluations and the report are recomputed through SLURM, nothing else. Runs last: it
-    changes the demo the tests above read."""
-    config_path = slurm_demo / "config/config.yaml"
-    config = yaml.safe_load(config_path.read_text())
-    config["experiments"]["exp4"]["stages"][0]["learning_rate"] = 1.0e-3
-    config_path.write_text(yaml.safe_dump(config))
-    shutil.rmtree(slurm_demo / "results/train/exp4/stage1")
-    before = {p: p.stat().st_mtime for p in (slurm_demo / "results").rglob("metrics.json")}
-    report = (slurm_demo / "results/report/index.html").stat().st_mtime
-
-    profile = site_profile(slurm_demo.parent / "site-rerun")
-    slurm_run(slurm_demo, profile, "all")
-
-    redone = {p.relative_to(slurm_demo / "results/eval").parent for p in before if p.stat().st_mtime != before[p]}
+def test_a_stage_changed_after_its_outputs_were_lost_reruns_through_slurm_with_what_starts_from_it(changed_stage):
+    """The sequence of a failed retraining, on a copy of the demo through SLURM (conftest's
+    start_changed_stage): exp4 stage 1 edited, its outputs deleted (as Snakemake deletes a failed
+    job's), then `all` again: stage 1, stage 2 (trained from the old stage 1), their evaluations and
+    the report are recomputed through SLURM, nothing else."""
+    run = changed_stage
+    run.thread.join(timeout=3600)
+    assert run.problem is None, run.problem
+    assert run.driver.returncode == 0, f"`all` after the change failed:\n{run.output.read_text()[-5000:]}"
+    workdir = run.workdir
+    redone = {p.relative_to(workdir / "results/eval").parent for p in run.before if p.stat().st_mtime != run.before[p]}
     assert {str(p) for p in redone} == {
         f"exp4/{stage}/{split}" for stage in ("stage1", "stage2") for split in ("val", "test")
     }
     for stage in ("stage1", "stage2"):
-        trained = json.loads((slurm_demo / f"results/train/exp4/{stage}/summary.json").read_text())
+        trained = json.loads((workdir / f"results/train/exp4/{stage}/summary.json").read_text())
         assert trained["resumed_from_step"] == 0
-        assert len(list((slurm_demo / f".snakemake/slurm_logs/rule_train/exp4_{stage}").glob("*.log"))) == 2
-    assert (slurm_demo / "results/report/index.html").stat().st_mtime > report
-    again = slurm_run(slurm_demo, profile, "all", "--dry-run")
+        assert len(list((workdir / f".snakemake/slurm_logs/rule_train/exp4_{stage}").glob("*.log"))) == 2
+    assert (workdir / "results/report/index.html").stat().st_mtime > run.report
+    again = slurm_run(workdir, run.profile, "all", "--dry-run")
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
