@@ -213,6 +213,17 @@ def demo_workdir(tmp_path_factory, request) -> Path:
                 process.wait(timeout=120)
 
 
+def start_slurm_driver(workdir: Path, profile: Path, targets: list[str], output: Path) -> subprocess.Popen:
+    """Snakemake through profiles/slurm and a site's `profile` (site_profile) in `workdir`, in the
+    background, its terminal's output into the file `output`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), *targets],
+        cwd=workdir,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
 def long_stage_workflow(demo_workdir, directory, epochs, runtime=1):
     """The demo workflow with one training stage of `epochs` (50 steps each) under a time limit of
     `runtime` minutes x attempt, its data, model and caches those the demo made: the stage's job is
@@ -263,12 +274,7 @@ def start_resumed_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     )
     profile = site_profile(directory / "site", retries=4, **{"max-threads": 1})
     output = directory / "driver.out"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), LONG_ADAPTER],
-        cwd=workdir,
-        stdout=output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = start_slurm_driver(workdir, profile, [LONG_ADAPTER], output)
     return SimpleNamespace(
         workdir=workdir,
         reference=reference,
@@ -298,13 +304,7 @@ def start_two_gpu_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     config["evaluation"]["resources"]["gpus"] = 2
     config_path.write_text(yaml.safe_dump(config))
     output = directory / "driver.out"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(site_profile(directory))]
-        + list(TWO_GPU_TARGETS),
-        cwd=workdir,
-        stdout=output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = start_slurm_driver(workdir, site_profile(directory), list(TWO_GPU_TARGETS), output)
     return SimpleNamespace(workdir=workdir, driver=driver, output=output)
 
 
@@ -347,13 +347,7 @@ def start_cancelled_job(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     resubmission, `problem`: what stopped the thread)."""
     workdir = long_stage_workflow(demo_workdir, directory / "work", epochs=8, runtime=30)
     output = directory / "driver.out"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(site_profile(directory))]
-        + [LONG_ADAPTER],
-        cwd=workdir,
-        stdout=output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = start_slurm_driver(workdir, site_profile(directory), [LONG_ADAPTER], output)
     run = SimpleNamespace(workdir=workdir, driver=driver, output=output, cancelled=None, reaction_s=None, problem=None)
 
     def cancel_once_training():
@@ -442,12 +436,7 @@ def slurm_demo_run(slurm_cluster, tmp_path_factory, request) -> SimpleNamespace:
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     profile = site_profile(tmp_path_factory.mktemp("site"))
     output = workdir.parent / "driver.out"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), "all"],
-        cwd=workdir,
-        stdout=output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = start_slurm_driver(workdir, profile, ["all"], output)
     run = SimpleNamespace(workdir=workdir, driver=driver, output=output)
     request.session.stash[SLURM_DEMO_RUN] = run
     changed = None
@@ -483,10 +472,7 @@ def start_changed_stage(slurm_demo: SimpleNamespace, directory: Path) -> SimpleN
             shutil.rmtree(run.workdir / "results/train/exp4/stage1")
             run.before = {p: p.stat().st_mtime for p in (run.workdir / "results").rglob("metrics.json")}
             run.report = (run.workdir / "results/report/index.html").stat().st_mtime
-            command = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(run.profile)]
-            run.driver = subprocess.Popen(
-                command + ["all"], cwd=run.workdir, stdout=run.output.open("w"), stderr=subprocess.STDOUT
-            )
+            run.driver = start_slurm_driver(run.workdir, run.profile, ["all"], run.output)
             run.driver.wait()
         except Exception as error:  # the test reports it
             run.problem = error

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
