@@ -169,13 +169,13 @@ def profile_a_step(directory: Path, step_to_profile: int) -> None:
         if state["profiler"] is not None:
             torch.cuda.synchronize()
             state["profiler"].stop()
+            state["python"].disable()  # before the trace is written and read
             trace = directory / f"run{state['runs']}.trace.json"
             state["profiler"].export_chrome_trace(str(trace))
             (directory / f"run{state['runs']}.summary.json").write_text(json.dumps(profile_summary(trace), indent=1))
             with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
                 shutil.copyfileobj(raw, packed)
             trace.unlink()
-            state["python"].disable()
             with (directory / f"run{state['runs']}.python.txt").open("w") as out:
                 pstats.Stats(state["python"], stream=out).sort_stats("cumulative").print_stats(80)
             state["profiler"], state["runs"] = None, state["runs"] + 1
@@ -264,8 +264,8 @@ ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request k
 
 
 def answer_timed(self, *args, **kwargs):
-    # The engine's phases (--phases): its timer synchronizes the device at each, which stops a
-    # decode step from being launched while the one before still runs.
+    # The engine's phases (--phases): its timer synchronizes the device at each, which a run
+    # without the timer does not.
     stats: dict | None = {} if ENGINE_PHASES else None
     drawn: dict[int, list[int]] = {}
     on_answer = kwargs.pop("on_answer")
