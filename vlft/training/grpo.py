@@ -155,9 +155,12 @@ class GroupRelativePolicyOptimization:
         return groups, [KEPT_PROMPTS] if self.kept_answers is not None else batcher(groups)
 
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
-        """The host inputs of each record's prompt (its image read, its positions computed)."""
-        model = unwrapped(self.model)
-        return {key: prompt_inputs(self.data.samples[key], self.data, self.builder, self.pad_id, model) for key in keys}
+        """The host inputs of each record's prompt (its image read, its positions computed), in pinned
+        memory for a GPU: copied from pageable memory, a step's screenshots held the host 38 ms on
+        an H200 (8 prompts of 1280-1920 px), where pinned ones are copied while it goes on."""
+        model, pin = unwrapped(self.model), self.device.type == "cuda"
+        data = self.data
+        return {key: prompt_inputs(data.samples[key], data, self.builder, self.pad_id, model, pin=pin) for key in keys}
 
     def _prompts_fit(self, step: Step, budget: int | None) -> bool:
         """Whether the step's prompts as a prefill lays them out (an image's prefix once), with

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 
 from vlft.training.batching import collate, pinned
 from vlft.training.image_groups import ImageGroup, RowLayout, group_rows
+from vlft.training.prefix_attention import Parts, prefix_then_own
 from vlft.modeling import unwrapped
 from vlft.data.prompts import PromptBuilder, Sample
 
@@ -126,6 +127,12 @@ def packed_attention(
     packed_max_seqlen_k=None,
     packed_prompt_keys=None,
     packed_prompt_values=None,
+    packed_prefix_index=None,
+    packed_prefix_cu_seqlens_q=None,
+    packed_prefix_cu_seqlens_k=None,
+    packed_prefix_max_seqlen_q=None,
+    packed_prefix_max_seqlen_k=None,
+    packed_own_prompt_index=None,
     **kwargs,
 ):
     """Attention over a packed row: each query segment causally over its keys, nothing else.
@@ -136,11 +143,30 @@ def packed_attention(
     tokens, the segment's queries aligned with the last of them. With `packed_prompt_keys` and
     `packed_prompt_values` (this layer's keys and values of prompts an earlier forward computed,
     vlft.training.shared_prompts), the row's positions come after theirs and `packed_key_index`
-    names positions of both. On a GPU with bf16 or fp16, one variable-length flash kernel call;
-    elsewhere (the CPU, float32) SDPA per segment.
+    names positions of both; with `packed_prefix_index` too, the segments attend to the prompts'
+    shared prefixes apart from their own keys (`prefix_and_own_attention`). On a GPU with bf16 or
+    fp16, one variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
+    if packed_prefix_index is not None:
+        parts = Parts(
+            packed_prefix_cu_seqlens_q,
+            packed_prefix_cu_seqlens_k,
+            packed_prefix_max_seqlen_q,
+            packed_prefix_max_seqlen_k,
+            packed_cu_seqlens,
+            packed_cu_seqlens_k,
+            packed_max_seqlen,
+            packed_max_seqlen_k,
+        )
+        own_prompt = (packed_prompt_keys, packed_prompt_values), packed_own_prompt_index
+        return (
+            prefix_and_own_attention(
+                query, key, value, own_prompt, packed_prefix_index, packed_key_index, parts, scaling
+            ),
+            None,
+        )
     cu_k, max_k = packed_cu_seqlens, packed_max_seqlen
     if packed_prompt_keys is not None:
         key, value = torch.cat([packed_prompt_keys, key], dim=2), torch.cat([packed_prompt_values, value], dim=2)
@@ -173,6 +199,20 @@ def packed_attention(
         )
         pieces.append(piece)
     return torch.cat(pieces, dim=2).transpose(1, 2), None
+
+
+def prefix_and_own_attention(query, key, value, own_prompt, prefix_index, own_index, parts: Parts, scaling):
+    """Answers' attention over their kept prompts' shared prefixes, each read once for all the
+    answers on it, and their own keys (vlft.training.prefix_attention): `own_prompt` holds the kept
+    prompts' (keys, values) and the positions of each answer's own prompt tokens past its prefix;
+    `own_index` names each answer's own keys among those, then this row's."""
+    (prompt_keys, prompt_values), own_prompt_index = own_prompt
+    own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
+    own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
+    prefix_k, prefix_v = prompt_keys.index_select(2, prefix_index), prompt_values.index_select(2, prefix_index)
+    q, prefix_k, prefix_v, own_k, own_v = (t[0].transpose(0, 1) for t in (query, prefix_k, prefix_v, own_k, own_v))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return prefix_then_own(q, prefix_k, prefix_v, own_k, own_v, parts, scale)[None]
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -149,7 +149,7 @@ class PromptPass:
             offsets.append(start)
             start += prefilled.cache.layers[0].keys.shape[2]
         device = self.prefills[0].last_hidden.device
-        inputs, positions, key_index, query_lengths, key_lengths = [], [], [], [], []
+        inputs, positions, prompts, shared = [], [], [], []
         firsts, order, row = [], [], 0
         for key, tokens in answers:
             asked = self.asked[key]
@@ -159,14 +159,16 @@ class PromptPass:
             order.append((len(firsts) - 1, row, own))
             if not own:
                 continue
-            prompt = prompt_positions(prefilled.spans[asked.place]) + offsets[asked.prefill]
+            prompts.append(prompt_positions(prefilled.spans[asked.place]) + offsets[asked.prefill])
+            shared.append(prefilled.shared[asked.place])
             inputs.append(torch.tensor(tokens[:-1]))
             positions.append(torch.arange(own) + asked.first_position)
-            key_index += [prompt, torch.arange(row, row + own) + start]
-            query_lengths.append(own)
-            key_lengths.append(len(prompt) + own)
             row += own
-        answer_hidden = self._answer_hidden(inputs, positions, key_index, query_lengths, key_lengths, device)
+        answer_hidden = None
+        if inputs:
+            lengths = [len(i) for i in inputs]
+            keys = _after_prompts(prompts, shared, lengths) if all(shared) else _gathered(prompts, lengths, start)
+            answer_hidden = self._answer_hidden(inputs, positions, keys, device)
         # Each answer's rows in order: its prompt's last hidden state, then its own tokens'.
         first_hidden = torch.stack(firsts)
         hidden = torch.cat([first_hidden, answer_hidden]) if answer_hidden is not None else first_hidden
@@ -177,27 +179,72 @@ class PromptPass:
         self.clear()
         return token_logps(hidden.index_select(0, rows.to(device)), unwrapped(self.model).lm_head.weight, targets)
 
-    def _answer_hidden(self, inputs, positions, key_index, query_lengths, key_lengths, device):
-        """The last hidden states of every answer token but each answer's last, in one packed row."""
-        if not inputs:
-            return None
+    def _answer_hidden(self, inputs, positions, keys: dict, device):
+        """The last hidden states of every answer token but each answer's last, in one packed row,
+        its attention's inputs `keys` (on the host)."""
         calls = []
         for i, layer in enumerate(self.text.layers):
-            keys = _joined([p.cache.layers[i].keys for p in self.prefills])
-            values = _joined([p.cache.layers[i].values for p in self.prefills])
-            calls.append(partial(self.after, layer, keys, values))
+            prompt_keys = _joined([p.cache.layers[i].keys for p in self.prefills])
+            prompt_values = _joined([p.cache.layers[i].values for p in self.prefills])
+            calls.append(partial(self.after, layer, prompt_keys, prompt_values))
         text_positions = torch.cat(positions).to(device)
+        lengths = [len(i) for i in inputs]
+        attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in keys.items()}
         with layer_calls(self.text.layers, calls):
             return self.text(
                 input_ids=torch.cat(inputs)[None].to(device),
                 position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
                 use_cache=False,
-                packed_cu_seqlens=_cumulative(query_lengths, device),
-                packed_max_seqlen=max(query_lengths),
-                packed_key_index=torch.cat(key_index).to(device),
-                packed_cu_seqlens_k=_cumulative(key_lengths, device),
-                packed_max_seqlen_k=max(key_lengths),
+                packed_cu_seqlens=_cumulative(lengths, device),
+                packed_max_seqlen=max(lengths),
+                **attention,
             ).last_hidden_state[0]
+
+
+def _gathered(prompts: list[torch.Tensor], lengths: list[int], kept: int) -> dict:
+    """Each answer's keys gathered whole: its prompt's kept positions (`prompts`, among the `kept`
+    prompt keys), then its own tokens' (packed_attention's `packed_key_index`)."""
+    index, row = [], 0
+    for prompt, length in zip(prompts, lengths):
+        index += [prompt, torch.arange(row, row + length) + kept]
+        row += length
+    key_lengths = [len(p) + length for p, length in zip(prompts, lengths)]
+    return {
+        "packed_key_index": torch.cat(index),
+        "packed_cu_seqlens_k": _cumulative(key_lengths, "cpu"),
+        "packed_max_seqlen_k": max(key_lengths),
+    }
+
+
+def _after_prompts(prompts: list[torch.Tensor], shared: list[int], lengths: list[int]) -> dict:
+    """Each answer's keys in two parts (vlft.training.prefix_attention): the prefix it shares with
+    the answers beside it (their prompt, or their image's prefix), read once for all of them, and
+    its own keys, the rest of its prompt and then its own tokens."""
+    prefixes, prefix_queries, own_prompt, own_index, own_lengths = [], [], [], [], []
+    own_prompt_tokens = sum(len(p) - n for p, n in zip(prompts, shared))
+    at, row = 0, 0  # where the next answer's own prompt keys go among all answers', and its tokens
+    for prompt, prefix, length in zip(prompts, shared, lengths):
+        if prefixes and int(prefixes[-1][0]) == int(prompt[0]) and len(prefixes[-1]) == prefix:
+            prefix_queries[-1] += length  # the answer beside the one before, on the same prefix
+        else:
+            prefixes.append(prompt[:prefix])
+            prefix_queries.append(length)
+        own = prompt[prefix:]
+        own_prompt.append(own)
+        own_index += [torch.arange(at, at + len(own)), torch.arange(row, row + length) + own_prompt_tokens]
+        own_lengths.append(len(own) + length)
+        at, row = at + len(own), row + length
+    return {
+        "packed_prefix_index": torch.cat(prefixes),
+        "packed_prefix_cu_seqlens_q": _cumulative(prefix_queries, "cpu"),
+        "packed_prefix_cu_seqlens_k": _cumulative([len(p) for p in prefixes], "cpu"),
+        "packed_prefix_max_seqlen_q": max(prefix_queries),
+        "packed_prefix_max_seqlen_k": max(len(p) for p in prefixes),
+        "packed_own_prompt_index": torch.cat(own_prompt),
+        "packed_key_index": torch.cat(own_index),
+        "packed_cu_seqlens_k": _cumulative(own_lengths, "cpu"),
+        "packed_max_seqlen_k": max(own_lengths),
+    }
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Answers' attention over their kept prompts in two parts, a shared prefix read once and each
+answer's own keys, merged by log-sum-exp (vlft.training.prefix_attention), against the plain
+attention over each answer's keys laid out whole: outputs and gradients, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FLOAT64_RTOL, assert_close_normwise
+from vlft.training.packing import packed_attention
+from vlft.training.prefix_attention import FlashKernels, ReferenceKernels, kernels_for
+from vlft.training.shared_prompts import _after_prompts, _gathered
+
+# Kept prompts as a prefill lays them out (positions among all prompt keys): two answers' prompts
+# on prefix 0-6, each with its own last prompt token (7, then 8); a third prompt on that prefix
+# after another prefix's, so it starts a run of its own; two questions on one image's prefix
+# 12-16, each with its own 3 and 2 tokens (an image group).
+PROMPTS = [
+    list(range(0, 7)) + [7],
+    list(range(0, 7)) + [8],
+    list(range(9, 12)),
+    list(range(0, 7)) + [7],
+    list(range(12, 17)) + [17, 18, 19],
+    list(range(12, 17)) + [20, 21],
+]
+SHARED = [7, 7, 2, 7, 5, 5]
+ANSWER_LENGTHS = [4, 1, 3, 6, 3, 5]
+PROMPT_KEYS = 22
+
+
+def attention_inputs(layout: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
+
+
+def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dict, device):
+    lengths = ANSWER_LENGTHS
+    output, _ = packed_attention(
+        None,
+        query,
+        key,
+        value,
+        None,
+        scaling=0.125,
+        packed_cu_seqlens=torch.tensor([0] + lengths, device=device).cumsum(0, dtype=torch.int32),
+        packed_max_seqlen=max(lengths),
+        packed_prompt_keys=prompt_keys,
+        packed_prompt_values=prompt_values,
+        **attention_inputs(layout, device),
+    )
+    return output
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whole_keys(device):
+    """8 query heads share 2 key/value heads, as in Qwen-VL. Against the attention over each
+    answer's keys gathered whole (its prompt's, then its own tokens'), which
+    test_packed_attention_attends_within_each_sample_only checks against an explicit mask; on a
+    GPU in bf16, the flash kernels against that path's float32 arithmetic."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    tokens = sum(ANSWER_LENGTHS)
+    query = torch.randn(1, 8, tokens, 64, device=device, dtype=dtype, requires_grad=True)
+    key, value = (torch.randn(1, 2, tokens, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    prompt_keys, prompt_values = (
+        torch.randn(1, 2, PROMPT_KEYS, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+    )
+    inputs = (query, key, value, prompt_keys, prompt_values)
+    two_parts = _after_prompts(prompts, SHARED, ANSWER_LENGTHS)
+    # The third answer's prompt is a prefix of its own (2 tokens) and one more; the fourth's is the
+    # first prefix again, after another: four prefix runs in all.
+    assert two_parts["packed_prefix_cu_seqlens_q"].tolist() == [0, 5, 8, 14, 22]
+    got = answers_attention(*inputs, two_parts, device)
+    reference = torch.float32 if dtype == torch.bfloat16 else dtype
+    whole = [x.detach().to(reference).requires_grad_() for x in inputs]
+    want = answers_attention(*whole, _gathered(prompts, ANSWER_LENGTHS, PROMPT_KEYS), device)
+    assert got.shape == want.shape == (1, tokens, 8, 64)
+    gradients = torch.autograd.grad(got.to(reference).square().sum(), inputs)
+    expected_gradients = torch.autograd.grad(want.square().sum(), whole)
+    for got_one, want_one in zip((got, *gradients), (want, *expected_gradients)):
+        if dtype == torch.bfloat16:
+            # Each part's kernel rounds its weights and output to bf16 (2^-9 each), the merge its
+            # output once more, and the backward also the incoming gradient and two
+            # intermediates, as the plain kernel does: at most 6 roundings, 6 * 2^-9 as whole
+            # tensors. A key in the wrong part, or a part's share misweighted, is of order 1.
+            assert_close_normwise(got_one, want_one, 6 * 2**-9)
+        else:
+            assert_close_normwise(got_one, want_one, FLOAT64_RTOL)
+
+
+def test_the_flash_kernels_run_only_where_they_can():
+    """On the CPU, and in float32 or float64 anywhere, the reference's arithmetic runs."""
+    assert kernels_for(torch.zeros(1, dtype=torch.float64)) is ReferenceKernels
+    assert kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is ReferenceKernels
+    if torch.cuda.is_available():
+        assert kernels_for(torch.zeros(1, dtype=torch.bfloat16, device="cuda")) is FlashKernels
+        assert kernels_for(torch.zeros(1, dtype=torch.float32, device="cuda")) is ReferenceKernels

@@ -1,0 +1,254 @@
+"""Attention over a shared prefix and each segment's own keys, in two parts merged by log-sum-exp.
+
+A reward stage's update computes its sampled answers after their kept prompts
+(vlft.training.shared_prompts): the G answers to one prompt all attend to its keys, then each
+causally to its own. Gathering the prompt's keys once for every answer (packed_attention's
+`packed_key_index`) copies them G times a layer, and its backward pass adds the G copies'
+gradients back with atomics (81 ms of a GRPO step at 8 prompts of 8 answers on an H200). Here
+each prefix is read once for all of its answers' queries:
+
+- the prefix part: every query of a prefix's answers over the prefix, all of it (no mask);
+- the own part: each answer's queries causally over its own keys (what it attends to past the
+  prefix), aligned with the last of them;
+- merged as cascade attention merges them: with L = logaddexp(L_prefix, L_own),
+  O = exp(L_prefix - L) O_prefix + exp(L_own - L) O_own, which is softmax attention over both.
+
+The backward pass runs each part's kernel backward with the merged O and L (as ring attention
+does): the kernel then takes its part's probabilities as exp(S - L), the shares of the whole
+softmax, and D = rowsum(dO * O) of the whole output, so the two parts' dQ sum to the whole's and
+each part's dK and dV are the whole's. Nothing is approximated: the sums are ordered differently.
+tests/test_prefix_attention.py checks it in float64 against the gathered keys' attention.
+
+On a GPU the kernels are torch's variable-length flash attention (forward and backward); on a CPU
+the same formulas in plain torch ops (`ReferenceKernels`), which the tests and the demo run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Parts:
+    """Where a packed row's queries find their keys: `prefix_*` the prefixes, each with the run of
+    queries that attend to it; `own_*` each segment's own keys, the same queries segment by segment.
+    The bounds are flash attention's cumulative lengths (int32, on the queries' device)."""
+
+    prefix_cu_q: torch.Tensor
+    prefix_cu_k: torch.Tensor
+    prefix_max_q: int
+    prefix_max_k: int
+    own_cu_q: torch.Tensor
+    own_cu_k: torch.Tensor
+    own_max_q: int
+    own_max_k: int
+
+
+class FlashKernels:
+    """torch's variable-length flash attention: (tokens, heads, dim) tensors, its log-sum-exp (heads, tokens)."""
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+        out, lse, _ = torch.ops.torch_attn._varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0] if causal else [-1, -1], True
+        )
+        return out, lse
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+        return torch.ops.torch_attn._varlen_attn_backward(
+            grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, rng, scale, [-1, 0] if causal else [-1, -1]
+        )
+
+
+class ReferenceKernels:
+    """The flash kernels' arithmetic, segment by segment in plain torch ops (any device and dtype)."""
+
+    @staticmethod
+    def _segments(q, k, cu_q, cu_k, causal: bool):
+        """Each segment's query and key slices, and its mask (None: all keys), with the key heads
+        repeated for the query heads that share them."""
+        repeat = q.shape[1] // k.shape[1]
+        for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            mask = None
+            if causal:  # aligned with the last keys (bottom right), as flash attention aligns them
+                mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril((k1 - k0) - (q1 - q0))
+            yield slice(q0, q1), slice(k0, k1), mask, repeat
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+        for qs, ks, mask, repeat in ReferenceKernels._segments(q, k, cu_q, cu_k, causal):
+            keys, values = k[ks].repeat_interleave(repeat, 1), v[ks].repeat_interleave(repeat, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[qs], keys) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            segment_lse = torch.logsumexp(scores, dim=-1)
+            out[qs] = torch.einsum("hqk,khd->qhd", torch.exp(scores - segment_lse[..., None]), values)
+            lse[:, qs] = segment_lse.to(lse.dtype)
+        return out, lse
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs, ks, mask, repeat in ReferenceKernels._segments(q, k, cu_q, cu_k, causal):
+            keys, values = k[ks].repeat_interleave(repeat, 1), v[ks].repeat_interleave(repeat, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[qs], keys) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probabilities = torch.exp(scores - lse[:, qs, None].to(scores.dtype))  # shares of the whole softmax
+            d_values = torch.einsum("hqk,qhd->khd", probabilities, grad[qs])
+            d_probabilities = torch.einsum("qhd,khd->hqk", grad[qs], values)
+            whole = (grad[qs] * out[qs]).sum(-1).transpose(0, 1)  # D = rowsum(dO * O), (heads, queries)
+            d_scores = probabilities * (d_probabilities - whole[..., None]) * scale
+            dq[qs] = torch.einsum("hqk,khd->qhd", d_scores, keys)
+            d_keys = torch.einsum("hqk,qhd->khd", d_scores, q[qs])
+            heads = k.shape[1]  # the query heads' shares summed into the key head they share
+            dk[ks] += d_keys.unflatten(1, (heads, repeat)).sum(2)
+            dv[ks] += d_values.unflatten(1, (heads, repeat)).sum(2)
+        return dq, dk, dv
+
+
+def kernels_for(query: torch.Tensor):
+    """Flash attention's kernels where they run (a GPU, bf16 or fp16), the reference's elsewhere."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        return FlashKernels
+    return ReferenceKernels
+
+
+# A custom op, as torch's own varlen attention is, so that a compiled decoder layer (the answers'
+# forward runs one) calls it as one opaque op: its arithmetic is the kernels', not traced.
+@torch.library.custom_op("vlft::prefix_then_own", mutates_args=())
+def _prefix_then_own(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    prefix_cu_q: torch.Tensor,
+    prefix_cu_k: torch.Tensor,
+    prefix_max_q: int,
+    prefix_max_k: int,
+    own_cu_q: torch.Tensor,
+    own_cu_k: torch.Tensor,
+    own_max_q: int,
+    own_max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = kernels_for(q)
+    prefix_out, prefix_lse = kernels.forward(
+        q, prefix_k, prefix_v, prefix_cu_q, prefix_cu_k, prefix_max_q, prefix_max_k, False, scale
+    )
+    own_out, own_lse = kernels.forward(q, own_k, own_v, own_cu_q, own_cu_k, own_max_q, own_max_k, True, scale)
+    lse = torch.logaddexp(prefix_lse, own_lse)
+    # (heads, tokens) to (tokens, heads, 1): each part's share of the whole softmax.
+    prefix_share = torch.exp(prefix_lse - lse).transpose(0, 1)[..., None]
+    own_share = torch.exp(own_lse - lse).transpose(0, 1)[..., None]
+    out = prefix_share * prefix_out.to(lse.dtype) + own_share * own_out.to(lse.dtype)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+@_prefix_then_own.register_fake
+def _(
+    q,
+    prefix_k,
+    prefix_v,
+    own_k,
+    own_v,
+    prefix_cu_q,
+    prefix_cu_k,
+    prefix_max_q,
+    prefix_max_k,
+    own_cu_q,
+    own_cu_k,
+    own_max_q,
+    own_max_k,
+    scale,
+):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(
+        (q.shape[1], q.shape[0]), dtype=_lse_dtype(q)
+    )
+
+
+@torch.library.custom_op("vlft::prefix_then_own_backward", mutates_args=())
+def _prefix_then_own_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    prefix_cu_q: torch.Tensor,
+    prefix_cu_k: torch.Tensor,
+    prefix_max_q: int,
+    prefix_max_k: int,
+    own_cu_q: torch.Tensor,
+    own_cu_k: torch.Tensor,
+    own_max_q: int,
+    own_max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernels, grad = kernels_for(q), grad.contiguous()
+    # Each part's backward with the merged output and log-sum-exp: its probabilities are its
+    # shares of the whole softmax, and D = rowsum(dO * O) is the whole output's.
+    dq_prefix, d_prefix_k, d_prefix_v = kernels.backward(
+        grad, q, prefix_k, prefix_v, out, lse, prefix_cu_q, prefix_cu_k, prefix_max_q, prefix_max_k, False, scale
+    )
+    dq_own, d_own_k, d_own_v = kernels.backward(
+        grad, q, own_k, own_v, out, lse, own_cu_q, own_cu_k, own_max_q, own_max_k, True, scale
+    )
+    gradients = dq_prefix + dq_own, d_prefix_k, d_prefix_v, d_own_k, d_own_v
+    return tuple(g.contiguous() for g in gradients)  # the layout the fake one gives
+
+
+@_prefix_then_own_backward.register_fake
+def _(grad, q, prefix_k, prefix_v, own_k, own_v, out, lse, *bounds_and_scale):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, prefix_k, prefix_v, own_k, own_v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, prefix_k, prefix_v, own_k, own_v, *bounds_and_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, out, lse)
+    ctx.bounds_and_scale = bounds_and_scale
+
+
+def _backward(ctx, grad, grad_lse):
+    # The log-sum-exp is returned for the backward pass alone; nothing downstream differentiates it.
+    gradients = _prefix_then_own_backward(grad, *ctx.saved_tensors, *ctx.bounds_and_scale)
+    return (*gradients, *[None] * len(ctx.bounds_and_scale))
+
+
+_prefix_then_own.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def prefix_then_own(q, prefix_k, prefix_v, own_k, own_v, parts: Parts, scale: float) -> torch.Tensor:
+    """(tokens, heads, dim) queries' attention over their prefix's keys and values and their own."""
+    p = parts
+    out, _ = _prefix_then_own(
+        q,
+        prefix_k,
+        prefix_v,
+        own_k,
+        own_v,
+        p.prefix_cu_q,
+        p.prefix_cu_k,
+        p.prefix_max_q,
+        p.prefix_max_k,
+        p.own_cu_q,
+        p.own_cu_k,
+        p.own_max_q,
+        p.own_max_k,
+        scale,
+    )
+    return out
