@@ -47,20 +47,24 @@ class Parts:
 
 
 class FlashKernels:
-    """torch's variable-length flash attention: (tokens, heads, dim) tensors, its log-sum-exp (heads, tokens)."""
+    """torch's variable-length flash attention: (tokens, heads, dim) tensors, its log-sum-exp
+    (heads, tokens). The aten ops themselves, whose arguments have stayed put across torch
+    releases (torch.nn.attention.varlen's own ops took new ones): key heads shared by several
+    query heads, and causal attention aligned with the last keys, are the kernel's own."""
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-        out, lse, _ = torch.ops.torch_attn._varlen_attn(
-            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0] if causal else [-1, -1], True
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
         )
         return out, lse
 
     @staticmethod
     def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
-        return torch.ops.torch_attn._varlen_attn_backward(
-            grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, rng, scale, [-1, 0] if causal else [-1, -1]
+        # No dropout: its random state is never read.
+        rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
         )
 
 
