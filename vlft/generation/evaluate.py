@@ -264,11 +264,15 @@ def prompt_request(
     return request
 
 
-def prompt_inputs(sample, data: StageData, builder, pad_id: int, model, scored: bool = False, pin: bool = False) -> dict:
+def prompt_inputs(
+    sample, data: StageData, builder, pad_id: int, model, scored: bool = False, pin: bool = False
+) -> dict:
     """A sample's prompt (and reference answer, `scored`) as model inputs on the host: its image read
     and its M-RoPE positions computed (what a reward stage reads a step ahead, in a thread); `pin`:
     in pinned memory, so that its copy to a GPU does not hold up the host."""
-    return collate([sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model), pin=pin)
+    return collate(
+        [sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model), pin=pin
+    )
 
 
 def shared_prefixes(data: StageData, indices: list[int], slots: int, answer_room: int) -> Cascade | None:

@@ -156,8 +156,8 @@ class GroupRelativePolicyOptimization:
 
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
         """The host inputs of each record's prompt (its image read, its positions computed), in pinned
-        memory for a GPU: copied from pageable memory, a step's screenshots held the host 38 ms on
-        an H200 (8 prompts of 1280-1920 px), where pinned ones are copied while it goes on."""
+        memory for a GPU: from pageable memory, putting a step's 8 screenshots (1280-1920 px) on an
+        H200 held its host and device 37 ms; from pinned memory, 4 ms of the device's time."""
         model, pin = unwrapped(self.model), self.device.type == "cuda"
         data = self.data
         return {key: prompt_inputs(data.samples[key], data, self.builder, self.pad_id, model, pin=pin) for key in keys}
