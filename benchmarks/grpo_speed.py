@@ -20,6 +20,7 @@ from its own timer (answer_requests' `stats`, the device synchronized around eac
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import random
@@ -236,6 +237,48 @@ def profile_summary(trace: Path) -> dict:
         "device_busy_s": busy(start, end),
         "phases": phases,
         "kernels_by_time": sorted(([n, c, round(t, 5)] for n, (c, t) in kernels.items()), key=lambda k: -k[2])[:60],
+        "device_idle": device_idle(events, device, start, end),
+    }
+
+
+def device_idle(events: list[dict], device: list[tuple], start: float, end: float, least_us: float = 100) -> dict:
+    """Where the device waits on the host: its idle stretches of at least `least_us`, summed by the
+    host's phase at each one's start, and the host's ops and runtime calls that overlap them (an
+    op's own time and its callers' alike: read it as where the host was, not as a sum)."""
+    gaps, reached = [], start
+    for a, b, _ in device:
+        if a - reached >= least_us:
+            gaps.append((reached, a))
+        reached = max(reached, b)
+    if end - reached >= least_us:
+        gaps.append((reached, end))
+    phases = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][7:])
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase: ")
+    )
+    by_phase: dict[str, float] = {}
+    for a, b in gaps:
+        covering = [name for x, y, name in phases if x <= a < y]
+        name = covering[-1] if covering else "between phases"
+        by_phase[name] = by_phase.get(name, 0.0) + (b - a) / 1e6
+    starts = [a for a, _ in gaps]
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") not in ("cpu_op", "cuda_runtime", "cuda_driver") or "dur" not in e:
+            continue
+        x, y = e["ts"], e["ts"] + e["dur"]
+        i = max(0, bisect.bisect_right(starts, x) - 1)
+        while i < len(gaps) and gaps[i][0] < y:
+            overlap = min(y, gaps[i][1]) - max(x, gaps[i][0])
+            if overlap > 0:
+                by_op[e["name"][:80]] = by_op.get(e["name"][:80], 0.0) + overlap / 1e6
+            i += 1
+    return {
+        "stretches": len(gaps),
+        "idle_s": sum(b - a for a, b in gaps) / 1e6,
+        "by_host_phase": {k: round(v, 4) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+        "host_ops_meanwhile": [[k, round(v, 4)] for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:25]],
     }
 
 
