@@ -96,3 +96,46 @@ def test_the_flash_kernels_run_only_where_they_can():
     if torch.cuda.is_available():
         assert kernels_for(torch.zeros(1, dtype=torch.bfloat16, device="cuda")) is FlashKernels
         assert kernels_for(torch.zeros(1, dtype=torch.float32, device="cuda")) is ReferenceKernels
+
+
+def test_compiled_as_one_op_it_computes_what_it_computes_eagerly():
+    """A compiled decoder layer calls the two-part attention as one custom op (the answers' forward
+    on a GPU): its fake kernels give the real ones' shapes, strides and dtypes (torch.library's own
+    checks), and compiled whole, with dynamic shapes, forward and backward equal the eager ones."""
+    torch.manual_seed(0)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    tokens = sum(ANSWER_LENGTHS)
+    inputs = [
+        torch.randn(1, heads, length, 64, dtype=torch.float64, requires_grad=True)
+        for heads, length in [(8, tokens), (2, tokens), (2, tokens), (2, PROMPT_KEYS), (2, PROMPT_KEYS)]
+    ]
+    layout = _after_prompts(prompts, SHARED, ANSWER_LENGTHS)
+    query, key, value, prompt_keys, prompt_values = inputs
+    own_k = torch.cat([prompt_keys.index_select(2, layout["packed_own_prompt_index"]), key], 2)
+    own_v = torch.cat([prompt_values.index_select(2, layout["packed_own_prompt_index"]), value], 2)
+    own_k, own_v = (t.index_select(2, layout["packed_key_index"]) for t in (own_k, own_v))
+    prefix_k, prefix_v = (t.index_select(2, layout["packed_prefix_index"]) for t in (prompt_keys, prompt_values))
+    lengths = torch.tensor([0] + ANSWER_LENGTHS).cumsum(0, dtype=torch.int32)
+    op_inputs = (
+        *(t[0].transpose(0, 1).detach().requires_grad_() for t in (query, prefix_k, prefix_v, own_k, own_v)),
+        layout["packed_prefix_cu_seqlens_q"],
+        layout["packed_prefix_cu_seqlens_k"],
+        layout["packed_prefix_max_seqlen_q"],
+        layout["packed_prefix_max_seqlen_k"],
+        lengths,
+        layout["packed_cu_seqlens_k"],
+        max(ANSWER_LENGTHS),
+        layout["packed_max_seqlen_k"],
+        0.125,
+    )
+    torch.library.opcheck(torch.ops.vlft.prefix_then_own.default, op_inputs)
+
+    def attention(*tensors):
+        return answers_attention(*tensors, layout, "cpu")
+
+    eager = attention(*inputs)
+    compiled = torch.compile(attention, dynamic=True, fullgraph=True)(*inputs)
+    assert torch.equal(compiled, eager)
+    eager_gradients = torch.autograd.grad(eager.square().sum(), inputs)
+    compiled_gradients = torch.autograd.grad(compiled.square().sum(), inputs)
+    assert all(torch.equal(c, e) for c, e in zip(compiled_gradients, eager_gradients))

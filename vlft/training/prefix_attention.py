@@ -157,25 +157,9 @@ def _prefix_then_own(
 
 
 @_prefix_then_own.register_fake
-def _(
-    q,
-    prefix_k,
-    prefix_v,
-    own_k,
-    own_v,
-    prefix_cu_q,
-    prefix_cu_k,
-    prefix_max_q,
-    prefix_max_k,
-    own_cu_q,
-    own_cu_k,
-    own_max_q,
-    own_max_k,
-    scale,
-):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(
-        (q.shape[1], q.shape[0]), dtype=_lse_dtype(q)
-    )
+def _(q, *keys_bounds_and_scale):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
 
 
 @torch.library.custom_op("vlft::prefix_then_own_backward", mutates_args=())
