@@ -8,8 +8,9 @@ autocast, with gradients, through a compiled decoder layer on a GPU), and each l
 values are kept (`PromptPass.prefill`, the engine's prefill). The decode steps read those keys and
 values, detached, from the engine's cache. The update then computes only the answers' tokens
 (`PromptPass.answer_logps`): each attends to its prompt's kept keys and values and causally to
-itself (vlft.training.packing.packed_attention's `packed_prompt_keys`), and its first token is
-scored from its prompt's last hidden state. One backward pass goes through both forwards.
+itself (vlft.training.packing.packed_attention's `packed_prompt_keys`; the prefix its prompt shares
+with the answers beside it is read once for all of them, vlft.training.prefix_attention), and its
+first token is scored from its prompt's last hidden state. One backward pass goes through both forwards.
 
 The log-probabilities and gradients are those of the full forward over prompt and answer
 (tests/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
