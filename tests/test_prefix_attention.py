@@ -51,12 +51,21 @@ def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dic
     return output
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whole_keys(device):
+@pytest.mark.parametrize(
+    "device, block_scores",
+    [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
+    + ([("cuda", None)] if torch.cuda.is_available() else []),
+)
+def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whole_keys(
+    device, block_scores, monkeypatch
+):
     """8 query heads share 2 key/value heads, as in Qwen-VL. Against the attention over each
     answer's keys gathered whole (its prompt's, then its own tokens'), which
     test_packed_attention_attends_within_each_sample_only checks against an explicit mask; on a
-    GPU in bf16, the flash kernels against that path's float32 arithmetic."""
+    GPU in bf16, the flash kernels against that path's float32 arithmetic. On the CPU, the
+    reference's blocks of segments: each part whole, a few segments a block, one segment a block."""
+    if block_scores is not None:
+        monkeypatch.setattr(ReferenceKernels, "BLOCK_SCORES", block_scores)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float64
     prompts = [torch.tensor(p) for p in PROMPTS]
