@@ -150,7 +150,7 @@ def packed_attention(
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
     if packed_prefix_index is not None:
-        parts = Parts(
+        prefixes = Parts(
             packed_prefix_cu_seqlens_q,
             packed_prefix_cu_seqlens_k,
             packed_prefix_max_seqlen_q,
@@ -160,13 +160,9 @@ def packed_attention(
             packed_max_seqlen,
             packed_max_seqlen_k,
         )
-        own_prompt = (packed_prompt_keys, packed_prompt_values), packed_own_prompt_index
-        return (
-            prefix_and_own_attention(
-                query, key, value, own_prompt, packed_prefix_index, packed_key_index, parts, scaling
-            ),
-            None,
-        )
+        prompts = (packed_prompt_keys, packed_prompt_values)
+        own = (packed_own_prompt_index, packed_key_index)
+        return prefix_and_own_attention(query, key, value, prompts, packed_prefix_index, own, prefixes, scaling), None
     cu_k, max_k = packed_cu_seqlens, packed_max_seqlen
     if packed_prompt_keys is not None:
         key, value = torch.cat([packed_prompt_keys, key], dim=2), torch.cat([packed_prompt_values, value], dim=2)
@@ -178,7 +174,12 @@ def packed_attention(
     if VARLEN_KERNEL is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
         return VARLEN_KERNEL(q, k, v, packed_cu_seqlens, cu_k, packed_max_seqlen, max_k, scaling)[None], None
-    query_bounds, key_bounds = packed_cu_seqlens.tolist(), cu_k.tolist()
+    return _attention_per_segment(query, key, value, packed_cu_seqlens, cu_k, scaling), None
+
+
+def _attention_per_segment(query, key, value, cu_q, cu_k, scaling):
+    """SDPA over each query segment and its keys in turn (where no flash kernel runs)."""
+    query_bounds, key_bounds = cu_q.tolist(), cu_k.tolist()
     pieces = []
     for q_start, q_end, k_start, k_end in zip(query_bounds[:-1], query_bounds[1:], key_bounds[:-1], key_bounds[1:]):
         queries, keys = q_end - q_start, k_end - k_start
@@ -198,15 +199,16 @@ def packed_attention(
             enable_gqa=key.shape[1] != query.shape[1],
         )
         pieces.append(piece)
-    return torch.cat(pieces, dim=2).transpose(1, 2), None
+    return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
-def prefix_and_own_attention(query, key, value, own_prompt, prefix_index, own_index, parts: Parts, scaling):
+def prefix_and_own_attention(query, key, value, prompts, prefix_index, own, parts: Parts, scaling):
     """Answers' attention over their kept prompts' shared prefixes, each read once for all the
-    answers on it, and their own keys (vlft.training.prefix_attention): `own_prompt` holds the kept
-    prompts' (keys, values) and the positions of each answer's own prompt tokens past its prefix;
-    `own_index` names each answer's own keys among those, then this row's."""
-    (prompt_keys, prompt_values), own_prompt_index = own_prompt
+    answers on it, and their own keys (vlft.training.prefix_attention). `prompts`: the kept
+    prompts' keys and values; `prefix_index`: the prefixes' positions among them; `own`: the
+    positions of each answer's own prompt tokens past its prefix, and each answer's own keys among
+    those, then this row's."""
+    (prompt_keys, prompt_values), (own_prompt_index, own_index) = prompts, own
     own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
     own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
     prefix_k, prefix_v = prompt_keys.index_select(2, prefix_index), prompt_values.index_select(2, prefix_index)
