@@ -128,6 +128,24 @@ def phase_patches() -> list[tuple[object, str, str]]:
     ]
 
 
+def profile_patches() -> list[tuple[object, str, str]]:
+    """(--profile) The host's work around the phases, labelled too, so that the device's idle
+    stretches fall to what the host did then (the innermost label at each one's start)."""
+    import vlft.training.shared_prompts
+    import vlft.training.step_log
+
+    grpo = vlft.training.grpo.GroupRelativePolicyOptimization
+    return [
+        (grpo, "step_batches", "the step's rollout: its setting up"),
+        (grpo, "_roll_out", "the rollout: its answers judged"),
+        (vlft.generation.engine.Engine, "answer", "the engine's run: its setting up"),
+        (vlft.generation.engine.Generation, "start", "a prefill: its rows set up"),
+        (vlft.generation.engine.Generation, "decode", "a decode step: its bookkeeping"),
+        (vlft.training.shared_prompts.PromptPass, "_answer_hidden", "answers' forward: its layers"),
+        (vlft.training.step_log.StepLog, "step", "the step's log line"),
+    ]
+
+
 def time_phases() -> None:
     """The GRPO step's phases timed (--phases); a step ends with Trainer.step."""
     for owner, attribute, name in phase_patches():
@@ -160,7 +178,7 @@ def profile_a_step(directory: Path, step_to_profile: int) -> None:
 
         return call
 
-    for owner, attribute, name in phase_patches():
+    for owner, attribute, name in phase_patches() + profile_patches():
         setattr(owner, attribute, labelled(name, getattr(owner, attribute)))
     step, state = vlft.training.train.Trainer.step, {"steps": 0, "profiler": None, "runs": 0}
 
@@ -179,6 +197,7 @@ def profile_a_step(directory: Path, step_to_profile: int) -> None:
             trace.unlink()
             with (directory / f"run{state['runs']}.python.txt").open("w") as out:
                 pstats.Stats(state["python"], stream=out).sort_stats("cumulative").print_stats(80)
+            state["python"].dump_stats(directory / f"run{state['runs']}.pstats")  # its callers, read anywhere
             state["profiler"], state["runs"] = None, state["runs"] + 1
         elif state["steps"] == step_to_profile:
             torch.cuda.synchronize()

@@ -43,8 +43,7 @@ from vlft.generation.runner import PACKED_ROW_TOKENS, DecodeStep, layer_calls, p
 from vlft.generation.sampling import Sampling, sampler_for
 from vlft.generation.scheduler import Row, Scheduler
 from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, own_length, seat_plan
-from vlft.modeling import unwrapped
-from vlft.training.packing import use_packed_attention
+from vlft.training.packing import packed_attention_while
 
 
 def answer_requests(
@@ -138,9 +137,7 @@ class Engine:
         timer = timer or _Timer(text.embed_tokens.weight.device, stats)
         timer.start()
         captured = self.step.capture_s
-        prefill_attention = text.config._attn_implementation
-        use_packed_attention(self.model)
-        try:
+        with packed_attention_while(self.model):
             # Evaluating during training, the stage's layers are compiled for its steps: here they run
             # eagerly, as in an evaluate job, so that the prefills compute what the job's would.
             # Compiled, each layer's prefill through the KV cache was traced apart (on the GPU, dynamo
@@ -156,9 +153,7 @@ class Engine:
             timer.add("compile_s", self.step.capture_s - captured)
             timer.add("step_s", captured - self.step.capture_s)
             timer.add("graphs", len(self.step.graphs or {}))
-        finally:
-            unwrapped(self.model).set_attn_implementation({"text_config": prefill_attention})
-            timer.stop("setup_s")  # once a run, before the first prompt and after the last answer
+        timer.stop("setup_s")  # once a run, before the first prompt and after the last answer
 
     def release(self) -> None:
         """Its KV cache and CUDA graph freed now."""

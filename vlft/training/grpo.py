@@ -342,12 +342,15 @@ class GroupRelativePolicyOptimization:
         engine = self._engine(asked)
         self.kept_answers = None
         if keep_prompts:  # the prefills' forward kept for the update: nothing of theirs to free
-            with self.prompt_pass.rollout(), _answering(self.model, self.dtype, self.answer_weights, self.switch_modes):
+            with (
+                self.prompt_pass.rollout(),
+                _answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable),
+            ):
                 prefill = self.prompt_pass.prefill
                 engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, prefill_with=prefill)
             self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
             return answers
-        with _answering(self.model, self.dtype, self.answer_weights, self.switch_modes), _released():
+        with _answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable), _released():
             engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
         return answers
 
@@ -406,15 +409,16 @@ class GroupRelativePolicyOptimization:
 
 
 @contextmanager
-def _answering(model, dtype, into=None, switch_modes=True):
-    """The model as the evaluation answers: no dropout, no gradients, the adapter in the model's
-    dtype (written `into` the kept engine's tensors, where given). Without `switch_modes` (a model
-    whose training mode drops nothing and recomputes nothing) it stays in training mode: switching
-    an 8B's PEFT model (some 3,000 modules) there and back took tens of ms of the host a step."""
+def _answering(model, dtype, into=None, switch_modes=True, trained=None):
+    """The model as the evaluation answers: no dropout, no gradients, the adapter (its `trained`
+    parameters) in the model's dtype (written `into` the kept engine's tensors, where given).
+    Without `switch_modes` (a model whose training mode drops nothing and recomputes nothing) it
+    stays in training mode: switching an 8B's PEFT model (some 3,000 modules) there and back took
+    tens of ms of the host a step."""
     if switch_modes:
         model.eval()
     try:
-        with torch.no_grad(), adapter_in_model_dtype(model, dtype, into):
+        with torch.no_grad(), adapter_in_model_dtype(model, dtype, into, trained):
             yield
     finally:
         if switch_modes:

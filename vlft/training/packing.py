@@ -16,11 +16,13 @@ So a packed micro-batch gives each sample the loss and gradients it gets alone o
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 
+from vlft.generation.kv_cache import language_model
 from vlft.training.batching import collate, pinned
 from vlft.training.image_groups import ImageGroup, RowLayout, group_rows
 from vlft.training.prefix_attention import Parts, prefix_then_own
@@ -143,13 +145,13 @@ def packed_attention(
     tokens, the segment's queries aligned with the last of them. With `packed_prompt_keys` and
     `packed_prompt_values` (this layer's keys and values of prompts an earlier forward computed,
     vlft.training.shared_prompts), the row's positions come after theirs and `packed_key_index`
-    names positions of both; with `packed_prefix_index` too, the segments attend to the prompts'
+    names positions of both; with the `packed_prefix_*` bounds too, the segments attend to the prompts'
     shared prefixes apart from their own keys (`prefix_and_own_attention`). On a GPU with bf16 or
     fp16, one variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
-    if packed_prefix_index is not None:
+    if packed_prefix_cu_seqlens_q is not None:
         prefixes = Parts(
             packed_prefix_cu_seqlens_q,
             packed_prefix_cu_seqlens_k,
@@ -207,14 +209,29 @@ def prefix_and_own_attention(query, key, value, prompts, prefix_index, own, part
     answers on it, and their own keys (vlft.training.prefix_attention). `prompts`: the kept
     prompts' keys and values; `prefix_index`: the prefixes' positions among them; `own`: the
     positions of each answer's own prompt tokens past its prefix, and each answer's own keys among
-    those, then this row's."""
+    those, then this row's. An index that is None takes all of its keys in order (nothing gathered)."""
     (prompt_keys, prompt_values), (own_prompt_index, own_index) = prompts, own
-    own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
-    own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
-    prefix_k, prefix_v = prompt_keys.index_select(2, prefix_index), prompt_values.index_select(2, prefix_index)
+    own_k, own_v = key, value
+    if own_prompt_index.numel():
+        own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2)
+        own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2)
+    own_k, own_v, prefix_k, prefix_v = (
+        _positions(t, index)
+        for t, index in (
+            (own_k, own_index),
+            (own_v, own_index),
+            (prompt_keys, prefix_index),
+            (prompt_values, prefix_index),
+        )
+    )
     q, prefix_k, prefix_v, own_k, own_v = (t[0].transpose(0, 1) for t in (query, prefix_k, prefix_v, own_k, own_v))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return prefix_then_own(q, prefix_k, prefix_v, own_k, own_v, parts, scale)[None]
+
+
+def _positions(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """(1, heads, positions, dim) keys or values at `index`, or all of them where it is None."""
+    return states if index is None else states.index_select(2, index)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
@@ -225,3 +242,20 @@ def use_packed_attention(model) -> None:
     implementation of this name transformers builds no attention mask, which a packed row must
     not get; the vision tower keeps its own attention."""
     unwrapped(model).set_attn_implementation({"text_config": PACKED_ATTENTION})
+
+
+@contextmanager
+def packed_attention_while(model):
+    """The language model's attention packed for a while, its own put back after. Nothing is
+    switched where it is packed already (a training stage's model, whose rollouts this serves):
+    a switch walks every module, 16 ms of the host each way for an 8B's PEFT model."""
+    config = language_model(unwrapped(model)).config
+    own = config._attn_implementation
+    if own == PACKED_ATTENTION:
+        yield
+        return
+    use_packed_attention(model)
+    try:
+        yield
+    finally:
+        unwrapped(model).set_attn_implementation({"text_config": own})
