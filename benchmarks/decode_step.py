@@ -23,7 +23,7 @@ from eval_speed import copy_bandwidth, step_weight_bytes  # noqa: E402
 from train_speed import build_model, print_kernel_time  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.generation.kv_cache import SlotCache  # noqa: E402
-from vlft.generation.runner import DecodeStep  # noqa: E402
+from vlft.generation.runner import DecodeStep, graph_part_starts  # noqa: E402
 from vlft.generation.sampling import Sampling, sampler_for  # noqa: E402
 
 
@@ -39,6 +39,12 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-decode"))
     parser.add_argument("--no-compile", action="store_true", help="a CUDA graph of the eager step")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--waited",
+        action="store_true",
+        help="also each step waited for, its tokens read back (as the engine reads them), with the step's"
+        " graph in parts (as it runs) and as one graph",
+    )
     parser.add_argument("--temperature", type=float, help="sampled tokens (with --top-p, --top-k): also timed")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -79,6 +85,8 @@ def main():
                     f"{rows:5d} {live:7d} {seconds * 1e3:8.2f} {bound * 1e3:8.2f} {seconds / bound:7.2f}"
                     f"   (compiled and captured in {made:.0f} s)"
                 )
+                if args.waited:
+                    waited_steps(step, rows, length)
                 began = time.perf_counter()
             if args.no_profile or rows != max(args.rows) or sampling:
                 del step, cache
@@ -93,6 +101,25 @@ def main():
                 torch.cuda.synchronize()
             print(f"rows {rows}, live {args.live[-1]} of {length}, 5 steps:")
             print_kernel_time(prof, args.work)
+
+
+def waited_steps(step: DecodeStep, rows: int, length: int, steps: int = 20) -> None:
+    """Each step's time where the host waits for its tokens before it launches the next (the
+    engine reads them back): the step's graph in parts, each launched while the one before runs,
+    against one graph, whose whole launch the device waits for."""
+    times = {}
+    for parts in (True, False):
+        if not parts:
+            step.part_starts = set()
+            step.graphs.clear()  # captured again, as one graph
+        step(rows, length).tolist()  # captured
+        began = time.perf_counter()
+        for _ in range(steps):
+            step(rows, length).tolist()
+        times[parts] = (time.perf_counter() - began) / steps
+    step.part_starts = set(graph_part_starts(len(step.text.layers)))
+    step.graphs.clear()
+    print(f"      each step waited for: {times[True] * 1e3:.2f} ms in parts, {times[False] * 1e3:.2f} ms as one graph")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,10 @@ class Seeded:
         self.settings, self.positions = settings, positions
         self.seeds = torch.zeros(slots, dtype=torch.long, device=positions.device)
         self.first_positions = torch.zeros(slots, dtype=torch.long, device=positions.device)
+        # A GPU's decode step draws through the compiled draw (the same arithmetic, fused): eagerly,
+        # the noise of 64 rows by 151,936 tokens took some 25 elementwise kernels over int64 and
+        # float64 tensors, 1.1 ms of the 8B's 11.7 ms step.
+        self.draw = draw_tokens_compiled if positions.is_cuda else draw_tokens
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
@@ -72,7 +76,7 @@ class Seeded:
         # The step's input is the row's latest token, at answer index positions - first_positions:
         # it predicts the token one further.
         index = self.positions[:rows] - self.first_positions[:rows] + 1
-        return draw_tokens(logits, self.seeds[:rows], index, self.settings)
+        return self.draw(logits, self.seeds[:rows], index, self.settings)
 
     def start(self, slot: int, request, position: int) -> None:
         """Row `slot` answers `request`, its first answer token (already drawn) at text `position`."""
@@ -126,6 +130,9 @@ def draw_tokens(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     gumbel = -torch.log(-torch.log(uniform(seeds, positions, vocabulary)))
     return (warped + gumbel).argmax(-1)
 
+
+# One shape a decode step (its rows and the vocabulary): compiled for it, as the step's layers are.
+draw_tokens_compiled = torch.compile(draw_tokens, dynamic=False)
 
 MASK32 = 0xFFFFFFFF
 
