@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from vlft.generation.sampling import Sampling, draw_tokens, draw_tokens_compiled, greedy, sampling_probabilities
+from vlft.generation.sampling import Sampling, draw_tokens, greedy, gumbel_max_compiled, sampling_probabilities
 
 
 def test_temperature_zero_is_greedy_token_for_token():
@@ -108,7 +108,7 @@ def test_tokens_never_drawn_are_not_drawn_however_likely_and_the_rest_keep_their
     [Sampling(1.0), Sampling(0.7, top_p=0.9), Sampling(1.3, top_k=50, never=(3, 7))],
 )
 def test_the_compiled_draw_draws_the_eager_draws_tokens(settings):
-    """A GPU's decode step draws through the compiled draw: over 64 rows of a Qwen-sized vocabulary,
+    """A GPU's decode step adds the noise and takes the argmax compiled: over 64 rows of a Qwen-sized vocabulary,
     at several answer positions, it draws the eager draw's tokens, every one (the same integer
     hash and float64 arithmetic, element by element)."""
     torch.manual_seed(0)
@@ -117,4 +117,5 @@ def test_the_compiled_draw_draws_the_eager_draws_tokens(settings):
     for position in range(0, 40, 7):
         positions = torch.full((64,), position, device="cuda")
         eager = draw_tokens(logits, seeds, positions, settings)
-        assert torch.equal(draw_tokens_compiled(logits, seeds, positions, settings), eager), position
+        compiled = draw_tokens(logits, seeds, positions, settings, gumbel_max_compiled)
+        assert torch.equal(compiled, eager), position

@@ -32,7 +32,7 @@ class Greedy:
     def next(self, logits: torch.Tensor) -> torch.Tensor:
         return greedy(logits)
 
-    def start(self, slot: int, request, position: int) -> None:
+    def start(self, slots: torch.Tensor, requests: list, positions: torch.Tensor) -> None:
         pass
 
     def move(self, source: int, target: int) -> None:
@@ -62,10 +62,10 @@ class Seeded:
         self.settings, self.positions = settings, positions
         self.seeds = torch.zeros(slots, dtype=torch.long, device=positions.device)
         self.first_positions = torch.zeros(slots, dtype=torch.long, device=positions.device)
-        # A GPU's decode step draws through the compiled draw (the same arithmetic, fused): eagerly,
-        # the noise of 64 rows by 151,936 tokens took some 25 elementwise kernels over int64 and
-        # float64 tensors, 1.1 ms of the 8B's 11.7 ms step.
-        self.draw = draw_tokens_compiled if positions.is_cuda else draw_tokens
+        # A GPU's decode step adds the noise and takes the argmax compiled (the same arithmetic,
+        # fused): eagerly, the noise of 64 rows by 151,936 tokens took some 25 elementwise kernels
+        # over int64 and float64 tensors, 1.1 ms of the 8B's 11.7 ms step.
+        self.noise_and_argmax = gumbel_max_compiled if positions.is_cuda else gumbel_max
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
@@ -76,11 +76,13 @@ class Seeded:
         # The step's input is the row's latest token, at answer index positions - first_positions:
         # it predicts the token one further.
         index = self.positions[:rows] - self.first_positions[:rows] + 1
-        return self.draw(logits, self.seeds[:rows], index, self.settings)
+        return draw_tokens(logits, self.seeds[:rows], index, self.settings, self.noise_and_argmax)
 
-    def start(self, slot: int, request, position: int) -> None:
-        """Row `slot` answers `request`, its first answer token (already drawn) at text `position`."""
-        self.seeds[slot], self.first_positions[slot] = request.seed, position
+    def start(self, slots: torch.Tensor, requests: list, positions: torch.Tensor) -> None:
+        """Rows `slots` answer `requests`, each one's first answer token (already drawn) at its text
+        position of `positions`."""
+        self.seeds[slots] = torch.tensor([r.seed for r in requests], dtype=torch.long, device=self.seeds.device)
+        self.first_positions[slots] = positions
 
     def move(self, source: int, target: int) -> None:
         for state in (self.seeds, self.first_positions):
@@ -117,22 +119,30 @@ def sampling_probabilities(logits: torch.Tensor, settings: Sampling) -> torch.Te
     return warped_logits(logits, settings).softmax(-1)
 
 
-def draw_tokens(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, settings: Sampling) -> torch.Tensor:
+def draw_tokens(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, settings: Sampling, noise_and_argmax=None
+) -> torch.Tensor:
     """Each row's next token drawn from its warped softmax, by the Gumbel-max trick: the argmax of
     the warped logits plus Gumbel noise is a draw from their softmax. The noise of a row's token v
     is a hash of (the row's seed, the answer's position, v), not a generator's state, so a draw
     depends on its prompt's seed and position alone: the same in any batch, row or order, in a
-    CUDA graph (tensor operations only) and after a restart. At temperature 0, the greedy token."""
+    CUDA graph (tensor operations only) and after a restart. At temperature 0, the greedy token.
+    `noise_and_argmax`: what computes the last part (`gumbel_max`, or it compiled)."""
     if settings.temperature == 0:
         return greedy(logits)
-    warped = warped_logits(logits.double(), settings)
-    vocabulary = torch.arange(logits.shape[-1], device=logits.device)
+    return (noise_and_argmax or gumbel_max)(warped_logits(logits.double(), settings), seeds, positions)
+
+
+def gumbel_max(warped: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The argmax of the warped logits plus each row's Gumbel noise (`draw_tokens`)."""
+    vocabulary = torch.arange(warped.shape[-1], device=warped.device)
     gumbel = -torch.log(-torch.log(uniform(seeds, positions, vocabulary)))
     return (warped + gumbel).argmax(-1)
 
 
 # One shape a decode step (its rows and the vocabulary): compiled for it, as the step's layers are.
-draw_tokens_compiled = torch.compile(draw_tokens, dynamic=False)
+# (Not the top-p's sort and cumulative sum: inductor failed to generate the float64 scan's kernel.)
+gumbel_max_compiled = torch.compile(gumbel_max, dynamic=False)
 
 MASK32 = 0xFFFFFFFF
 

@@ -131,33 +131,45 @@ class SharedPrefixes:
         """The requests of a packed prefill that got a row (`rows`; None: answered by its first
         token) seated at free slots, one for each prefix of their `plan` (seat_plan's), and each
         slot's prefix (the first `shared` positions of its requests) written from the first of them."""
-        pieces, slot_of = [], {}
+        pieces, slot_of, lasts, seatings = [], {}, [], []
         for request, (prefix, length, row) in enumerate(zip(plan, shared, rows)):
             if row is None:
                 continue
             if prefix not in slot_of:
                 slot_of[prefix] = slot = self.free.pop(0)
                 pieces.append((slot, prompt_positions(prefilled.spans[request])[:length]))
-                self.last[slot] = length - 1
+                lasts.append((slot, length - 1))
             slot = slot_of[prefix]
             seat = self.sitting[slot]
             self.sitting[slot] += 1
             self.seat_at[row] = (slot, seat)
-            self.seated[slot, seat] = row
-            self.seat_of[row] = slot * self.seats + seat
+            seatings.append((slot, seat, row))
+        # A write a state for all the rows seated (one a row took ms of the host for 64 rows).
+        if seatings:
+            slots, seats, seated_rows = (list(column) for column in zip(*seatings))
+            self.last[[slot for slot, _ in lasts]] = torch.tensor([last for _, last in lasts], device=self.last.device)
+            self.seated[slots, seats] = torch.tensor(seated_rows, device=self.seated.device)
+            self.seat_of[seated_rows] = torch.tensor(
+                [slot * self.seats + seat for slot, seat in zip(slots, seats)], device=self.seat_of.device
+            )
         write_positions(self.keys, self.values, prefilled.cache, pieces)
         refresh_live_blocks(self.live, self.last)
 
-    def leave(self, row: int) -> None:
-        """Row `row` done: its seat emptied, and its slot freed with its last row. (A slot's rows
-        are all seated by one prefill, so its seats are never handed out again while it is taken.)"""
-        slot, seat = self.seat_at.pop(row)
-        self.seated[slot, seat] = self.rows
-        self.seat_of[row] = self.seated.numel()
-        self.sitting[slot] -= 1
-        if not self.sitting[slot]:
-            self.last[slot] = -1
-            self.free.append(slot)
+    def leave(self, rows: list[int]) -> None:
+        """Rows `rows` done: their seats emptied, and each slot freed with its last row, a write a
+        state for them all. (A slot's rows are all seated by one prefill, so its seats are never
+        handed out again while it is taken.)"""
+        slots, seats = zip(*(self.seat_at.pop(row) for row in rows))
+        self.seated[list(slots), list(seats)] = self.rows
+        self.seat_of[list(rows)] = self.seated.numel()
+        freed = []
+        for slot in slots:
+            self.sitting[slot] -= 1
+            if not self.sitting[slot]:
+                freed.append(slot)
+        if freed:
+            self.last[freed] = -1
+            self.free.extend(freed)
             refresh_live_blocks(self.live, self.last)
 
     def layer(self, index: int) -> PrefixLayer:
