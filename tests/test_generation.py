@@ -19,7 +19,7 @@ from vlft.generation.evaluate import prompt_request, shared_prefixes
 from vlft.training.image_groups import ImageGroup
 from vlft.generation.engine import answer_requests
 from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
-from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, graph_part_starts, prefill
+from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
 from vlft.training.packing import use_packed_attention
 from vlft.data.prompts import PromptBuilder
@@ -289,61 +289,6 @@ def test_the_gpu_steps_attention_compiled_gives_the_cpu_steps_logits(tmp_path):
     # float32 over sums of at most 401 terms in 2 layers, as in the full-forward test above; a
     # block read too few or too many changes a row's attention outright.
     assert_close_normwise(logits[DECODE_ATTENTION], logits["sdpa"], rtol=1e-5, msg="compiled flex step")
-
-
-def test_a_gpu_steps_graph_is_cut_between_layers_each_part_about_twice_the_last():
-    """The parts a GPU's step is captured as (DecodeStep): the 8B's 36 layers in parts of 1, 2, 4,
-    8, 16 and 5 layers, so that each part's launch fits in the run of the part before it."""
-    assert graph_part_starts(36) == [1, 3, 7, 15, 31]
-    assert graph_part_starts(2) == [1]
-    assert graph_part_starts(1) == []
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_gpu_step_replayed_as_graphs_in_parts_computes_what_one_graph_computes(tmp_path, dtype):
-    """The GPU's step, its layers compiled, replayed as the CUDA graphs it is captured in (cut
-    between layers, launched in turn), against the same step captured as one graph: six steps over
-    random keys and values, each step's tokens the next one's input, choose the same tokens and
-    write the same keys and values into the cache, bit for bit (the same kernels in the same
-    order). Run eagerly (each kernel launched in turn), it chooses those tokens too."""
-    from vlft.demo.tiny_model import make_tiny_model
-
-    make_tiny_model(tmp_path / "model", family="qwen3_vl")
-    cuda = torch.device("cuda")
-    model = load_base_model(tmp_path / "model", cuda, dtype).eval()
-    layers = len(model.model.language_model.layers)
-    chosen, caches = {}, {}
-    for mode in ("parts", "one graph", "eager"):
-        torch.manual_seed(0)
-        cache = SlotCache(model, 4, 4 * KV_BLOCK)
-        for keys, values in zip(cache.keys, cache.values):
-            keys.normal_()
-            values.normal_()
-        cache.write_at.copy_(torch.tensor([0, KV_BLOCK + 2, 2 * KV_BLOCK - 1, 3 * KV_BLOCK + 17]))
-        step = DecodeStep(model, cache, compile=True)
-        if mode == "one graph":
-            step.part_starts = set()
-        if mode == "eager":
-            step.graphs = None
-        step.tokens.copy_(torch.tensor([5, 17, 33, 2]))
-        step.positions.copy_(cache.write_at + 40)
-        chosen[mode] = []
-        with torch.no_grad():
-            for _ in range(6):
-                tokens = step(4, 4 * KV_BLOCK).clone()
-                chosen[mode].append(tokens.tolist())
-                step.tokens.copy_(tokens)
-                cache.write_at += 1
-                step.positions += 1
-        caches[mode] = [t.clone() for t in cache.keys + cache.values]
-        if mode != "eager":
-            parts = 1 + len(graph_part_starts(layers)) if mode == "parts" else 1
-            assert [len(graphs) for graphs in step.graphs.values()] == [parts]
-        step.release()
-    assert graph_part_starts(layers), "the tiny model's step is one part: nothing is cut"
-    assert chosen["parts"] == chosen["one graph"] == chosen["eager"]
-    assert all(torch.equal(a, b) for a, b in zip(caches["parts"], caches["one graph"]))
 
 
 def test_the_evaluation_loss_is_the_plain_padded_computations(family, tmp_path, capsys):

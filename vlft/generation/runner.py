@@ -74,16 +74,6 @@ def layer_calls(layers, calls):
             layer._compiled_call_impl = call
 
 
-def graph_part_starts(layers: int) -> list[int]:
-    """The layers at which a decode step's CUDA graph begins a new part (`DecodeStep`): 1, 3, 7,
-    15, 31, ... below `layers`, each part about twice the one before it."""
-    starts, at = [], 1
-    while at < layers:
-        starts.append(at)
-        at = 2 * at + 1
-    return starts
-
-
 def _call_layer(layer, *args, **kwargs):
     """A decoder layer's own call: compiled once, it runs every layer of the model (their weights
     are the graph's inputs, as torch.compile treats a module passed in)."""
@@ -96,14 +86,9 @@ class DecodeStep:
 
     On a CPU: eagerly, through transformers' SDPA, as `generate` runs it, on the rows and length in
     use. On a GPU: always every row and the cache's whole length, so that one shape is compiled
-    once and replayed as CUDA graphs (a few launches a step instead of some ten a layer); its
+    once and replayed as one CUDA graph (one launch a step instead of some ten a layer); its
     attention (flex_attention over the rows' live blocks) still reads each row only to its own
-    length. The step is captured as several graphs, cut between layers (`graph_part_starts`), and
-    each part is launched while the one before it runs: launching the 8B's step as one graph of
-    1,727 kernels took 3.2 ms of the host, the device idle all the while, against 11.7 ms of
-    kernels. Each part twice the one before, its launch fits in its predecessor's run, and the
-    device waits only for the first part's (one layer's) launch. The same kernels run in the same
-    order: the step computes what one graph computes."""
+    length."""
 
     def __init__(
         self,
@@ -145,10 +130,8 @@ class DecodeStep:
             if compile or self.prefixes is not None
             else None
         )
-        self.graphs = {} if device.type == "cuda" else None  # (rows, length): the step's graphs, in order
+        self.graphs = {} if device.type == "cuda" else None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.part_starts = set(graph_part_starts(len(self.text.layers)))
-        self.capturing: list | None = None  # the parts captured so far, while a step is captured
         self.capture_s = 0.0  # compiling and capturing, once a job
 
     @contextmanager
@@ -168,10 +151,6 @@ class DecodeStep:
     def _layer_call(self, index: int, *args, **kwargs):
         # The layer's own part of the cache window, under the name this transformers passes it by,
         # and its part of the shared prefixes.
-        if self.capturing is not None and index in self.part_starts:  # the graph's next part begins here
-            self.capturing[-1].capture_end()
-            self.capturing.append(torch.cuda.CUDAGraph())
-            self.capturing[-1].capture_begin(self.pool)
         name = "cache" if "cache" in kwargs else "past_key_values"
         kwargs[name] = kwargs[name].layer(index)
         if self.prefixes is not None:
@@ -220,26 +199,16 @@ class DecodeStep:
             for _ in range(2):
                 self._run(rows, length)
         torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        # As torch.cuda.graph captures, on a side stream, the parts into one memory pool: they are
-        # replayed in the order they were captured, each part's outputs the next one's inputs.
-        self.capturing = [torch.cuda.CUDAGraph()]
-        with torch.cuda.stream(side):
-            self.capturing[0].capture_begin(self.pool)
-            try:
-                self._run(rows, length)  # its layer calls begin each next part (`_layer_call`)
-            finally:
-                parts, self.capturing = self.capturing, None
-                parts[-1].capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-        return parts
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run(rows, length)
+        return graph
 
     def release(self) -> None:
         """Its CUDA graphs' memory freed now (the step sits in a reference cycle: its layer calls
         are bound to it)."""
-        for parts in (self.graphs or {}).values():
-            for graph in parts:
-                graph.reset()
+        for graph in (self.graphs or {}).values():
+            graph.reset()
         self.graphs, self.pool, self.layer_calls = {} if self.graphs is not None else None, None, None
 
     def __call__(self, rows: int, length: int) -> torch.Tensor:
@@ -252,8 +221,7 @@ class DecodeStep:
                 self.graphs[rows, length] = self._capture(rows, length)
                 torch.cuda.synchronize()
                 self.capture_s += time.perf_counter() - began
-            for part in self.graphs[rows, length]:
-                part.replay()
+            self.graphs[rows, length].replay()
         return self.chosen
 
 
