@@ -74,11 +74,11 @@ def main():
                 for _ in range(20):
                     chosen = step(rows, length)
                 torch.cuda.synchronize()
+                seconds = (time.perf_counter() - began) / 20  # (before 2026-11-27, with the check's step below too)
                 if sampling:  # a replay with the same state draws the same tokens
                     again = chosen.clone()
                     assert torch.equal(step(rows, length), again)
                     print(f"      distinct tokens drawn over {rows} rows: {len(set(again.tolist()))}")
-                seconds = (time.perf_counter() - began) / 20
                 bound = (weights + rows * live * per_token) / bandwidth
                 print(
                     f"{rows:5d} {live:7d} {seconds * 1e3:8.2f} {bound * 1e3:8.2f} {seconds / bound:7.2f}"
