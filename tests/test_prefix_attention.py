@@ -27,20 +27,14 @@ PROMPTS = [
 SHARED = [7, 7, 2, 7, 5, 5]
 ANSWER_LENGTHS = [4, 1, 3, 6, 3, 5]
 PROMPT_KEYS = 22
-# One question an image (a screenshot's click): each prompt's answers share all of it, and the
-# prompts lie in order, so nothing is gathered (the layout's indices are None).
-WHOLE_PROMPTS = [list(range(0, 5))] * 2 + [list(range(5, 9))] * 3
-LAYOUTS = {
-    "prefixes apart": (PROMPTS, SHARED, ANSWER_LENGTHS, PROMPT_KEYS),
-    "whole prompts in order": (WHOLE_PROMPTS, [5, 5, 4, 4, 4], [3, 2, 4, 1, 2], 9),
-}
 
 
 def attention_inputs(layout: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
 
 
-def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dict, device, lengths=ANSWER_LENGTHS):
+def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dict, device):
+    lengths = ANSWER_LENGTHS
     output, _ = packed_attention(
         None,
         query,
@@ -57,14 +51,13 @@ def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dic
     return output
 
 
-@pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize(
     "device, block_scores",
     [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
     + ([("cuda", None)] if torch.cuda.is_available() else []),
 )
 def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whole_keys(
-    device, block_scores, layout_name, monkeypatch
+    device, block_scores, monkeypatch
 ):
     """8 query heads share 2 key/value heads, as in Qwen-VL. Against the attention over each
     answer's keys gathered whole (its prompt's, then its own tokens'), which
@@ -75,28 +68,22 @@ def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whol
         monkeypatch.setattr(ReferenceKernels, "BLOCK_SCORES", block_scores)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float64
-    prompt_lists, shared, lengths, kept = LAYOUTS[layout_name]
-    prompts = [torch.tensor(p) for p in prompt_lists]
-    tokens = sum(lengths)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    tokens = sum(ANSWER_LENGTHS)
     query = torch.randn(1, 8, tokens, 64, device=device, dtype=dtype, requires_grad=True)
     key, value = (torch.randn(1, 2, tokens, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     prompt_keys, prompt_values = (
-        torch.randn(1, 2, kept, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+        torch.randn(1, 2, PROMPT_KEYS, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
     )
     inputs = (query, key, value, prompt_keys, prompt_values)
-    two_parts = _after_prompts(prompts, shared, lengths, kept)
-    if layout_name == "prefixes apart":
-        # The third answer's prompt is a prefix of its own (2 tokens) and one more; the fourth's is
-        # the first prefix again, after another: four prefix runs in all.
-        assert two_parts["packed_prefix_cu_seqlens_q"].tolist() == [0, 5, 8, 14, 22]
-        assert two_parts["packed_prefix_index"] is not None and two_parts["packed_key_index"] is not None
-    else:  # two prefix runs, each a whole prompt, and nothing to gather
-        assert two_parts["packed_prefix_cu_seqlens_q"].tolist() == [0, 5, 12]
-        assert two_parts["packed_prefix_index"] is None and two_parts["packed_key_index"] is None
-    got = answers_attention(*inputs, two_parts, device, lengths)
+    two_parts = _after_prompts(prompts, SHARED, ANSWER_LENGTHS)
+    # The third answer's prompt is a prefix of its own (2 tokens) and one more; the fourth's is the
+    # first prefix again, after another: four prefix runs in all.
+    assert two_parts["packed_prefix_cu_seqlens_q"].tolist() == [0, 5, 8, 14, 22]
+    got = answers_attention(*inputs, two_parts, device)
     reference = torch.float32 if dtype == torch.bfloat16 else dtype
     whole = [x.detach().to(reference).requires_grad_() for x in inputs]
-    want = answers_attention(*whole, _gathered(prompts, lengths, kept), device, lengths)
+    want = answers_attention(*whole, _gathered(prompts, ANSWER_LENGTHS, PROMPT_KEYS), device)
     assert got.shape == want.shape == (1, tokens, 8, 64)
     gradients = torch.autograd.grad(got.to(reference).square().sum(), inputs)
     expected_gradients = torch.autograd.grad(want.square().sum(), whole)
@@ -131,7 +118,7 @@ def test_compiled_as_one_op_it_computes_what_it_computes_eagerly():
         torch.randn(1, heads, length, 64, dtype=torch.float64, requires_grad=True)
         for heads, length in [(8, tokens), (2, tokens), (2, tokens), (2, PROMPT_KEYS), (2, PROMPT_KEYS)]
     ]
-    layout = _after_prompts(prompts, SHARED, ANSWER_LENGTHS, PROMPT_KEYS)
+    layout = _after_prompts(prompts, SHARED, ANSWER_LENGTHS)
     query, key, value, prompt_keys, prompt_values = inputs
     own_k = torch.cat([prompt_keys.index_select(2, layout["packed_own_prompt_index"]), key], 2)
     own_v = torch.cat([prompt_values.index_select(2, layout["packed_own_prompt_index"]), value], 2)

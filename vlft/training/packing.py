@@ -145,13 +145,13 @@ def packed_attention(
     tokens, the segment's queries aligned with the last of them. With `packed_prompt_keys` and
     `packed_prompt_values` (this layer's keys and values of prompts an earlier forward computed,
     vlft.training.shared_prompts), the row's positions come after theirs and `packed_key_index`
-    names positions of both; with the `packed_prefix_*` bounds too, the segments attend to the prompts'
+    names positions of both; with `packed_prefix_index` too, the segments attend to the prompts'
     shared prefixes apart from their own keys (`prefix_and_own_attention`). On a GPU with bf16 or
     fp16, one variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
-    if packed_prefix_cu_seqlens_q is not None:
+    if packed_prefix_index is not None:
         prefixes = Parts(
             packed_prefix_cu_seqlens_q,
             packed_prefix_cu_seqlens_k,
@@ -209,29 +209,14 @@ def prefix_and_own_attention(query, key, value, prompts, prefix_index, own, part
     answers on it, and their own keys (vlft.training.prefix_attention). `prompts`: the kept
     prompts' keys and values; `prefix_index`: the prefixes' positions among them; `own`: the
     positions of each answer's own prompt tokens past its prefix, and each answer's own keys among
-    those, then this row's. An index that is None takes all of its keys in order (nothing gathered)."""
+    those, then this row's."""
     (prompt_keys, prompt_values), (own_prompt_index, own_index) = prompts, own
-    own_k, own_v = key, value
-    if own_prompt_index.numel():
-        own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2)
-        own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2)
-    own_k, own_v, prefix_k, prefix_v = (
-        _positions(t, index)
-        for t, index in (
-            (own_k, own_index),
-            (own_v, own_index),
-            (prompt_keys, prefix_index),
-            (prompt_values, prefix_index),
-        )
-    )
+    own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
+    own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
+    prefix_k, prefix_v = prompt_keys.index_select(2, prefix_index), prompt_values.index_select(2, prefix_index)
     q, prefix_k, prefix_v, own_k, own_v = (t[0].transpose(0, 1) for t in (query, prefix_k, prefix_v, own_k, own_v))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return prefix_then_own(q, prefix_k, prefix_v, own_k, own_v, parts, scale)[None]
-
-
-def _positions(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """(1, heads, positions, dim) keys or values at `index`, or all of them where it is None."""
-    return states if index is None else states.index_select(2, index)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -168,9 +168,7 @@ class PromptPass:
         answer_hidden = None
         if inputs:
             lengths = [len(i) for i in inputs]
-            keys = (
-                _after_prompts(prompts, shared, lengths, start) if all(shared) else _gathered(prompts, lengths, start)
-            )
+            keys = _after_prompts(prompts, shared, lengths) if all(shared) else _gathered(prompts, lengths, start)
             answer_hidden = self._answer_hidden(inputs, positions, keys, device)
         # Each answer's rows in order: its prompt's last hidden state, then its own tokens'.
         first_hidden = torch.stack(firsts)
@@ -219,13 +217,10 @@ def _gathered(prompts: list[torch.Tensor], lengths: list[int], kept: int) -> dic
     }
 
 
-def _after_prompts(prompts: list[torch.Tensor], shared: list[int], lengths: list[int], kept: int) -> dict:
+def _after_prompts(prompts: list[torch.Tensor], shared: list[int], lengths: list[int]) -> dict:
     """Each answer's keys in two parts (vlft.training.prefix_attention): the prefix it shares with
     the answers beside it (their prompt, or their image's prefix), read once for all of them, and
-    its own keys, the rest of its prompt and then its own tokens (`kept`: how many prompt keys
-    there are). An index that would take all of its keys in order is None, nothing gathered: a
-    question's answers on their whole prompt, one question an image (a screenshot's click), read
-    the prompts' keys as they are and their own as they come."""
+    its own keys, the rest of its prompt and then its own tokens."""
     prefixes, prefix_queries, own_prompt, own_index, own_lengths = [], [], [], [], []
     own_prompt_tokens = sum(len(p) - n for p, n in zip(prompts, shared))
     at, row = 0, 0  # where the next answer's own prompt keys go among all answers', and its tokens
@@ -241,23 +236,16 @@ def _after_prompts(prompts: list[torch.Tensor], shared: list[int], lengths: list
         own_lengths.append(len(own) + length)
         at, row = at + len(own), row + length
     return {
-        "packed_prefix_index": _unless_all_in_order(torch.cat(prefixes), kept),
+        "packed_prefix_index": torch.cat(prefixes),
         "packed_prefix_cu_seqlens_q": _cumulative(prefix_queries, "cpu"),
         "packed_prefix_cu_seqlens_k": _cumulative([len(p) for p in prefixes], "cpu"),
         "packed_prefix_max_seqlen_q": max(prefix_queries),
         "packed_prefix_max_seqlen_k": max(len(p) for p in prefixes),
         "packed_own_prompt_index": torch.cat(own_prompt),
-        "packed_key_index": _unless_all_in_order(torch.cat(own_index), own_prompt_tokens + row),
+        "packed_key_index": torch.cat(own_index),
         "packed_cu_seqlens_k": _cumulative(own_lengths, "cpu"),
         "packed_max_seqlen_k": max(own_lengths),
     }
-
-
-def _unless_all_in_order(index: torch.Tensor, length: int) -> torch.Tensor | None:
-    """`index`, or None where it takes all `length` positions in order: a gather that copies
-    nothing (on an H200, the update's gathers and their backward's scatters had taken 47 ms of a
-    GRPO step of 8 screenshots, one question each)."""
-    return None if len(index) == length and torch.equal(index, torch.arange(length)) else index
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
