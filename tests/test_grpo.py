@@ -271,6 +271,50 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
 
+def test_the_backward_pass_takes_each_prompt_layer_right_after_its_answers_layer(screens):
+    """With each prompt computed once a step, the backward pass goes down the layers taking each
+    one's answers (a few tokens: their host's work outweighs their kernels), then the same layer's
+    prompts (many tokens), so the device works on a prompt layer while the host launches the next
+    answers' layer; not every answers' layer first (vlft.training.shared_prompts._numbered_apart)."""
+    on = MethodOn(screens, "click", loss_type="dapo", prompts_once=True)
+    groups = on.method.step_groups([[r["key"]] for r in on.data.records[:2]], 0, keep_prompts=True)
+    assert groups and on.method.prompt_pass.prefills
+    order = []
+
+    class Noted(torch.autograd.Function):
+        """The identity, noting when the backward pass reaches an answers' layer's output."""
+
+        @staticmethod
+        def forward(ctx, hidden, index):
+            ctx.index = index
+            return hidden.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            order.append(("answers", ctx.index))
+            return grad, None
+
+    def noted(index):
+        def hook(module, args, kwargs, output):
+            return Noted.apply(output, index) if "packed_prompt_keys" in kwargs else output
+
+        return hook
+
+    layers = on.model.base_model.model.model.language_model.layers
+    hooks = [layer.register_forward_hook(noted(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    # A prompt layer's backward begins where its kept keys' gradient is taken in.
+    for prefilled in on.method.prompt_pass.prefills:
+        for i, kept in enumerate(prefilled.cache.layers):
+            kept.keys.register_hook(lambda grad, i=i: order.append(("prompts", i)))
+    try:
+        on.method.loss_sums(on.model, KEPT_PROMPTS)[0].backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    down = range(len(layers) - 1, -1, -1)
+    assert order == [(part, i) for i in down for part in ("answers", "prompts")]
+
+
 def test_a_rollout_learned_twice_is_clipped_against_its_log_probabilities_at_the_rollout(screens):
     """`num_iterations: 2`: the second update learns the same answers, its ratio against their
     log-probabilities at the rollout (TRL's old_per_token_logps), as TRL's loss over separate
@@ -415,3 +459,22 @@ def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tm
     assert dpo["beta"] == 0.1 and dpo["loss_type"] == "sigmoid" and "num_generations" not in dpo
     assert grpo["beta"] == 0.0 and grpo["loss_type"] == "dapo" and grpo["num_generations"] == 8
     assert "rpo_alpha" not in grpo and grpo["rewards"] == {"answer_match": 1.0}
+
+
+def test_a_forward_numbered_apart_runs_under_the_callers_grad_mode_and_autocast_and_raises_its_errors():
+    from vlft.training.shared_prompts import _numbered_apart
+
+    def state():
+        return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+
+    with torch.no_grad():
+        assert _numbered_apart(state, CPU) == (False, False, torch.get_autocast_dtype("cpu"))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert _numbered_apart(state, CPU) == (True, True, torch.bfloat16)
+        assert _numbered_apart(lambda: torch.ones(2, 2) @ torch.ones(2, 2), CPU).dtype == torch.bfloat16
+
+    def fails():
+        raise ValueError("a bad answer")
+
+    with pytest.raises(ValueError, match="a bad answer"):
+        _numbered_apart(fails, CPU)

@@ -22,6 +22,7 @@ would not keep the prompts' keys). `prompts_once_unless` says which of those a s
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -191,15 +192,53 @@ class PromptPass:
         text_positions = torch.cat(positions).to(device)
         lengths = [len(i) for i in inputs]
         attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in keys.items()}
-        with layer_calls(self.text.layers, calls):
-            return self.text(
-                input_ids=torch.cat(inputs)[None].to(device),
-                position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
-                use_cache=False,
-                packed_cu_seqlens=_cumulative(lengths, device),
-                packed_max_seqlen=max(lengths),
-                **attention,
-            ).last_hidden_state[0]
+
+        def forward():
+            with layer_calls(self.text.layers, calls):
+                return self.text(
+                    input_ids=torch.cat(inputs)[None].to(device),
+                    position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
+                    use_cache=False,
+                    packed_cu_seqlens=_cumulative(lengths, device),
+                    packed_max_seqlen=max(lengths),
+                    **attention,
+                ).last_hidden_state[0]
+
+        return _numbered_apart(forward, device)
+
+
+def _numbered_apart(forward, device: torch.device):
+    """`forward()` run in a thread of its own, under the caller's grad mode, autocast and device,
+    so that the backward pass interleaves its layers with the prompts' (it changes no result).
+
+    Autograd numbers the nodes a thread makes in the order it makes them (a counter of the
+    thread's own), and its backward pass runs the ready node with the highest number first. Made
+    on the main thread after the rollout's prefill, the answers' layers outnumbered every prompt
+    layer, so the backward pass ran all of the answers' layers, whose host's work outweighs their
+    kernels (a few tokens a layer: the device idle), before the first prompt layer (thousands of
+    tokens: the device busy). Numbered from zero in a thread of their own, they come below: each
+    prompt layer runs as soon as its answers' layer has given it its keys' gradients, and the host
+    launches the next answers' layer while the device works on it. A parameter's gradient adds the
+    same two parts (its answers' layer's, then its prompt layer's) either way."""
+    grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled(device.type)
+    autocast_dtype = torch.get_autocast_dtype(device.type)
+    outcome: dict = {}
+
+    def run():
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad), torch.autocast(device.type, autocast_dtype, enabled=autocast):
+                outcome["value"] = forward()
+        except BaseException as error:  # raised again in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="answers' forward")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _gathered(prompts: list[torch.Tensor], lengths: list[int], kept: int) -> dict:
