@@ -138,20 +138,23 @@ class GroupRelativePolicyOptimization:
         self.prompt_pass = PromptPass(model, device, dtype, compiled) if prompts_once else None
         self.kept_answers: list[tuple[int, list[int]]] | None = None  # the rollout's, where its prompts are kept
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
-        self.reader = ThreadPoolExecutor(max_workers=1)  # the next step's prompts, read while this one trains
-        self.read_ahead: tuple[list[str], Future] | None = None
+        self.reader = ThreadPoolExecutor(max_workers=1)  # the next step's prompts, read while this one's prefill runs
+        self.read_ahead: dict[tuple[str, ...], Future] = {}  # by the keys read
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
     def step_batches(self, step: Step, index: int, batcher, upcoming: Step | None = None) -> tuple[list, list]:
         """The step's groups (`step_groups`) and its micro-batches: where the rollout kept its
         prompts' forward, one that learns the answers from it (KEPT_PROMPTS); else the batcher's.
-        The `upcoming` step's prompts are read from the host's caches in a thread meanwhile, while
-        the device trains on this one (a rollout's reading was 7% of a step on an H200)."""
+        The `upcoming` step's prompts are read from the host's caches in a thread meanwhile (a
+        rollout's reading was 7% of a step on an H200): from the rollout's start, so that the
+        thread reads while the prefill holds the device and the host waits on it. Started after
+        the rollout, it read while the update launched its short answers' layers, whose host's work
+        the device waits on, and took the interpreter from them."""
         keep = self.prompt_pass is not None and self._prompts_fit(step, batcher.budget)
-        groups = self.step_groups(step, index, keep)
         if upcoming is not None and (index + 1) % self.iterations == 0:  # the next step draws anew
-            keys = [key for group in upcoming for key in group]
-            self.read_ahead = (keys, self.reader.submit(self._read_prompts, keys))
+            keys = tuple(key for group in upcoming for key in group)
+            self.read_ahead[keys] = self.reader.submit(self._read_prompts, keys)
+        groups = self.step_groups(step, index, keep)
         return groups, [KEPT_PROMPTS] if self.kept_answers is not None else batcher(groups)
 
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
@@ -314,8 +317,8 @@ class GroupRelativePolicyOptimization:
         answers: dict[str, list] = {key: [None] * self.generations for key in keys}
         # Read a step ahead where it could be; put on the device here, by the thread that runs the
         # device (a copy from another thread would meet a CUDA graph's capture).
-        read, self.read_ahead = self.read_ahead, None
-        ready = read[1].result() if read is not None and read[0] == keys else {}
+        read = self.read_ahead.pop(tuple(keys), None)
+        ready = read.result() if read is not None else {}
 
         def requests():
             for index, (key, n) in enumerate(asked):
