@@ -487,6 +487,9 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--commit")
     parser.add_argument(
+        "--grpo-runs", type=int, default=1, help="GRPO's run this many times in the process, one after the other"
+    )
+    parser.add_argument(
         "--learning-rate",
         type=float,
         default=None,
@@ -578,6 +581,8 @@ def main() -> None:
     if args.also_prompts_twice:
         runs[TWICE] = (prompts, grpo)
     runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
+    for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
+        runs[f"grpo, {args.generations} sampled answers a question, run {repeat}"] = (prompts, grpo)
     results, drawn = {}, {}
     for name, (directory, settings) in runs.items():
         started = time.time()
@@ -607,6 +612,7 @@ def main() -> None:
             "answers_per_s": sum(run["samples"]) / seconds,
             "peak_gib": run["peak_gib"],
             "steps_measured": len(run["step_s"]),
+            "step_s": [round(t, 4) for t in run["step_s"]],
             "job_s": time.time() - started,
         }
         if settings.get("method") == "grpo":
@@ -635,7 +641,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)]
+    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)][:3]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         kept = f"grpo, {args.generations} sampled answers a question"
         for name in (KEPT_UNSHARED, kept):
