@@ -631,6 +631,10 @@ def main() -> None:
                 measured = STEP_PHASES[args.warmup : args.steps]
                 names = sorted({k for phases in measured for k in phases})
                 results[name]["phases_s"] = {k: sum(p.get(k, 0.0) for p in measured) / len(measured) for k in names}
+                results[name]["phases_s_each_step"] = [{k: round(v, 4) for k, v in p.items()} for p in STEP_PHASES]
+                results[name]["engine_s_each_rollout"] = [
+                    {k: round(v, 4) for k, v in c.items() if "_s" in k} for c in ENGINE_CALLS
+                ]
             results[name]["engine_s"] = {
                 k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
                 for k in sorted({k for c in ENGINE_CALLS for k in c})
