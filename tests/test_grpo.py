@@ -478,3 +478,34 @@ def test_a_forward_numbered_apart_runs_under_the_callers_grad_mode_and_autocast_
 
     with pytest.raises(ValueError, match="a bad answer"):
         _numbered_apart(fails, CPU)
+
+
+def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_flight_finish_first(screens):
+    """A CUDA graph's capture forbids every other thread's CUDA calls, and the reader thread pins the
+    next step's prompts: a rollout whose engine captures its decode step's graph (a GPU's, at its
+    first run) starts only once no read is in flight. (On a CPU nothing is captured: the engine
+    here is made to look like a GPU's until its run begins.)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    on = MethodOn(screens, "click", loss_type="dapo")
+    keys = [r["key"] for r in on.data.records[:2]]
+    asked = [(key, n) for key in keys for n in range(on.method.generations)]
+    engine = on.method._engine(asked)
+    seen = []
+    answer = engine.answer
+
+    def answer_checked(*args, **kwargs):
+        seen.append(all(read.done() for read in on.method.read_ahead.values()))
+        released.set()  # a read that waits for the run to begin ends now
+        engine.step.graphs = None  # a CPU's engine again: nothing to capture
+        return answer(*args, **kwargs)
+
+    engine.answer = answer_checked
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        for graphs, read_s in (({}, 0.2), (None, 60)):  # yet to capture, then none to capture
+            released = threading.Event()
+            engine.step.graphs = graphs
+            on.method.read_ahead = {("another step",): reader.submit(released.wait, read_s)}
+            on.method._sample(keys, 0)
+    assert seen == [True, False]

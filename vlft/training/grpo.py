@@ -31,7 +31,7 @@ import gc
 import hashlib
 import statistics
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -343,6 +343,10 @@ class GroupRelativePolicyOptimization:
             answers[key][n] = list(ids)
 
         engine = self._engine(asked)
+        if engine.step.graphs == {}:
+            # Its decode step's CUDA graph is captured in this run, and a capture forbids the CUDA
+            # calls of every other thread (pinning memory among them): the reads finish first.
+            wait(self.read_ahead.values())
         self.kept_answers = None
         if keep_prompts:  # the prefills' forward kept for the update: nothing of theirs to free
             with (
