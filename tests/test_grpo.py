@@ -486,7 +486,6 @@ def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_fl
     first run) starts only once no read is in flight. (On a CPU nothing is captured: the engine
     here is made to look like a GPU's until its run begins.)"""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     on = MethodOn(screens, "click", loss_type="dapo")
     keys = [r["key"] for r in on.data.records[:2]]
@@ -502,10 +501,9 @@ def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_fl
         return answer(*args, **kwargs)
 
     engine.answer = answer_checked
-    with ThreadPoolExecutor(max_workers=1) as reader:
-        for graphs, read_s in (({}, 0.2), (None, 60)):  # yet to capture, then none to capture
-            released = threading.Event()
-            engine.step.graphs = graphs
-            on.method.read_ahead = {("another step",): reader.submit(released.wait, read_s)}
-            on.method._sample(keys, 0)
+    for graphs, read_s in (({}, 0.2), (None, 60)):  # yet to capture, then none to capture
+        released = threading.Event()
+        engine.step.graphs = graphs
+        on.method.read_ahead = {("another step",): on.method.reader.submit(released.wait, read_s)}
+        on.method._sample(keys, 0)
     assert seen == [True, False]

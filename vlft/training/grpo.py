@@ -31,7 +31,7 @@ import gc
 import hashlib
 import statistics
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -151,6 +151,8 @@ class GroupRelativePolicyOptimization:
         the rollout, it read while the update launched its short answers' layers, whose host's work
         the device waits on, and took the interpreter from them."""
         keep = self.prompt_pass is not None and self._prompts_fit(step, batcher.budget)
+        this_step = tuple(key for group in step for key in group)
+        self.read_ahead = {keys: read for keys, read in self.read_ahead.items() if keys == this_step}  # others: stale
         if upcoming is not None and (index + 1) % self.iterations == 0:  # the next step draws anew
             keys = tuple(key for group in upcoming for key in group)
             self.read_ahead[keys] = self.reader.submit(self._read_prompts, keys)
@@ -345,8 +347,9 @@ class GroupRelativePolicyOptimization:
         engine = self._engine(asked)
         if engine.step.graphs == {}:
             # Its decode step's CUDA graph is captured in this run, and a capture forbids the CUDA
-            # calls of every other thread (pinning memory among them): the reads finish first.
-            wait(self.read_ahead.values())
+            # calls of every other thread (pinning memory among them): the reads finish first (the
+            # reader takes its work in order, so all are done once a last one is).
+            self.reader.submit(lambda: None).result()
         self.kept_answers = None
         if keep_prompts:  # the prefills' forward kept for the update: nothing of theirs to free
             with (
