@@ -585,9 +585,10 @@ def main() -> None:
         runs[KEPT_UNSHARED] = (prompts, grpo)
     if args.also_prompts_twice:
         runs[TWICE] = (prompts, grpo)
-    runs[f"grpo, {args.generations} sampled answers a question"] = (prompts, grpo)
+    ours = f"grpo, {args.generations} sampled answers a question"
+    runs[ours] = (prompts, grpo)
     for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
-        runs[f"grpo, {args.generations} sampled answers a question, run {repeat}"] = (prompts, grpo)
+        runs[f"{ours}, run {repeat}"] = (prompts, grpo)
     results, drawn = {}, {}
     for name, (directory, settings) in runs.items():
         started = time.time()
@@ -652,12 +653,10 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
     sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)][:3]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
-        kept = f"grpo, {args.generations} sampled answers a question"
-        for name in (KEPT_UNSHARED, kept):
+        for name in (KEPT_UNSHARED, ours):
             results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
     if args.also_prompts_twice:  # the prefill under the training's autocast (float32 adapter) against the bf16 one
-        once = f"grpo, {args.generations} sampled answers a question"
-        results[once]["answers_against_prompts_twice"] = agreement(drawn[once], drawn[TWICE])
+        results[ours]["answers_against_prompts_twice"] = agreement(drawn[ours], drawn[TWICE])
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]

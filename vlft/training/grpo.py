@@ -151,10 +151,10 @@ class GroupRelativePolicyOptimization:
         the rollout, it read while the update launched its short answers' layers, whose host's work
         the device waits on, and took the interpreter from them."""
         keep = self.prompt_pass is not None and self._prompts_fit(step, batcher.budget)
-        this_step = tuple(key for group in step for key in group)
+        this_step = _keys_of(step)
         self.read_ahead = {keys: read for keys, read in self.read_ahead.items() if keys == this_step}  # others: stale
         if upcoming is not None and (index + 1) % self.iterations == 0:  # the next step draws anew
-            keys = tuple(key for group in upcoming for key in group)
+            keys = _keys_of(upcoming)
             self.read_ahead[keys] = self.reader.submit(self._read_prompts, keys)
         groups = self.step_groups(step, index, keep)
         return groups, [KEPT_PROMPTS] if self.kept_answers is not None else batcher(groups)
@@ -208,7 +208,7 @@ class GroupRelativePolicyOptimization:
         """The step's questions answered by the adapter as it stands, rewarded; each answer's
         advantage and log-probabilities kept for the updates (and with `keep_prompts`, its
         prompt's forward, vlft.training.shared_prompts)."""
-        keys = [key for group in step for key in group]
+        keys = list(_keys_of(step))
         began = time.perf_counter()
         answers = self._sample(keys, rollout, keep_prompts)  # read back to the host: the device is done
         timing = dict.fromkeys(TIMING, 0.0) | {"timing_s/gen": time.perf_counter() - began}
@@ -416,6 +416,11 @@ class GroupRelativePolicyOptimization:
                 for n, sample_id in enumerate(batch["sample_ids"]):
                     logps_of[sample_id] = logps[owners.to(logps.device) == n].detach().cpu()
         return logps_of
+
+
+def _keys_of(step: Step) -> tuple[str, ...]:
+    """A step's records, group after group: the order its rollout asks them in."""
+    return tuple(key for group in step for key in group)
 
 
 @contextmanager
