@@ -94,6 +94,7 @@ COLLECTIONS: list[tuple[int, float]] = []  # each rollout's collections: (genera
 
 # With --phases: each step's seconds in each phase, the device synchronized around each call.
 STEP_PHASES: list[dict[str, float]] = [{}]
+HOST_ALLOCATIONS = [0, 0.0]  # the host allocator's count and seconds of allocations, after the step before
 
 
 def timed_phase(name: str, function):
@@ -159,6 +160,11 @@ def time_phases() -> None:
 
     def step_then_next(*args, **kwargs):
         result = step(*args, **kwargs)
+        # Pinned host memory allocated anew during the step (cudaHostAlloc holds up every thread's CUDA calls).
+        host = torch.cuda.host_memory_stats()
+        STEP_PHASES[-1]["host allocations (count)"] = host.get("num_host_alloc", 0) - HOST_ALLOCATIONS[0]
+        STEP_PHASES[-1]["host allocations (s)"] = host.get("host_alloc_time.total", 0) / 1e6 - HOST_ALLOCATIONS[1]
+        HOST_ALLOCATIONS[:] = [host.get("num_host_alloc", 0), host.get("host_alloc_time.total", 0) / 1e6]
         STEP_PHASES.append({})
         return result
 

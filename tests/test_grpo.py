@@ -236,6 +236,36 @@ def shared_images(tmp_path_factory):
     return tiny_family_data(root, "qwen3_vl", questions_on_shared_images(root, images=2, per_image=2))
 
 
+def test_a_rollouts_questions_on_one_image_read_it_and_put_it_on_the_device_once(shared_images):
+    """Two questions on each of two images: each image is read once for its questions, on the host
+    (where a GPU's pinned copy is new memory, 25-30 ms a screenshot that holds up the device's
+    thread) and on the device, whether the reader read it a step ahead or the rollout reads it."""
+    on = MethodOn(shared_images, "final", loss_type="dapo")
+    keys = [r["key"] for r in on.data.records[:4]]
+    read = on.method._read_prompts(keys)
+    host = [read[key]["images"][0][1] for key in keys]
+    assert host[0] is host[1] and host[2] is host[3] and host[0] is not host[2]
+    assert not torch.equal(host[0], host[2])
+    images = []
+    engine = on.method._engine([(key, n) for key in keys for n in range(on.method.generations)])
+    answer = engine.answer
+
+    def answer_noted(requests, *args, **kwargs):
+        requests = list(requests)
+        images.append([request.inputs["pixel_values"] for request in requests])
+        return answer(iter(requests), *args, **kwargs)
+
+    engine.answer = answer_noted
+    for read_ahead in ({tuple(keys): on.method.reader.submit(lambda: read)}, {}):
+        on.method.read_ahead = read_ahead
+        on.method._sample(keys, 0)
+    for pixels in images:  # a question's 4 answers, then the next question's
+        first, second = pixels[0], pixels[8]
+        assert all(p is first for p in pixels[:8]) and all(p is second for p in pixels[8:])
+        assert first is not second
+    assert torch.equal(images[0][0], images[1][0]) and torch.equal(images[0][8], images[1][8])
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["update's own forward", "prompts kept from the rollout"])
 @pytest.mark.parametrize(
     "loss_type, layout",

@@ -248,12 +248,14 @@ def prompt_request(
     max_new_tokens: int,
     scored: bool = False,
     inputs: dict | None = None,
+    placed: dict | None = None,
 ) -> Request:
     """One sample's prompt as vlft.generation.engine answers it (a Request): its model inputs on the
     device and its M-RoPE positions; `scored`, the reference answer after the prompt too, with
-    the targets of its loss. `inputs`: its host inputs, read already (`prompt_inputs`)."""
+    the targets of its loss. `inputs`: its host inputs, read already (`prompt_inputs`); `placed`:
+    the images on the device already (vlft.training.batching.to_device)."""
     inputs = inputs or prompt_inputs(sample, data, builder, pad_id, model, scored)
-    inputs = to_device(inputs, device, dtype)
+    inputs = to_device(inputs, device, dtype, placed)
     positions = inputs.pop("position_ids")
     cache, image = data.images[sample.record_id]
     request = Request(key, {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}, positions, max_new_tokens)
@@ -265,13 +267,28 @@ def prompt_request(
 
 
 def prompt_inputs(
-    sample, data: StageData, builder, pad_id: int, model, scored: bool = False, pin: bool = False
+    sample,
+    data: StageData,
+    builder,
+    pad_id: int,
+    model,
+    scored: bool = False,
+    pin: bool = False,
+    read_image: bool = True,
 ) -> dict:
     """A sample's prompt (and reference answer, `scored`) as model inputs on the host: its image read
     and its M-RoPE positions computed (what a reward stage reads a step ahead, in a thread); `pin`:
-    in pinned memory, so that its copy to a GPU does not hold up the host."""
+    in pinned memory, so that its copy to a GPU does not hold up the host; `read_image` false: the
+    image left out (one that another question on it brings)."""
     return collate(
-        [sample], data.images, builder, pad_id, prompt_only=not scored, rope_index=rope_index(model), pin=pin
+        [sample],
+        data.images,
+        builder,
+        pad_id,
+        prompt_only=not scored,
+        rope_index=rope_index(model),
+        pin=pin,
+        read_images=read_image,
     )
 
 

@@ -93,16 +93,21 @@ def pinned(batch: dict) -> dict:
     return moved
 
 
-def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory."""
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype, placed: dict | None = None) -> dict:
+    """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory.
+    `placed`: the images put on the device already, by their host tensor's id (several batches that
+    share an image's host tensor share its one copy on the device too)."""
     moved = {
         key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
         if key != "images"
     }
-    moved["pixel_values"] = torch.cat(
-        [cache.device_input(tensor.to(device, non_blocking=True), dtype) for cache, tensor in batch["images"]]
-    )
+    placed = {} if placed is None else placed
+    for cache, tensor in batch["images"]:
+        if id(tensor) not in placed:
+            placed[id(tensor)] = cache.device_input(tensor.to(device, non_blocking=True), dtype)
+    images = [placed[id(tensor)] for _, tensor in batch["images"]]
+    moved["pixel_values"] = images[0] if len(images) == 1 else torch.cat(images)
     return moved
 
 

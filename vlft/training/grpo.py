@@ -162,10 +162,24 @@ class GroupRelativePolicyOptimization:
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
         """The host inputs of each record's prompt (its image read, its positions computed), in pinned
         memory for a GPU: from pageable memory, putting a step's 8 screenshots (1280-1920 px) on an
-        H200 held its host and device 37 ms; from pinned memory, 4 ms of the device's time."""
-        model, pin = unwrapped(self.model), self.device.type == "cuda"
-        data = self.data
-        return {key: prompt_inputs(data.samples[key], data, self.builder, self.pad_id, model, pin=pin) for key in keys}
+        H200 held its host and device 37 ms; from pinned memory, 4 ms of the device's time.
+
+        Each image is read and pinned once, for all the questions on it: pinned memory is new memory
+        where the host allocator has no free block of the size (cudaHostAlloc, 25-30 ms for a
+        1280-1920 px screenshot on an H200, which holds up every CUDA call of the thread that runs
+        the device meanwhile), and 9 questions on one image had pinned 9 copies of it a step."""
+        model, pin, data = unwrapped(self.model), self.device.type == "cuda", self.data
+        inputs, images = {}, {}
+        for key in keys:
+            sample = data.samples[key]
+            cache, image = data.images[sample.record_id]
+            source = (id(cache), image)
+            read = prompt_inputs(
+                sample, data, self.builder, self.pad_id, model, pin=pin, read_image=source not in images
+            )
+            read["images"] = images.setdefault(source, read["images"])
+            inputs[key] = read
+        return inputs
 
     def _prompts_fit(self, step: Step, budget: int | None) -> bool:
         """Whether the step's prompts as a prefill lays them out (an image's prefix once), with
@@ -320,7 +334,8 @@ class GroupRelativePolicyOptimization:
         # Read a step ahead where it could be; put on the device here, by the thread that runs the
         # device (a copy from another thread would meet a CUDA graph's capture).
         read = self.read_ahead.pop(tuple(keys), None)
-        ready = read.result() if read is not None else {}
+        ready = read.result() if read is not None else self._read_prompts(keys)
+        placed: dict = {}  # each image put on the device once, for all the questions on it
 
         def requests():
             for index, (key, n) in enumerate(asked):
@@ -335,7 +350,8 @@ class GroupRelativePolicyOptimization:
                         self.device,
                         self.dtype,
                         settings.max_completion_length,
-                        inputs=ready.get(key),
+                        inputs=ready[key],
+                        placed=placed,
                     )
                 seed = answer_seed(settings.seed, rollout, self._seed_names[key], n)
                 yield replace(prompt, key=index, seed=seed)
