@@ -96,7 +96,8 @@ def pinned(batch: dict) -> dict:
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype, placed: dict | None = None) -> dict:
     """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory.
     `placed`: the images put on the device already, by their host tensor's id (several batches that
-    share an image's host tensor share its one copy on the device too)."""
+    share an image's host tensor share its one copy on the device too; the host tensors must live
+    as long as `placed` is used, so that no id is taken by another tensor)."""
     moved = {
         key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
