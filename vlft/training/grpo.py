@@ -172,8 +172,7 @@ class GroupRelativePolicyOptimization:
         inputs, images = {}, {}
         for key in keys:
             sample = data.samples[key]
-            cache, image = data.images[sample.record_id]
-            source = (id(cache), image)
+            source = data.images[sample.record_id]  # (its cache, the image's id)
             read = prompt_inputs(
                 sample, data, self.builder, self.pad_id, model, pin=pin, read_image=source not in images
             )
