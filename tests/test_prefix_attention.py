@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import FLOAT64_RTOL, assert_close_normwise
+from vlft.training.image_groups import RowLayout
 from vlft.training.packing import packed_attention
 from vlft.training.prefix_attention import FlashKernels, ReferenceKernels, kernels_for
 from vlft.training.shared_prompts import _after_prompts, _gathered
@@ -127,6 +128,7 @@ def test_compiled_as_one_op_it_computes_what_it_computes_eagerly():
     lengths = torch.tensor([0] + ANSWER_LENGTHS).cumsum(0, dtype=torch.int32)
     op_inputs = (
         *(t[0].transpose(0, 1).detach().requires_grad_() for t in (query, prefix_k, prefix_v, own_k, own_v)),
+        None,
         layout["packed_prefix_cu_seqlens_q"],
         layout["packed_prefix_cu_seqlens_k"],
         layout["packed_prefix_max_seqlen_q"],
@@ -147,4 +149,107 @@ def test_compiled_as_one_op_it_computes_what_it_computes_eagerly():
     assert torch.equal(compiled, eager)
     eager_gradients = torch.autograd.grad(eager.square().sum(), inputs)
     compiled_gradients = torch.autograd.grad(compiled.square().sum(), inputs)
+    assert all(torch.equal(c, e) for c, e in zip(compiled_gradients, eager_gradients))
+
+
+# An image group's row as pack_groups lays it out (RowLayout.of: each group's shared prefix and its
+# samples' whole lengths): three questions on a 6-token prefix, a sample alone, two questions on a
+# 3-token prefix.
+ROW_GROUPS = [(6, [10, 9, 11]), (0, [7]), (3, [5, 6])]
+
+
+def row_attention(query, key, value, inputs: dict, device):
+    output, _ = packed_attention(None, query, key, value, None, scaling=0.125, **attention_inputs(inputs, device))
+    return output
+
+
+def gathered_row(layout: RowLayout) -> dict:
+    """The same row's attention with each sample's keys gathered whole (its group's prefix, then its
+    own tokens), as image groups' rows were laid out before their prefixes were read once."""
+    query_lengths = [end - start for start, end in layout.segments]
+    key_lengths = [sum(end - start for start, end in spans) for spans in layout.key_spans]
+    return {
+        "packed_cu_seqlens": torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32),
+        "packed_max_seqlen": max(query_lengths),
+        "packed_key_index": torch.cat([torch.arange(a, b) for spans in layout.key_spans for a, b in spans]),
+        "packed_cu_seqlens_k": torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32),
+        "packed_max_seqlen_k": max(key_lengths),
+    }
+
+
+@pytest.mark.parametrize(
+    "device, block_scores",
+    [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
+    + ([("cuda", None)] if torch.cuda.is_available() else []),
+)
+def test_an_image_groups_row_reads_each_prefix_once_and_gives_each_sample_its_whole_keys_attention(
+    device, block_scores, monkeypatch
+):
+    """Each group's prefix a segment of its own, read once by all its samples' own tokens, against
+    each sample's keys gathered whole (which test_fast_path.py's
+    test_packed_attention_attends_within_each_sample_only checks against an explicit mask):
+    outputs and the gradients of queries, keys and values, the prefixes' summed over their samples."""
+    if block_scores is not None:
+        monkeypatch.setattr(ReferenceKernels, "BLOCK_SCORES", block_scores)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    layout = RowLayout.of(ROW_GROUPS)
+    inputs = layout.attention_inputs()
+    # The prefixes' own segments split their groups' first samples: 6 | 4, 9 - 6, 11 - 6, 7, 3 | 2, 6 - 3.
+    assert inputs["packed_cu_seqlens"].diff().tolist() == [6, 4, 3, 5, 7, 3, 2, 3]
+    assert inputs["packed_prefix_index"].tolist() == list(range(6)) + list(range(25, 28))
+    assert inputs["packed_prefix_cu_seqlens_q"].diff().tolist() == [12, 5]
+    tokens = layout.segments[-1][1]
+    query = torch.randn(1, 8, tokens, 64, device=device, dtype=dtype, requires_grad=True)
+    key, value = (torch.randn(1, 2, tokens, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    got = row_attention(query, key, value, inputs, device)
+    reference = torch.float32 if dtype == torch.bfloat16 else dtype
+    whole = [x.detach().to(reference).requires_grad_() for x in (query, key, value)]
+    want = row_attention(*whole, gathered_row(layout), device)
+    assert got.shape == want.shape == (1, tokens, 8, 64)
+    gradients = torch.autograd.grad(got.to(reference).square().sum(), (query, key, value))
+    expected_gradients = torch.autograd.grad(want.square().sum(), whole)
+    for got_one, want_one in zip((got, *gradients), (want, *expected_gradients)):
+        if dtype == torch.bfloat16:
+            # As the answers' two parts above: at most 6 roundings to bf16 (2^-9 each) as whole tensors.
+            assert_close_normwise(got_one, want_one, 6 * 2**-9)
+        else:
+            assert_close_normwise(got_one, want_one, FLOAT64_RTOL)
+
+
+def test_an_image_groups_row_compiled_as_one_op_computes_what_it_computes_eagerly():
+    """The row's two parts as one custom op inside a compiled decoder layer (a training stage's on a
+    GPU): the fake kernels' shapes, strides and dtypes with some queries on a prefix (torch.library's
+    own checks), and forward and backward compiled whole, with dynamic shapes, equal to eager."""
+    torch.manual_seed(0)
+    layout = RowLayout.of(ROW_GROUPS)
+    inputs = layout.attention_inputs()
+    tokens = layout.segments[-1][1]
+    query, key, value = (
+        torch.randn(1, heads, tokens, 64, dtype=torch.float64, requires_grad=True) for heads in (8, 2, 2)
+    )
+    prefix_k, prefix_v = (t.index_select(2, inputs["packed_prefix_index"]) for t in (key, value))
+    op_inputs = (
+        *(t[0].transpose(0, 1).detach().requires_grad_() for t in (query, prefix_k, prefix_v, key, value)),
+        inputs["packed_prefix_query_index"],
+        inputs["packed_prefix_cu_seqlens_q"],
+        inputs["packed_prefix_cu_seqlens_k"],
+        inputs["packed_prefix_max_seqlen_q"],
+        inputs["packed_prefix_max_seqlen_k"],
+        inputs["packed_cu_seqlens"],
+        inputs["packed_cu_seqlens"],
+        inputs["packed_max_seqlen"],
+        inputs["packed_max_seqlen"],
+        0.125,
+    )
+    torch.library.opcheck(torch.ops.vlft.prefix_then_own.default, op_inputs)
+
+    def attention(*tensors):
+        return row_attention(*tensors, inputs, "cpu")
+
+    eager = attention(query, key, value)
+    compiled = torch.compile(attention, dynamic=True, fullgraph=True)(query, key, value)
+    assert torch.equal(compiled, eager)
+    eager_gradients = torch.autograd.grad(eager.square().sum(), (query, key, value))
+    compiled_gradients = torch.autograd.grad(compiled.square().sum(), (query, key, value))
     assert all(torch.equal(c, e) for c, e in zip(compiled_gradients, eager_gradients))

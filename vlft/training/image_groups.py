@@ -20,7 +20,7 @@ group is one sample and the layout is the plain packed row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,11 +81,13 @@ class RowLayout:
 
     segments: list[tuple[int, int]]  # each sample's own stretch of the row, its queries
     key_spans: list[list[tuple[int, int]]]  # each sample's keys: the row's stretches, in order
+    # Each group with a shared prefix: where its prefix starts and ends, and where the group ends.
+    prefixes: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, groups: list[tuple[int, list[int]]]) -> "RowLayout":
         """From each group's shared prefix length and its samples' whole lengths."""
-        segments, key_spans, start = [], [], 0
+        segments, key_spans, prefixes, start = [], [], [], 0
         for shared, lengths in groups:
             prefix = (start, start + shared)
             for n, length in enumerate(lengths):
@@ -93,23 +95,40 @@ class RowLayout:
                 segments.append((start, start + own))
                 key_spans.append([(start, start + own)] if n == 0 else [prefix, (start, start + own)])
                 start += own
-        return cls(segments, key_spans)
+            if shared:
+                prefixes.append((*prefix, start))
+        return cls(segments, key_spans, prefixes)
 
     def attention_inputs(self) -> dict:
         """What vlft.training.packing.packed_attention takes for this row (on the host): the segments'
-        bounds, and where a segment's keys are not just its own tokens, the keys' row positions."""
-        query_lengths = [end - start for start, end in self.segments]
-        key_lengths = [sum(end - start for start, end in spans) for spans in self.key_spans]
-        inputs = {
-            "packed_cu_seqlens": torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32),
-            "packed_max_seqlen": max(query_lengths),
+        bounds; with shared prefixes, attention in two parts (vlft.training.prefix_attention): each
+        group's prefix a segment of its own, read once by the queries of all its samples' own
+        tokens, which attend causally to their own segments besides."""
+        if not self.prefixes:
+            return _segments_inputs([end - start for start, end in self.segments])
+        bounds = sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
+        inputs = _segments_inputs([end - start for start, end in zip(bounds, bounds[1:] + [self.segments[-1][1]])])
+        queries = [group_end - end for _, end, group_end in self.prefixes]
+        keys = [end - start for start, end, _ in self.prefixes]
+        inputs |= {
+            "packed_prefix_index": torch.cat([torch.arange(start, end) for start, end, _ in self.prefixes]),
+            "packed_prefix_query_index": torch.cat(
+                [torch.arange(end, group_end) for _, end, group_end in self.prefixes]
+            ),
+            "packed_prefix_cu_seqlens_q": torch.tensor([0] + queries).cumsum(0, dtype=torch.int32),
+            "packed_prefix_cu_seqlens_k": torch.tensor([0] + keys).cumsum(0, dtype=torch.int32),
+            "packed_prefix_max_seqlen_q": max(queries),
+            "packed_prefix_max_seqlen_k": max(keys),
         }
-        if key_lengths != query_lengths:
-            spans = [span for sample in self.key_spans for span in sample]
-            inputs["packed_key_index"] = torch.cat([torch.arange(start, end) for start, end in spans])
-            inputs["packed_cu_seqlens_k"] = torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32)
-            inputs["packed_max_seqlen_k"] = max(key_lengths)
         return inputs
+
+
+def _segments_inputs(lengths: list[int]) -> dict:
+    """A packed row's segments, each attending causally to itself: their bounds and the longest."""
+    return {
+        "packed_cu_seqlens": torch.tensor([0] + lengths).cumsum(0, dtype=torch.int32),
+        "packed_max_seqlen": max(lengths),
+    }
 
 
 def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | None) -> list[ImageGroup]:

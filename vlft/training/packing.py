@@ -135,6 +135,7 @@ def packed_attention(
     packed_prefix_max_seqlen_q=None,
     packed_prefix_max_seqlen_k=None,
     packed_own_prompt_index=None,
+    packed_prefix_query_index=None,
     **kwargs,
 ):
     """Attention over a packed row: each query segment causally over its keys, nothing else.
@@ -146,23 +147,28 @@ def packed_attention(
     `packed_prompt_values` (this layer's keys and values of prompts an earlier forward computed,
     vlft.training.shared_prompts), the row's positions come after theirs and `packed_key_index`
     names positions of both; with `packed_prefix_index` too, the segments attend to the prompts'
-    shared prefixes apart from their own keys (`prefix_and_own_attention`). On a GPU with bf16 or
+    shared prefixes apart from their own keys (`prefix_and_own_attention`). With
+    `packed_prefix_index` and no prompts (an image group's row, RowLayout.attention_inputs), the
+    queries `packed_prefix_query_index` names attend to the row's prefixes apart from their own
+    segments, each prefix's keys read once for all of its queries. On a GPU with bf16 or
     fp16, one variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
         raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
     if packed_prefix_index is not None:
+        in_row = packed_prompt_keys is None  # an image group's row: its own segments' keys are its own
         prefixes = Parts(
             packed_prefix_cu_seqlens_q,
             packed_prefix_cu_seqlens_k,
             packed_prefix_max_seqlen_q,
             packed_prefix_max_seqlen_k,
             packed_cu_seqlens,
-            packed_cu_seqlens_k,
+            packed_cu_seqlens if in_row else packed_cu_seqlens_k,
             packed_max_seqlen,
-            packed_max_seqlen_k,
+            packed_max_seqlen if in_row else packed_max_seqlen_k,
+            packed_prefix_query_index,
         )
-        prompts = (packed_prompt_keys, packed_prompt_values)
+        prompts = None if in_row else (packed_prompt_keys, packed_prompt_values)
         own = (packed_own_prompt_index, packed_key_index)
         return prefix_and_own_attention(query, key, value, prompts, packed_prefix_index, own, prefixes, scaling), None
     cu_k, max_k = packed_cu_seqlens, packed_max_seqlen
@@ -205,14 +211,18 @@ def _attention_per_segment(query, key, value, cu_q, cu_k, scaling):
 
 
 def prefix_and_own_attention(query, key, value, prompts, prefix_index, own, parts: Parts, scaling):
-    """Answers' attention over their kept prompts' shared prefixes, each read once for all the
-    answers on it, and their own keys (vlft.training.prefix_attention). `prompts`: the kept
+    """Queries' attention over shared prefixes, each read once for all the queries on it, and their
+    own keys (vlft.training.prefix_attention). With `prompts` (answers after kept prompts): the kept
     prompts' keys and values; `prefix_index`: the prefixes' positions among them; `own`: the
     positions of each answer's own prompt tokens past its prefix, and each answer's own keys among
-    those, then this row's."""
-    (prompt_keys, prompt_values), (own_prompt_index, own_index) = prompts, own
-    own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
-    own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
+    those, then this row's. Without (an image group's row): the prefixes' positions in the row, and
+    each segment's own keys are its own tokens."""
+    if prompts is None:
+        prompt_keys, prompt_values, own_k, own_v = key, value, key, value
+    else:
+        (prompt_keys, prompt_values), (own_prompt_index, own_index) = prompts, own
+        own_k = torch.cat([prompt_keys.index_select(2, own_prompt_index), key], dim=2).index_select(2, own_index)
+        own_v = torch.cat([prompt_values.index_select(2, own_prompt_index), value], dim=2).index_select(2, own_index)
     prefix_k, prefix_v = prompt_keys.index_select(2, prefix_index), prompt_values.index_select(2, prefix_index)
     q, prefix_k, prefix_v, own_k, own_v = (t[0].transpose(0, 1) for t in (query, prefix_k, prefix_v, own_k, own_v))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

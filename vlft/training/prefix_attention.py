@@ -21,11 +21,20 @@ tests/test_prefix_attention.py checks it in float64 against the gathered keys' a
 
 On a GPU the kernels are torch's variable-length flash attention (forward and backward); on a CPU
 the same formulas in plain torch ops (`ReferenceKernels`), which the tests and the demo run.
+
+An image group's packed row (vlft.training.image_groups) is the same shape of attention: each
+question after the group's prefix attends to all of it and causally to itself. There the prefix
+part's queries are some of the row's (`Parts.prefix_rows`: each group's questions, not its prefix
+itself), and the own part is every row token over its own segment's keys, the prefix being a
+segment of its own. Gathering the prefix's keys for each of the 72 answers on a Kvasir image (9
+questions, 8 answers each) made each layer's backward pass add 72 copies' gradients back with
+colliding atomics, and reduce a key gradient 72 times the prefix's size over the query heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,7 +43,8 @@ import torch
 class Parts:
     """Where a packed row's queries find their keys: `prefix_*` the prefixes, each with the run of
     queries that attend to it; `own_*` each segment's own keys, the same queries segment by segment.
-    The bounds are flash attention's cumulative lengths (int32, on the queries' device)."""
+    The bounds are flash attention's cumulative lengths (int32, on the queries' device). Where
+    `prefix_rows` is given, only the queries it names (in order) attend to a prefix; None: all."""
 
     prefix_cu_q: torch.Tensor
     prefix_cu_k: torch.Tensor
@@ -44,6 +54,7 @@ class Parts:
     own_cu_k: torch.Tensor
     own_max_q: int
     own_max_k: int
+    prefix_rows: torch.Tensor | None = None
 
 
 class FlashKernels:
@@ -162,6 +173,7 @@ def _prefix_then_own(
     prefix_v: torch.Tensor,
     own_k: torch.Tensor,
     own_v: torch.Tensor,
+    prefix_rows: Optional[torch.Tensor],
     prefix_cu_q: torch.Tensor,
     prefix_cu_k: torch.Tensor,
     prefix_max_q: int,
@@ -173,16 +185,33 @@ def _prefix_then_own(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = kernels_for(q)
-    prefix_out, prefix_lse = kernels.forward(
-        q, prefix_k, prefix_v, prefix_cu_q, prefix_cu_k, prefix_max_q, prefix_max_k, False, scale
-    )
     own_out, own_lse = kernels.forward(q, own_k, own_v, own_cu_q, own_cu_k, own_max_q, own_max_k, True, scale)
+    prefix_out, prefix_lse = kernels.forward(
+        _rows(q, prefix_rows), prefix_k, prefix_v, prefix_cu_q, prefix_cu_k, prefix_max_q, prefix_max_k, False, scale
+    )
+    if prefix_rows is None:
+        out, lse = _merged(prefix_out, prefix_lse, own_out, own_lse)
+        return out.to(q.dtype).contiguous(), lse.contiguous()
+    # The rows without a prefix keep their own part as it is.
+    rows_out, rows_lse = _merged(prefix_out, prefix_lse, own_out.index_select(0, prefix_rows), own_lse[:, prefix_rows])
+    out = own_out.index_copy(0, prefix_rows, rows_out.to(q.dtype))
+    lse = own_lse.to(rows_lse.dtype).index_copy(1, prefix_rows, rows_lse)
+    return out.contiguous(), lse.contiguous()
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """The rows of `t` that `rows` names (all of it where None), contiguous, as the kernels take them."""
+    return t if rows is None else t.index_select(dim, rows).contiguous()
+
+
+def _merged(prefix_out, prefix_lse, own_out, own_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two parts' outputs ((tokens, heads, dim), each its log-sum-exp (heads, tokens)) merged into
+    softmax attention over both parts' keys, in the log-sum-exp's dtype (float32 or float64)."""
     lse = torch.logaddexp(prefix_lse, own_lse)
     # (heads, tokens) to (tokens, heads, 1): each part's share of the whole softmax.
     prefix_share = torch.exp(prefix_lse - lse).transpose(0, 1)[..., None]
     own_share = torch.exp(own_lse - lse).transpose(0, 1)[..., None]
-    out = prefix_share * prefix_out.to(lse.dtype) + own_share * own_out.to(lse.dtype)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return prefix_share * prefix_out.to(lse.dtype) + own_share * own_out.to(lse.dtype), lse
 
 
 @_prefix_then_own.register_fake
@@ -199,6 +228,7 @@ def _prefix_then_own_backward(
     prefix_v: torch.Tensor,
     own_k: torch.Tensor,
     own_v: torch.Tensor,
+    prefix_rows: Optional[torch.Tensor],
     out: torch.Tensor,
     lse: torch.Tensor,
     prefix_cu_q: torch.Tensor,
@@ -214,32 +244,43 @@ def _prefix_then_own_backward(
     kernels, grad = kernels_for(q), grad.contiguous()
     # Each part's backward with the merged output and log-sum-exp: its probabilities are its
     # shares of the whole softmax, and D = rowsum(dO * O) is the whole output's.
-    dq_prefix, d_prefix_k, d_prefix_v = kernels.backward(
-        grad, q, prefix_k, prefix_v, out, lse, prefix_cu_q, prefix_cu_k, prefix_max_q, prefix_max_k, False, scale
-    )
-    dq_own, d_own_k, d_own_v = kernels.backward(
+    dq, d_own_k, d_own_v = kernels.backward(
         grad, q, own_k, own_v, out, lse, own_cu_q, own_cu_k, own_max_q, own_max_k, True, scale
     )
-    gradients = dq_prefix + dq_own, d_prefix_k, d_prefix_v, d_own_k, d_own_v
+    dq_prefix, d_prefix_k, d_prefix_v = kernels.backward(
+        *(_rows(t, prefix_rows) for t in (grad, q)),
+        prefix_k,
+        prefix_v,
+        _rows(out, prefix_rows),
+        _rows(lse, prefix_rows, dim=1),
+        prefix_cu_q,
+        prefix_cu_k,
+        prefix_max_q,
+        prefix_max_k,
+        False,
+        scale,
+    )
+    dq = dq + dq_prefix if prefix_rows is None else dq.index_add(0, prefix_rows, dq_prefix)
+    gradients = dq, d_prefix_k, d_prefix_v, d_own_k, d_own_v
     return tuple(g.contiguous() for g in gradients)  # the layout the fake one gives
 
 
 @_prefix_then_own_backward.register_fake
-def _(grad, q, prefix_k, prefix_v, own_k, own_v, out, lse, *bounds_and_scale):
+def _(grad, q, prefix_k, prefix_v, own_k, own_v, prefix_rows, out, lse, *bounds_and_scale):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, prefix_k, prefix_v, own_k, own_v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, prefix_k, prefix_v, own_k, own_v, *bounds_and_scale = inputs
+    q, prefix_k, prefix_v, own_k, own_v, prefix_rows, *bounds_and_scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, out, lse)
+    ctx.save_for_backward(q, prefix_k, prefix_v, own_k, own_v, prefix_rows, out, lse)
     ctx.bounds_and_scale = bounds_and_scale
 
 
 def _backward(ctx, grad, grad_lse):
     # The log-sum-exp is returned for the backward pass alone; nothing downstream differentiates it.
     gradients = _prefix_then_own_backward(grad, *ctx.saved_tensors, *ctx.bounds_and_scale)
-    return (*gradients, *[None] * len(ctx.bounds_and_scale))
+    return (*gradients, None, *[None] * len(ctx.bounds_and_scale))
 
 
 _prefix_then_own.register_autograd(_backward, setup_context=_setup_context)
@@ -258,6 +299,7 @@ def prefix_then_own(q, prefix_k, prefix_v, own_k, own_v, parts: Parts, scale: fl
         prefix_v,
         own_k,
         own_v,
+        p.prefix_rows,
         p.prefix_cu_q,
         p.prefix_cu_k,
         p.prefix_max_q,
