@@ -163,20 +163,6 @@ def row_attention(query, key, value, inputs: dict, device):
     return output
 
 
-def gathered_row(layout: RowLayout) -> dict:
-    """The same row's attention with each sample's keys gathered whole (its group's prefix, then its
-    own tokens), as image groups' rows were laid out before their prefixes were read once."""
-    query_lengths = [end - start for start, end in layout.segments]
-    key_lengths = [sum(end - start for start, end in spans) for spans in layout.key_spans]
-    return {
-        "packed_cu_seqlens": torch.tensor([0] + query_lengths).cumsum(0, dtype=torch.int32),
-        "packed_max_seqlen": max(query_lengths),
-        "packed_key_index": torch.cat([torch.arange(a, b) for spans in layout.key_spans for a, b in spans]),
-        "packed_cu_seqlens_k": torch.tensor([0] + key_lengths).cumsum(0, dtype=torch.int32),
-        "packed_max_seqlen_k": max(key_lengths),
-    }
-
-
 @pytest.mark.parametrize(
     "device, block_scores",
     [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
@@ -186,9 +172,10 @@ def test_an_image_groups_row_reads_each_prefix_once_and_gives_each_sample_its_wh
     device, block_scores, monkeypatch
 ):
     """Each group's prefix a segment of its own, read once by all its samples' own tokens, against
-    each sample's keys gathered whole (which test_fast_path.py's
-    test_packed_attention_attends_within_each_sample_only checks against an explicit mask):
-    outputs and the gradients of queries, keys and values, the prefixes' summed over their samples."""
+    each sample's keys gathered whole (`prefix_once=False`, an evaluation's prefill; what
+    test_fast_path.py's test_packed_attention_attends_within_each_sample_only checks against an
+    explicit mask): outputs and the gradients of queries, keys and values, the prefixes' summed
+    over their samples."""
     if block_scores is not None:
         monkeypatch.setattr(ReferenceKernels, "BLOCK_SCORES", block_scores)
     torch.manual_seed(0)
@@ -205,7 +192,9 @@ def test_an_image_groups_row_reads_each_prefix_once_and_gives_each_sample_its_wh
     got = row_attention(query, key, value, inputs, device)
     reference = torch.float32 if dtype == torch.bfloat16 else dtype
     whole = [x.detach().to(reference).requires_grad_() for x in (query, key, value)]
-    want = row_attention(*whole, gathered_row(layout), device)
+    gathered = layout.attention_inputs(prefix_once=False)
+    assert gathered["packed_key_index"].tolist()[:19] == list(range(10)) + list(range(6)) + [10, 11, 12]
+    want = row_attention(*whole, gathered, device)
     assert got.shape == want.shape == (1, tokens, 8, 64)
     gradients = torch.autograd.grad(got.to(reference).square().sum(), (query, key, value))
     expected_gradients = torch.autograd.grad(want.square().sum(), whole)

@@ -259,7 +259,10 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
                 targets.append(request.loss_targets)
                 owners.append(torch.full_like(request.loss_targets, len(lasts) - 1))
     device = pieces["input_ids"][0].device
-    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.attention_inputs().items()}
+    # Each image's prefix read once where gradients flow back through it (a reward stage's prefill);
+    # an evaluation's, without them, gathers it for each request (vlft.training.image_groups).
+    inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled())
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     outer = unwrapped(model)
     output = outer.model(
         input_ids=torch.cat(pieces["input_ids"], dim=1),
