@@ -192,10 +192,11 @@ def _prefix_then_own(
     if prefix_rows is None:
         out, lse = _merged(prefix_out, prefix_lse, own_out, own_lse)
         return out.to(q.dtype).contiguous(), lse.contiguous()
-    # The rows without a prefix keep their own part as it is.
+    # The rows without a prefix keep their own part as it is; the merged rows are written over the
+    # own part's output and log-sum-exp in place (the kernel's own fresh tensors: no copy of the row).
     rows_out, rows_lse = _merged(prefix_out, prefix_lse, own_out.index_select(0, prefix_rows), own_lse[:, prefix_rows])
-    out = own_out.index_copy(0, prefix_rows, rows_out.to(q.dtype))
-    lse = own_lse.to(rows_lse.dtype).index_copy(1, prefix_rows, rows_lse)
+    out = own_out.index_copy_(0, prefix_rows, rows_out.to(q.dtype))
+    lse = own_lse.to(rows_lse.dtype).index_copy_(1, prefix_rows, rows_lse)
     return out.contiguous(), lse.contiguous()
 
 
