@@ -29,6 +29,12 @@ SHARED = [7, 7, 2, 7, 5, 5]
 ANSWER_LENGTHS = [4, 1, 3, 6, 3, 5]
 PROMPT_KEYS = 22
 
+# Where the two parts' kernels run: the CPU reference's blocks of segments (each part whole, a few
+# segments a block, one segment a block), and a GPU's flash kernels in bf16.
+KERNELS = [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)] + (
+    [("cuda", None)] if torch.cuda.is_available() else []
+)
+
 
 def attention_inputs(layout: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
@@ -52,11 +58,7 @@ def answers_attention(query, key, value, prompt_keys, prompt_values, layout: dic
     return output
 
 
-@pytest.mark.parametrize(
-    "device, block_scores",
-    [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
-    + ([("cuda", None)] if torch.cuda.is_available() else []),
-)
+@pytest.mark.parametrize("device, block_scores", KERNELS)
 def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whole_keys(
     device, block_scores, monkeypatch
 ):
@@ -82,11 +84,22 @@ def test_a_shared_prefix_read_once_gives_each_answer_the_attention_over_its_whol
     # first prefix again, after another: four prefix runs in all.
     assert two_parts["packed_prefix_cu_seqlens_q"].tolist() == [0, 5, 8, 14, 22]
     got = answers_attention(*inputs, two_parts, device)
-    reference = torch.float32 if dtype == torch.bfloat16 else dtype
-    whole = [x.detach().to(reference).requires_grad_() for x in inputs]
+    whole = [x.detach().to(reference_dtype(dtype)).requires_grad_() for x in inputs]
     want = answers_attention(*whole, _gathered(prompts, ANSWER_LENGTHS, PROMPT_KEYS), device)
     assert got.shape == want.shape == (1, tokens, 8, 64)
-    gradients = torch.autograd.grad(got.to(reference).square().sum(), inputs)
+    assert_same_attention_and_gradients(got, inputs, want, whole)
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the plain path computes in: the bf16 values in float32 (exactly enough), else their own."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def assert_same_attention_and_gradients(got, inputs, want, whole) -> None:
+    """Two parts' attention `got` from `inputs`, against the plain path's `want` from `whole`: the
+    outputs and the inputs' gradients of the outputs' squared sum."""
+    dtype = inputs[0].dtype
+    gradients = torch.autograd.grad(got.to(reference_dtype(dtype)).square().sum(), inputs)
     expected_gradients = torch.autograd.grad(want.square().sum(), whole)
     for got_one, want_one in zip((got, *gradients), (want, *expected_gradients)):
         if dtype == torch.bfloat16:
@@ -163,11 +176,7 @@ def row_attention(query, key, value, inputs: dict, device):
     return output
 
 
-@pytest.mark.parametrize(
-    "device, block_scores",
-    [("cpu", ReferenceKernels.BLOCK_SCORES), ("cpu", 40), ("cpu", 1)]
-    + ([("cuda", None)] if torch.cuda.is_available() else []),
-)
+@pytest.mark.parametrize("device, block_scores", KERNELS)
 def test_an_image_groups_row_reads_each_prefix_once_and_gives_each_sample_its_whole_keys_attention(
     device, block_scores, monkeypatch
 ):
@@ -190,20 +199,12 @@ def test_an_image_groups_row_reads_each_prefix_once_and_gives_each_sample_its_wh
     query = torch.randn(1, 8, tokens, 64, device=device, dtype=dtype, requires_grad=True)
     key, value = (torch.randn(1, 2, tokens, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     got = row_attention(query, key, value, inputs, device)
-    reference = torch.float32 if dtype == torch.bfloat16 else dtype
-    whole = [x.detach().to(reference).requires_grad_() for x in (query, key, value)]
+    whole = [x.detach().to(reference_dtype(dtype)).requires_grad_() for x in (query, key, value)]
     gathered = layout.attention_inputs(prefix_once=False)
     assert gathered["packed_key_index"].tolist()[:19] == list(range(10)) + list(range(6)) + [10, 11, 12]
     want = row_attention(*whole, gathered, device)
     assert got.shape == want.shape == (1, tokens, 8, 64)
-    gradients = torch.autograd.grad(got.to(reference).square().sum(), (query, key, value))
-    expected_gradients = torch.autograd.grad(want.square().sum(), whole)
-    for got_one, want_one in zip((got, *gradients), (want, *expected_gradients)):
-        if dtype == torch.bfloat16:
-            # As the answers' two parts above: at most 6 roundings to bf16 (2^-9 each) as whole tensors.
-            assert_close_normwise(got_one, want_one, 6 * 2**-9)
-        else:
-            assert_close_normwise(got_one, want_one, FLOAT64_RTOL)
+    assert_same_attention_and_gradients(got, (query, key, value), want, whole)
 
 
 def test_an_image_groups_row_compiled_as_one_op_computes_what_it_computes_eagerly():
