@@ -227,6 +227,66 @@ def profile_a_step(directory: Path, step_to_profile: int) -> None:
     globals()["run_ours"] = run_begins
 
 
+def profile_answers_host(directory: Path) -> None:
+    """(--answers-host) Each GRPO run's answers' forwards (the update's pass over a step's sampled
+    answers after their kept prompts) seen from the host: each layer's call timed on the host, and
+    the process's fifth (past the warm-up's first compiles) under torch.profiler's CPU activity
+    alone (no CUDA tracing, whose per-kernel cost misleads where launches are the question): its
+    ops by their own host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlft.training import shared_prompts
+
+    apart, after = shared_prompts._numbered_apart, shared_prompts.PromptPass._answer_hidden
+    state = {"forwards": 0}
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def answer_hidden(self, *args, **kwargs):
+        layer_call, calls = self.after, []
+
+        def timed_layer(*layer_args, **layer_kwargs):
+            started = time.perf_counter()
+            output = layer_call(*layer_args, **layer_kwargs)
+            calls.append(time.perf_counter() - started)
+            return output
+
+        self.after = timed_layer
+        try:
+            started = time.perf_counter()
+            hidden = after(self, *args, **kwargs)
+            host = time.perf_counter() - started
+            torch.cuda.synchronize()
+            whole = time.perf_counter() - started
+        finally:
+            self.after = layer_call
+        state["forwards"] += 1
+        line = {
+            "forward": state["forwards"],
+            "host_s": host,
+            "until_done_s": whole,
+            "layer_calls_ms": [round(c * 1e3, 3) for c in calls],
+        }
+        with (directory / "answers_layers.jsonl").open("a") as out:
+            out.write(json.dumps(line) + "\n")
+        return hidden
+
+    def numbered_apart(forward, device):
+        if state["forwards"] != 4:
+            return apart(forward, device)
+
+        def profiled():  # in the answers' thread: the profiler sees the ops of the thread it starts in
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                result = forward()
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90)
+            (directory / f"answers_host_{state['forwards']}.txt").write_text(table)
+            return result
+
+        return apart(profiled, device)
+
+    shared_prompts.PromptPass._answer_hidden = answer_hidden
+    shared_prompts._numbered_apart = numbered_apart
+
+
 def profile_summary(trace: Path) -> dict:
     """From a profiled step's Chrome trace: the step's span, the device's busy time (kernels and
     copies, overlaps counted once), each phase's span on the host and on the device with the
@@ -522,6 +582,11 @@ def main() -> None:
         help="a folder: the first step after the warm-up of each run profiled (torch.profiler), its trace and summary there",
     )
     parser.add_argument(
+        "--answers-host",
+        type=Path,
+        help="a folder: the answers' forwards' layer calls timed on the host, one profiled (CPU activity only)",
+    )
+    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -539,6 +604,8 @@ def main() -> None:
         globals()["ENGINE_PHASES"] = True
     if args.profile:
         profile_a_step(args.profile, args.warmup)
+    if args.answers_host:
+        profile_answers_host(args.answers_host)
 
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
     # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).
