@@ -53,6 +53,7 @@ from train_speed import (  # noqa: E402
 from peers import qwen_numbered_tokenizer, save_full_processor  # noqa: E402
 from vlft.data.records import prepare_split  # noqa: E402
 import vlft.generation.engine  # noqa: E402
+import vlft.generation.runner  # noqa: E402
 import vlft.training.grpo  # noqa: E402
 import vlft.training.train  # noqa: E402
 from vlft.files import read_jsonl, write_jsonl  # noqa: E402
@@ -392,6 +393,8 @@ FITS = vlft.generation.engine.Engine.fits
 FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prompt"
 KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
 TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then the update's forward)"
+REPEATED = "grpo, each answer's prompt prefilled for it (as before 2026-11-28)"
+ASKS_AGAIN = vlft.generation.runner._asks_again
 PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
@@ -587,6 +590,11 @@ def main() -> None:
         help="a folder: the answers' forwards' layer calls timed on the host, one profiled (CPU activity only)",
     )
     parser.add_argument(
+        "--also-prompts-repeated",
+        action="store_true",
+        help="GRPO again as it ran before a question's answers shared its prefill: its prompt computed once an answer",
+    )
+    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -658,6 +666,8 @@ def main() -> None:
         runs[KEPT_UNSHARED] = (prompts, grpo)
     if args.also_prompts_twice:
         runs[TWICE] = (prompts, grpo)
+    if args.also_prompts_repeated:
+        runs[REPEATED] = (prompts, grpo)
     ours = f"grpo, {args.generations} sampled answers a question"
     runs[ours] = (prompts, grpo)
     for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
@@ -673,6 +683,7 @@ def main() -> None:
         vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
         vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
+        vlft.generation.runner._asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
         ROLLOUTS.clear()
         STEP_PHASES[:] = [{}]
         run = run_ours(
@@ -724,12 +735,16 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE)][:3]
+    sft, sft_matched, grpo_run = [
+        results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, REPEATED)
+    ][:3]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         for name in (KEPT_UNSHARED, ours):
             results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
     if args.also_prompts_twice:  # the prefill under the training's autocast (float32 adapter) against the bf16 one
         results[ours]["answers_against_prompts_twice"] = agreement(drawn[ours], drawn[TWICE])
+    if args.also_prompts_repeated:  # the same prompts computed once or once an answer: bf16's own order of sums
+        results[ours]["answers_against_prompts_repeated"] = agreement(drawn[ours], drawn[REPEATED])
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]

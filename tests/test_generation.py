@@ -560,6 +560,49 @@ def test_a_cascade_step_gives_the_unshared_steps_logits(family):
         assert torch.equal(got.argmax(-1), want.argmax(-1)), (name, n)
 
 
+@pytest.mark.parametrize("questions", [1, 2])
+def test_answers_asking_one_prompt_again_share_its_prefill(family, questions, monkeypatch):
+    """A reward stage asks each question's prompt once an answer (dataclasses.replace: the same
+    inputs). The prefill computes it once for them all, with one question on the image (a
+    screenshot: its answers' prompt whole, once) or two (each question's own tokens once, after
+    the image's prefix): every answer's first-token logits, its prompt's keys and values and its
+    shared prefix are those of the prefill that computed each answer's prompt for it (float64:
+    the same arithmetic, a shorter row), and the row is shorter by the repeats."""
+    from dataclasses import replace
+
+    from vlft.generation import runner
+    from vlft.generation.kv_cache import prompt_positions
+
+    name, root = family
+    model = load_base_model(root / "model", CPU, torch.float64).eval()
+    tokenizer, builder, data = stage_data(root, model)
+    asked = [
+        prompt_request(n, data.samples[data.records[n]["key"]], data, builder, 0, model, CPU, torch.float64, 8)
+        for n in range(questions)  # records 0-1 ask about one image
+    ]
+    answers = 3
+    group = [replace(prompt, key=prompt.key * answers + a, seed=a) for prompt in asked for a in range(answers)]
+    with torch.no_grad():
+        use_packed_attention(model)
+        once = prefill(model, group)
+        with monkeypatch.context() as each:
+            each.setattr(runner, "_asks_again", lambda *args: False)
+            repeated = prefill(model, group)
+        model.set_attn_implementation({"text_config": "sdpa"})
+    assert once.shared == repeated.shared and min(once.shared) > 0, name
+    # Each repeat's own part past the image's prefix (with one question: its prompt's last token) is gone.
+    repeats = (answers - 1) * sum(prompt.prompt - once.shared[0] for prompt in asked)
+    assert repeated.tokens - once.tokens == repeats > 0, name
+    assert once.firsts == repeated.firsts, name
+    assert_close_normwise(once.last_hidden, repeated.last_hidden, rtol=1e-12, msg=name)
+    for spans_once, spans_repeated in zip(once.spans, repeated.spans):
+        for kept_once, kept_repeated in zip(once.cache.layers, repeated.cache.layers):
+            for a, b in ((kept_once.keys, kept_repeated.keys), (kept_once.values, kept_repeated.values)):
+                got = a[0].index_select(1, prompt_positions(spans_once))
+                want = b[0].index_select(1, prompt_positions(spans_repeated))
+                assert_close_normwise(got, want, rtol=1e-12, msg=name)
+
+
 def test_the_cascade_step_compiled_gives_its_eager_logits(tmp_path, monkeypatch):
     """The cascade step as a GPU runs it, its layers compiled, against the same step eager, over
     random keys and values: prefixes of 200 and 75 positions, two of the three slots used, rows at

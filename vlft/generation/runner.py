@@ -233,18 +233,33 @@ PACKED_ROW_TOKENS = 16384
 def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     """The requests of `group` in one forward, packed end to end with no padding: consecutive ones
     on one image share its prefix, laid out once (vlft.training.image_groups), each attending to the prefix
-    and to itself alone. A scored request's reference answer follows its prompt, so that its loss
-    comes from the very forward that prefills the prompt (the prompt computed once, not again by a
-    separate loss pass); only the prompt's keys and values go on to the cache."""
+    and to itself alone. A request that asks again the prompt of the one before it (a reward stage's
+    G answers to one question) is computed once with it: its first token is drawn from the same last
+    hidden state and its cache is copied from the same positions. A scored request's reference
+    answer follows its prompt, so that its loss comes from the very forward that prefills the prompt
+    (the prompt computed once, not again by a separate loss pass); only the prompt's keys and values
+    go on to the cache."""
     runs = _image_runs(group)
-    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in run]) for shared, run in runs])
+    # Each run's requests laid out: the first of each prompt asked again in a row, not its repeats.
+    laid_out = [[r for n, r in enumerate(run) if not (n and _asks_again(r, run[n - 1]))] for _, run in runs]
+    layout = RowLayout.of(
+        [
+            (shared if len(own) > 1 else 0, [r.inputs["input_ids"].shape[1] for r in own])
+            for (shared, _), own in zip(runs, laid_out)
+        ]
+    )
     pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
     images = {"pixel_values": [], "image_grid_thw": []}
     lasts, scored, targets, owners = [], [], [], []  # row positions: each prompt's last, the scored ones
-    segments, spans = iter(layout.segments), iter(layout.key_spans)
-    for shared, run in runs:
+    segments, layout_spans, spans = iter(layout.segments), iter(layout.key_spans), []
+    for (shared, run), own in zip(runs, laid_out):
+        shared = shared if len(own) > 1 else 0
         for n, request in enumerate(run):
-            drop = shared if n else 0
+            if n and _asks_again(request, run[n - 1]):  # the same rows as the request before it
+                lasts.append(lasts[-1])
+                spans.append(spans[-1])
+                continue
+            drop = shared if request is not own[0] else 0
             for key in pieces:
                 values = request.positions if key == "positions" else request.inputs[key]
                 pieces[key].append(values[..., drop:])
@@ -253,6 +268,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
                     images[key].append(request.inputs[key])
             # The row position of the request's own token i (i >= drop) is start + i - drop.
             start = next(segments)[0]
+            spans.append(next(layout_spans))
             lasts.append(start + request.prompt - 1 - drop)
             if request.loss_targets is not None:
                 scored.append(request.loss_positions + start - drop)
@@ -299,6 +315,18 @@ def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
         if end > start:
             kept.append((start, end))
     return kept
+
+
+def _asks_again(request: Request, before: Request) -> bool:
+    """Whether `request` asks the very prompt of the request `before` it (made from the same
+    inputs, as a reward stage's answers to one question are), unscored: its prefill is that one's."""
+    return (
+        request.inputs is before.inputs
+        and request.positions is before.positions
+        and request.prompt == before.prompt
+        and request.loss_targets is None
+        and before.loss_targets is None
+    )
 
 
 def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
