@@ -394,7 +394,7 @@ FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prom
 KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
 TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then the update's forward)"
 REPEATED = "grpo, each answer's prompt prefilled for it (as before 2026-11-28)"
-ASKS_AGAIN = vlft.generation.runner._asks_again
+ASKS_AGAIN = vlft.generation.runner.asks_again
 PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
@@ -683,7 +683,7 @@ def main() -> None:
         vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
         vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
-        vlft.generation.runner._asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
+        vlft.generation.runner.asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
         ROLLOUTS.clear()
         STEP_PHASES[:] = [{}]
         run = run_ours(

@@ -572,6 +572,7 @@ def test_answers_asking_one_prompt_again_share_its_prefill(family, questions, mo
 
     from vlft.generation import runner
     from vlft.generation.kv_cache import prompt_positions
+    from vlft.generation.scheduler import Scheduler
 
     name, root = family
     model = load_base_model(root / "model", CPU, torch.float64).eval()
@@ -586,7 +587,7 @@ def test_answers_asking_one_prompt_again_share_its_prefill(family, questions, mo
         use_packed_attention(model)
         once = prefill(model, group)
         with monkeypatch.context() as each:
-            each.setattr(runner, "_asks_again", lambda *args: False)
+            each.setattr(runner, "asks_again", lambda *args: False)
             repeated = prefill(model, group)
         model.set_attn_implementation({"text_config": "sdpa"})
     assert once.shared == repeated.shared and min(once.shared) > 0, name
@@ -594,6 +595,9 @@ def test_answers_asking_one_prompt_again_share_its_prefill(family, questions, mo
     repeats = (answers - 1) * sum(prompt.prompt - once.shared[0] for prompt in asked)
     assert repeated.tokens - once.tokens == repeats > 0, name
     assert once.firsts == repeated.firsts, name
+    # The engine's scheduler counts a repeat as no tokens: a budget of one prompt takes all its answers.
+    scheduler = Scheduler(iter(group), len(group), prefill_tokens=group[0].prompt)
+    assert scheduler.next_group(len(group)) == group[:answers], name
     assert_close_normwise(once.last_hidden, repeated.last_hidden, rtol=1e-12, msg=name)
     for spans_once, spans_repeated in zip(once.spans, repeated.spans):
         for kept_once, kept_repeated in zip(once.cache.layers, repeated.cache.layers):

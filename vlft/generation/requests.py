@@ -27,3 +27,16 @@ class Request:
     @property
     def prompt(self) -> int:
         return self.inputs["input_ids"].shape[1] if self.prompt_length is None else self.prompt_length
+
+
+def asks_again(request: Request, before: Request) -> bool:
+    """Whether `request` asks the very prompt of the request `before` it (made from the same
+    inputs, as a reward stage's answers to one question are), unscored: a prefill computes it once
+    for both (vlft.generation.runner.prefill), so it adds no tokens to one (the scheduler's count)."""
+    return (
+        request.inputs is before.inputs
+        and request.positions is before.positions
+        and request.prompt == before.prompt
+        and request.loss_targets is None
+        and before.loss_targets is None
+    )

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
 from vlft.generation.kv_cache import SlotCache, language_model, live_blocks, refresh_live_blocks
-from vlft.generation.requests import Request
+from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
 from vlft.modeling import unwrapped
@@ -241,7 +241,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     go on to the cache."""
     runs = _image_runs(group)
     # Each run's requests laid out: the first of each prompt asked again in a row, not its repeats.
-    laid_out = [[r for n, r in enumerate(run) if not (n and _asks_again(r, run[n - 1]))] for _, run in runs]
+    laid_out = [[r for n, r in enumerate(run) if not (n and asks_again(r, run[n - 1]))] for _, run in runs]
     layout = RowLayout.of(
         [
             (shared if len(own) > 1 else 0, [r.inputs["input_ids"].shape[1] for r in own])
@@ -255,7 +255,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     for (shared, run), own in zip(runs, laid_out):
         shared = shared if len(own) > 1 else 0
         for n, request in enumerate(run):
-            if n and _asks_again(request, run[n - 1]):  # the same rows as the request before it
+            if n and asks_again(request, run[n - 1]):  # the same rows as the request before it
                 lasts.append(lasts[-1])
                 spans.append(spans[-1])
                 continue
@@ -315,18 +315,6 @@ def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
         if end > start:
             kept.append((start, end))
     return kept
-
-
-def _asks_again(request: Request, before: Request) -> bool:
-    """Whether `request` asks the very prompt of the request `before` it (made from the same
-    inputs, as a reward stage's answers to one question are), unscored: its prefill is that one's."""
-    return (
-        request.inputs is before.inputs
-        and request.positions is before.positions
-        and request.prompt == before.prompt
-        and request.loss_targets is None
-        and before.loss_targets is None
-    )
 
 
 def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:

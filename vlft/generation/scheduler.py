@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from vlft.generation.requests import Request
+from vlft.generation.requests import Request, asks_again
 from vlft.generation.shared_prefixes import seat_plan
 
 
@@ -63,9 +63,12 @@ class Scheduler:
                 run = self._run_length()
                 if run > most - len(group) and (group or (answering and run <= self.slots)):
                     break
-            # The tokens it adds to the prefill: after a prompt on its image, its own tokens alone.
+            # The tokens it adds to the prefill: after a prompt on its image, its own tokens alone;
+            # none where it asks that prompt again.
             length = request.inputs["input_ids"].shape[1]
-            if group and request.image is not None and group[-1].image == request.image:
+            if group and asks_again(request, group[-1]):
+                length = 0
+            elif group and request.image is not None and group[-1].image == request.image:
                 length -= request.image_tokens
             if group and tokens + length > self.prefill_tokens:
                 break
