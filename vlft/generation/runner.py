@@ -240,20 +240,18 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     (the prompt computed once, not again by a separate loss pass); only the prompt's keys and values
     go on to the cache."""
     runs = _image_runs(group)
-    # Each run's requests laid out: the first of each prompt asked again in a row, not its repeats.
-    laid_out = [[r for n, r in enumerate(run) if not (n and asks_again(r, run[n - 1]))] for _, run in runs]
-    layout = RowLayout.of(
-        [
-            (shared if len(own) > 1 else 0, [r.inputs["input_ids"].shape[1] for r in own])
-            for (shared, _), own in zip(runs, laid_out)
-        ]
-    )
+    # Each run's requests laid out, not those that ask the prompt before them again; a run left
+    # with one request lies whole.
+    laid_out = []
+    for shared, run in runs:
+        own = [r for n, r in enumerate(run) if not (n and asks_again(r, run[n - 1]))]
+        laid_out.append((shared if len(own) > 1 else 0, own))
+    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in own]) for shared, own in laid_out])
     pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
     images = {"pixel_values": [], "image_grid_thw": []}
     lasts, scored, targets, owners = [], [], [], []  # row positions: each prompt's last, the scored ones
     segments, layout_spans, spans = iter(layout.segments), iter(layout.key_spans), []
-    for (shared, run), own in zip(runs, laid_out):
-        shared = shared if len(own) > 1 else 0
+    for (_, run), (shared, own) in zip(runs, laid_out):
         for n, request in enumerate(run):
             if n and asks_again(request, run[n - 1]):  # the same rows as the request before it
                 lasts.append(lasts[-1])
