@@ -53,6 +53,7 @@ from train_speed import (  # noqa: E402
 from peers import qwen_numbered_tokenizer, save_full_processor  # noqa: E402
 from vlft.data.records import prepare_split  # noqa: E402
 import vlft.generation.engine  # noqa: E402
+import vlft.generation.folded_adapter  # noqa: E402
 import vlft.generation.runner  # noqa: E402
 import vlft.training.grpo  # noqa: E402
 import vlft.training.train  # noqa: E402
@@ -394,6 +395,7 @@ FRESH = "grpo, a fresh engine each rollout, each answer its own copy of the prom
 KEPT_UNSHARED = "grpo, the kept engine, each answer its own copy of the prompt"
 TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then the update's forward)"
 REPEATED = "grpo, each answer's prompt prefilled for it (as before 2026-11-28)"
+UNFOLDED = "grpo, the decode steps on the adapter as it is (as before the folded adapter)"
 ASKS_AGAIN = vlft.generation.runner.asks_again
 PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
@@ -595,6 +597,12 @@ def main() -> None:
         help="GRPO again as it ran before a question's answers shared its prefill: its prompt computed once an answer",
     )
     parser.add_argument(
+        "--also-unfolded",
+        action="store_true",
+        help="GRPO again as it ran before the rollout folded its adapter (its decode steps computing the adapter's "
+        "matmuls), between the first and the second of --grpo-runs",
+    )
+    parser.add_argument(
         "--also-prompts-twice",
         action="store_true",
         help="GRPO again as it ran before the rollout's prefill served the update: each prompt computed twice a step",
@@ -670,6 +678,8 @@ def main() -> None:
         runs[REPEATED] = (prompts, grpo)
     ours = f"grpo, {args.generations} sampled answers a question"
     runs[ours] = (prompts, grpo)
+    if args.also_unfolded:  # after a first GRPO run, which pays the process's one-time costs
+        runs[UNFOLDED] = (prompts, grpo)
     for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
         runs[f"{ours}, run {repeat}"] = (prompts, grpo)
     results, drawn = {}, {}
@@ -684,6 +694,7 @@ def main() -> None:
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
         vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
         vlft.generation.runner.asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
+        vlft.generation.folded_adapter.FOLD_DEVICES = () if name == UNFOLDED else ("cuda",)
         ROLLOUTS.clear()
         STEP_PHASES[:] = [{}]
         run = run_ours(
@@ -736,7 +747,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(name, json.dumps(results[name]), flush=True)
     sft, sft_matched, grpo_run = [
-        results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, REPEATED)
+        results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, REPEATED, UNFOLDED)
     ][:3]
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         for name in (KEPT_UNSHARED, ours):
@@ -745,6 +756,8 @@ def main() -> None:
         results[ours]["answers_against_prompts_twice"] = agreement(drawn[ours], drawn[TWICE])
     if args.also_prompts_repeated:  # the same prompts computed once or once an answer: bf16's own order of sums
         results[ours]["answers_against_prompts_repeated"] = agreement(drawn[ours], drawn[REPEATED])
+    if args.also_unfolded:  # the adapter's matmuls or its folded copies: bf16's own rounding
+        results[ours]["answers_against_unfolded"] = agreement(drawn[ours], drawn[UNFOLDED])
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]

@@ -165,6 +165,30 @@ def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_w
     assert all(torch.equal(a[k], adapters[2][k]) for a in adapters[:2] for k in adapters[2])
 
 
+def test_a_stage_whose_decode_steps_read_its_folded_adapter_draws_and_trains_what_the_adapter_does(
+    screens, tmp_path, monkeypatch, capsys
+):
+    """A GPU's rollouts decode on the adapter folded into a copy of the weights
+    (vlft.generation.folded_adapter), written anew at each rollout from the adapter the steps before
+    updated. Folding on the CPU too, in float64, a stage draws the same answers as one decoding on
+    the adapter itself, and since only the draws come of the decode steps, logs the same losses and
+    trains to the same adapter, bit for bit."""
+    from vlft.generation import folded_adapter
+
+    adapter_run = train(screens, tmp_path / "adapter")
+    assert "grpo: the rollout's decode steps read the adapter as it is, on a CPU" in capsys.readouterr().out
+    monkeypatch.setattr(folded_adapter, "FOLD_DEVICES", ("cuda", "cpu"))
+    folded_run = train(screens, tmp_path / "folded")
+    assert "grpo: the rollout's decode steps read the adapter folded into a copy of its weights (" in (
+        capsys.readouterr().out
+    )
+    watched = ("reward", "loss", "completions/mean_length", "rewards/format/mean")
+    assert [[r[k] for k in watched] for r in folded_run] == [[r[k] for k in watched] for r in adapter_run]
+    assert adapter_run[0]["loss"] != adapter_run[-1]["loss"]  # the adapter the rollouts folded moved
+    a, b = (load_file(tmp_path / run / "adapter/adapter_model.safetensors") for run in ("adapter", "folded"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_and_trains_to_their_adapter(
     screens, shared_images, tmp_path, monkeypatch, capsys
 ):

@@ -89,9 +89,11 @@ class Engine:
     stage's rollouts, one a step, capture the step's graph once, not once a rollout (0.19 s of an
     8B's rollout on an H100); the graph reads the model's weights where they lie, so a caller that
     changes them between runs writes the new values into the same tensors
-    (vlft.training.step_evals.adapter_in_model_dtype's `into`). `release` frees its memory."""
+    (vlft.training.step_evals.adapter_in_model_dtype's `into`). `folded`, where given, is the
+    adapter folded into a copy of the weights for the decode steps (vlft.generation.folded_adapter),
+    written anew from the adapter at each run. `release` frees its memory."""
 
-    def __init__(self, model, slots: int, max_length: int, sampling: Sampling | None = None, cascade=None):
+    def __init__(self, model, slots: int, max_length: int, sampling: Sampling | None = None, cascade=None, folded=None):
         text = language_model(model)
         weight = text.embed_tokens.weight
         self.model, self.slots, self.cascade = model, slots, cascade
@@ -101,7 +103,7 @@ class Engine:
         if cascade:
             self.cache.prefixes = SharedPrefixes(model, cascade, self.max_length, slots)
         # Compiled on a GPU (13 s for an 8B on a fresh machine, once a process), where it halves a step.
-        self.step = DecodeStep(model, self.cache, compile=weight.device.type == "cuda")
+        self.step = DecodeStep(model, self.cache, compile=weight.device.type == "cuda", folded=folded)
         self.step.sampler = sampler_for(sampling, slots, self.step.positions)
 
     def fits(self, slots: int, max_length: int, cascade: Cascade | None) -> bool:
@@ -136,6 +138,8 @@ class Engine:
         text = language_model(self.model)
         timer = timer or _Timer(text.embed_tokens.weight.device, stats)
         timer.start()
+        if self.step.folded:  # the adapter as the caller left it for this run
+            self.step.folded.refresh()
         captured = self.step.capture_s
         with packed_attention_while(self.model):
             # Evaluating during training, the stage's layers are compiled for its steps: here they run

@@ -97,8 +97,12 @@ class DecodeStep:
         compile: bool = False,
         attention: str | None = None,
         sampler=None,
+        folded=None,
     ):
         self.model, self.cache, self.sampler = model, cache, sampler or Greedy()
+        # The adapter folded into a copy of the weights (vlft.generation.folded_adapter), which the
+        # step reads while it runs, where given.
+        self.folded = folded
         self.text = language_model(model)
         device = cache.rows.device
         slots, length = cache.keys[0].shape[0], cache.keys[0].shape[2]
@@ -138,12 +142,15 @@ class DecodeStep:
     def _as_the_step(self):
         """The language model's attention layers read their implementation from its config: the
         step's own while it runs (prefills use packed attention); its layers, where compiled,
-        run through the step's compiled layer."""
+        run through the step's compiled layer, and read the folded adapter where there is one."""
         config = self.text.config
         prefill_attention = config._attn_implementation
         config._attn_implementation = self.attention
         try:
-            with layer_calls(self.text.layers, self.layer_calls) if self.layer_calls else nullcontext():
+            with (
+                layer_calls(self.text.layers, self.layer_calls) if self.layer_calls else nullcontext(),
+                self.folded.folded_in() if self.folded else nullcontext(),
+            ):
                 yield
         finally:
             config._attn_implementation = prefill_attention
@@ -205,11 +212,12 @@ class DecodeStep:
         return graph
 
     def release(self) -> None:
-        """Its CUDA graphs' memory freed now (the step sits in a reference cycle: its layer calls
-        are bound to it)."""
+        """Its CUDA graphs' and folded weights' memory freed now (the step sits in a reference cycle:
+        its layer calls are bound to it)."""
         for graph in (self.graphs or {}).values():
             graph.reset()
         self.graphs, self.pool, self.layer_calls = {} if self.graphs is not None else None, None, None
+        self.folded = None
 
     def __call__(self, rows: int, length: int) -> torch.Tensor:
         """The next token of rows 0 to `rows` - 1 (its first `rows` entries)."""

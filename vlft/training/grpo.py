@@ -41,6 +41,7 @@ import torch
 from vlft.data.prompts import Sample
 from vlft.data.stage_data import StageData
 from vlft.generation.engine import Engine
+from vlft.generation.folded_adapter import FoldedAdapter
 from vlft.generation.evaluate import prompt_inputs, prompt_request
 from vlft.generation.sampling import Sampling
 from vlft.generation.shared_prefixes import cascade_for
@@ -55,6 +56,7 @@ from vlft.training.rewards import Answer, Rewards
 from vlft.training.shared_prompts import PromptPass
 from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
+from vlft.training.token_budget import memory_limit
 
 
 def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
@@ -402,7 +404,15 @@ class GroupRelativePolicyOptimization:
             if self.engine is not None:
                 self.engine.release()
             sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
-            self.engine = Engine(unwrapped(self.model), len(asked), self.longest, sampling, cascade)
+            limit = memory_limit(self.device) if self.device.type == "cuda" else None
+            folded, why_not = FoldedAdapter.for_rollouts(self.model, limit)
+            if self.engine is None:  # said once a stage
+                said = f"folded into a copy of its weights ({folded.bytes / 2**30:.1f} GiB)" if folded else why_not
+                print(
+                    f"grpo: the rollout's decode steps read the adapter {'' if folded else 'as it is, '}{said}",
+                    flush=True,
+                )
+            self.engine = Engine(unwrapped(self.model), len(asked), self.longest, sampling, cascade, folded)
             if self.dtype not in (torch.float32, torch.float64):
                 self.answer_weights = [torch.empty_like(p, dtype=self.dtype) for p in self.trainable]
         return self.engine
