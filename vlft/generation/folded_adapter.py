@@ -27,7 +27,7 @@ adapter's in float64.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
@@ -96,6 +96,12 @@ class FoldedAdapter:
         self.layers = layers
         self.adapters = [layer.active_adapters[0] for layer in layers]
         self.weights = [torch.empty_like(layer.base_layer.weight) for layer in layers]
+        # On a GPU the copies are written on a stream of their own, beside the prefill that a run
+        # begins with (memory-bound copies beside its matmuls: 19.5 ms a rollout of the 8B on an
+        # H200 on the prefill's stream); the decode step waits for them (`ready`).
+        device = self.weights[0].device if self.weights else torch.device("cpu")
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.written = None  # the event of the last writing, on a GPU, until a decode step waits for it
 
     @classmethod
     def for_rollouts(cls, model, memory_limit: int | None) -> tuple["FoldedAdapter | None", str | None]:
@@ -108,20 +114,32 @@ class FoldedAdapter:
         return sum(w.nbytes for w in self.weights)
 
     def refresh(self) -> None:
-        """Each copy W + scaling * B A from the adapter's weights as they stand, rounded once."""
-        with torch.no_grad():
+        """Each copy W + scaling * B A from the adapter's weights as they stand, rounded once. On a
+        GPU, written after what the caller's stream has queued (the adapter's weights written in
+        the model's dtype) and beside what it queues next."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             for layer, adapter, folded in zip(self.layers, self.adapters, self.weights):
                 weight = layer.base_layer.weight
                 down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
                 torch.addmm(
                     weight, up.to(weight.dtype), down.to(weight.dtype), alpha=layer.scaling[adapter], out=folded
                 )
+            self.written = self.stream.record_event() if self.stream is not None else None
+
+    def ready(self) -> None:
+        """The caller's stream waits for the copies' last writing (a GPU's; a CPU's is done)."""
+        if self.written is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.written)
+            self.written = None
 
     @contextmanager
     def folded_in(self):
         """The adapted layers computing from their folded copies alone: each base layer holds its
         copy, and PEFT's forward, finding its adapter marked merged, calls the base layer alone.
         Each base layer's own weight and the marks are put back after."""
+        self.ready()
         own = [layer.base_layer.weight.data for layer in self.layers]
         for layer, adapter, folded in zip(self.layers, self.adapters, self.weights):
             layer.base_layer.weight.data = folded

@@ -216,6 +216,8 @@ class DecodeStep:
         its layer calls are bound to it)."""
         for graph in (self.graphs or {}).values():
             graph.reset()
+        if self.folded:  # a writing of its copies that no step waited for is done before they are freed
+            self.folded.ready()
         self.graphs, self.pool, self.layer_calls = {} if self.graphs is not None else None, None, None
         self.folded = None
 
@@ -224,6 +226,8 @@ class DecodeStep:
         if self.graphs is None:
             self._run(rows, length)
         else:
+            if self.folded:  # its graph reads the folded copies: the run's writing of them done
+                self.folded.ready()
             if (rows, length) not in self.graphs:
                 began = time.perf_counter()
                 self.graphs[rows, length] = self._capture(rows, length)
