@@ -4,10 +4,11 @@ A rollout's decode step computes one token of each of its rows (64 to 72 of them
 GRPO workloads). There, each of a layer's seven adapted projections costs three matmuls: the
 base weight's, then the adapter's two small ones (x A^T, then B), the first split over its long
 inner dimension with a reduction kernel of its own. On an H200 the adapter's kernels took about
-3 ms of the 8B's 10.9 ms step, the base weights' 3.6 ms (benchmarks/README.md). Folded into the
-weight, W + scaling * B A, a projection is one matmul again: as in the evaluation job, which
-merges the adapter (vlft.generation.evaluate), and as TRL's and ms-swift's rollouts through vLLM
-run it, the adapter merged into the engine's weights at each step.
+3 ms of the 8B's 10.9 ms step, the base weights' 3.6 ms. Folded into the weight, W + scaling * B A,
+a projection is one matmul again, and the step took 8.2 ms (benchmarks/README.md, "The rollout's
+decode steps on the folded adapter"): as in the evaluation job, which merges the adapter
+(vlft.generation.evaluate), and as TRL's and ms-swift's rollouts through vLLM run it, the adapter
+merged into the engine's weights at each step.
 
 The folded weights are a copy in the model's dtype, kept with the engine that reads them (its
 CUDA graph reads them where they lie) and written anew from the adapter at each of its runs
@@ -15,10 +16,10 @@ CUDA graph reads them where they lie) and written anew from the adapter at each 
 reference pass compute what they computed without it. Only the decode step reads the copy
 (vlft.generation.runner's DecodeStep, while it runs), and only the tokens it draws come of it.
 
-The copy is as large as the adapted layers' weights, 13.9 GB for the 8B's language model with all
+The copy is as large as the adapted layers' weights, 12.9 GiB for the 8B's language model with all
 seven projections adapted, so a rollout folds only where that is at most FOLDED_SHARE of the GPU's
 memory (the 8B on a 141 GB H200, not on an 80 GB H100, where its GRPO step over 8 screenshots
-peaks at 71 GiB without it), and only plain LoRA on linear layers of the model's own dtype (not
+peaks at 69.5 GiB without it), and only plain LoRA on linear layers of the model's own dtype (not
 DoRA, not a quantized base). In exact arithmetic a folded step is the adapter's; in floating point
 each folded weight is rounded once, to the model's dtype (torch.addmm: the product and the sum
 are rounded together). tests/test_folded_adapter.py checks the logits and the answers against the
