@@ -21,7 +21,7 @@ from vlft.generation.sampling import Sampling
 from vlft.modeling import load_base_model, unwrapped, with_new_adapter
 from vlft.training.packing import use_packed_attention
 from conftest import assert_close_normwise, tiny_family_data
-from test_generation import stage_data
+from test_generation import greedy_steps_logits, stage_data
 
 CPU, FLOAT64 = torch.device("cpu"), torch.float64
 
@@ -75,15 +75,7 @@ def test_a_decode_step_on_the_folded_adapter_gives_the_adapters_logits(family):
             cache = SlotCache(model, 4, 2 * KV_BLOCK)
             cache.fill([0, 1, 2, 3], prefilled)
             step = DecodeStep(model, cache, attention=DECODE_ATTENTION, folded=fold)
-            step.tokens.copy_(torch.tensor(prefilled.firsts))
-            step.positions.copy_(torch.stack([r.positions.max() + 1 for r in group]))
-            steps[fold] = []
-            for _ in range(8):
-                logits = step.logits()
-                steps[fold].append(logits)
-                step.tokens.copy_(logits.argmax(-1))
-                cache.write_at += 1
-                step.positions += 1
+            steps[fold] = greedy_steps_logits(step, group, prefilled)
         model.set_attn_implementation({"text_config": "sdpa"})
     for n, (got, want) in enumerate(zip(steps[folded], steps[None])):
         assert_close_normwise(got, want, rtol=1e-11, msg=f"{name}, step {n}")

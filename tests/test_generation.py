@@ -544,20 +544,26 @@ def test_a_cascade_step_gives_the_unshared_steps_logits(family):
                 skip = prefilled.shared
                 cache.prefixes.fill(prefilled, seat_plan(group, cascade.seats), skip, rows)
             cache.fill(rows, prefilled, skip)
-            step = DecodeStep(model, cache, attention=DECODE_ATTENTION)
-            step.tokens.copy_(torch.tensor(prefilled.firsts))
-            step.positions.copy_(torch.stack([r.positions.max() + 1 for r in group]))
-            steps[shared] = []
-            for _ in range(8):
-                logits = step.logits()
-                steps[shared].append(logits)
-                step.tokens.copy_(logits.argmax(-1))
-                cache.write_at += 1
-                step.positions += 1
+            steps[shared] = greedy_steps_logits(DecodeStep(model, cache, attention=DECODE_ATTENTION), group, prefilled)
         model.set_attn_implementation({"text_config": "sdpa"})
     for n, (got, want) in enumerate(zip(steps[True], steps[False])):
         assert_close_normwise(got, want, rtol=1e-11, msg=f"{name}, step {n}")
         assert torch.equal(got.argmax(-1), want.argmax(-1)), (name, n)
+
+
+def greedy_steps_logits(step: DecodeStep, group: list, prefilled, steps: int = 8) -> list[torch.Tensor]:
+    """The logits of `steps` decode steps after the prefill of `group`, each row taking its greedy
+    token, its rows holding the group's prompts in order."""
+    step.tokens.copy_(torch.tensor(prefilled.firsts))
+    step.positions.copy_(torch.stack([r.positions.max() + 1 for r in group]))
+    found = []
+    for _ in range(steps):
+        logits = step.logits()
+        found.append(logits)
+        step.tokens.copy_(logits.argmax(-1))
+        step.cache.write_at += 1
+        step.positions += 1
+    return found
 
 
 @pytest.mark.parametrize("questions", [1, 2])
