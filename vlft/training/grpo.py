@@ -10,7 +10,9 @@ a question's answers share its prompt's prefill). The answers are scored by the 
 question's answers are one image group: its prompt laid out once, each answer at the positions it
 has alone, so each token's log-probability and gradient are the ones it gets alone. Where the
 stage allows it (vlft.training.shared_prompts.prompts_once_unless), the rollout's prefill is the
-update's forward over the prompts: each prompt computed once a step, not twice.
+update's forward over the prompts: each prompt computed once a step, not twice. On a GPU with
+room for it, the decode steps read the adapter folded into a copy of the weights
+(vlft.generation.folded_adapter): one matmul a projection.
 
 An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update
 a rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
