@@ -256,16 +256,17 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     # with one request lies whole.
     laid_out = []
     for shared, run in runs:
-        own = [r for n, r in enumerate(run) if not (n and asks_again(r, run[n - 1]))]
-        laid_out.append((shared if len(own) > 1 else 0, own))
-    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in own]) for shared, own in laid_out])
+        again = [n > 0 and asks_again(r, run[n - 1]) for n, r in enumerate(run)]
+        own = [r for r, repeat in zip(run, again) if not repeat]
+        laid_out.append((shared if len(own) > 1 else 0, own, again))
+    layout = RowLayout.of([(shared, [r.inputs["input_ids"].shape[1] for r in own]) for shared, own, _ in laid_out])
     pieces = {key: [] for key in ("input_ids", "mm_token_type_ids", "positions")}
     images = {"pixel_values": [], "image_grid_thw": []}
     lasts, scored, targets, owners = [], [], [], []  # row positions: each prompt's last, the scored ones
     segments, layout_spans, spans = iter(layout.segments), iter(layout.key_spans), []
-    for (_, run), (shared, own) in zip(runs, laid_out):
+    for (_, run), (shared, own, again) in zip(runs, laid_out):
         for n, request in enumerate(run):
-            if n and asks_again(request, run[n - 1]):  # the same rows as the request before it
+            if again[n]:  # the same rows as the request before it
                 lasts.append(lasts[-1])
                 spans.append(spans[-1])
                 continue
