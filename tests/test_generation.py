@@ -20,6 +20,7 @@ from vlft.training.image_groups import ImageGroup
 from vlft.generation.engine import answer_requests
 from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
 from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
+from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
 from vlft.training.packing import use_packed_attention
 from vlft.data.prompts import PromptBuilder
@@ -512,6 +513,23 @@ def test_answers_with_shared_prefixes_are_the_unshared_ones(family, sampled):
     assert (layout.seats, layout.prefixes) == (4, min(4, 2 * math.ceil(4 / (len(samples) / len(on_image)))))
     assert layout.own_length - max(LIMITS) < min(s.prompt_length for s in samples)  # the image is not in it
     assert answers(layout)[0] == plain, name
+
+
+def test_a_cascade_layout_seats_each_images_run_and_sizes_a_row_for_its_longest_own_part():
+    """cascade_for on a reward stage's asking order: 2 images, 3 questions on the first and 1 on the
+    second, each question asked twice in a row (its 2 answers). A row's own part is the longest
+    prompt past the prefix its image's prompts share, plus the answer room; a question alone on
+    its image shares nothing with another one's (its run holds only its own repeats)."""
+    image = list(range(100))  # the template and the image's tokens: what an image's prompts share
+    questions = [image + [200, 201], image + [300], image + [400, 401, 402, 403]]
+    asked = [("a", ids) for ids in questions for _ in range(2)] + [("b", list(range(50)) + [7]) for _ in range(2)]
+    layout = cascade_for(asked, slots=8, answer_room=20)
+    # Seats: the longest run on one image (6 rows); slots: twice the rows over the average run (4).
+    assert (layout.seats, layout.prefixes) == (6, 4)
+    # The first image's prompts share its 100 tokens: its longest question is 4 tokens past them;
+    # the second image's one question, asked twice, shares its whole prompt but the last token.
+    assert layout.own_length == max(104 - 100, 51 - 50) + 20
+    assert cascade_for([("a", image), ("b", image)], 2, 20) is None  # no two consecutive on one image
 
 
 def test_a_cascade_step_gives_the_unshared_steps_logits(family):

@@ -338,12 +338,15 @@ def _image_runs(group: list[Request]) -> list[tuple[int, list[Request]]]:
             runs[-1].append(request)
         else:
             runs.append([request])
-    shared = [
-        (
-            common_prefix([r.inputs["input_ids"][0].tolist() for r in run], min(r.prompt for r in run) - 1)
-            if len(run) > 1
-            else 0
-        )
-        for run in runs
-    ]
+    shared = [common_prefix(_distinct_ids(run), min(r.prompt for r in run) - 1) if len(run) > 1 else 0 for run in runs]
     return list(zip(shared, runs))
+
+
+def _distinct_ids(run: list[Request]) -> list[list[int]]:
+    """The token ids of a run's requests, read back once for requests made from the same inputs (a
+    reward stage's G answers to a question): a read from the device a request was 72 a rollout."""
+    read: dict[int, list[int]] = {}
+    for request in run:
+        if id(request.inputs) not in read:
+            read[id(request.inputs)] = request.inputs["input_ids"][0].tolist()
+    return list(read.values())

@@ -70,9 +70,10 @@ def cascade_for(prompts: list[tuple[str | None, list[int]]], slots: int, answer_
             runs.append([ids])
     if not runs or max(map(len, runs)) < 2:
         return None
-    own = max(
-        len(ids) - common_prefix(run, min(map(len, run)) - 1) if len(run) > 1 else 0 for run in runs for ids in run
-    )
+    # A run's shared prefix once for all its prompts (asked of each of them, a Kvasir-like step's 72
+    # prompts on one image compared 72 x 72 times: 19 ms of the host a rollout, the device idle).
+    shared = [common_prefix(run, min(map(len, run)) - 1) if len(run) > 1 else None for run in runs]
+    own = max(len(ids) - prefix if prefix is not None else 0 for run, prefix in zip(runs, shared) for ids in run)
     average = len(prompts) / len(runs)
     prefixes = min(slots, 2 * math.ceil(slots / average))
     return Cascade(seats=min(slots, max(map(len, runs))), prefixes=prefixes, own_length=own + answer_room)
