@@ -36,6 +36,7 @@ from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
 from vlft.data.records import prepare_split
+from vlft.training.grpo import GroupRelativePolicyOptimization as GRPO_CLASS
 from vlft.training.train import StageInputs
 
 
@@ -151,29 +152,81 @@ def test_two_processes_take_the_dpo_steps_one_process_takes(grouped_stage, step,
         assert two[key] == pytest.approx([chosen, rejected], rel=FLOAT64_RTOL), key
 
 
-def test_two_processes_take_the_grpo_steps_one_process_takes(grouped_stage, tmp_path):
-    """A reward stage: each process samples the step's answers with the same seeds (the same
-    answers), and its share of the step's groups trains as one process trains them all."""
+def _train_noting_draws(rank: int, size: int, port: int, inputs, settings: dict, out) -> None:
+    """One process of a data-parallel reward stage, each rollout's questions it draws noted in
+    `out`'s folder (drawn-RANK.jsonl)."""
+    note_draws(out.parent / f"drawn-{rank}.jsonl")
+    _train_in_process(rank, size, port, inputs, settings, out)
+
+
+def note_draws(path) -> None:
+    """Each rollout's questions that this process's GRPO stages draw answers to, a line each in `path`."""
+    from vlft.training.grpo import GroupRelativePolicyOptimization as GRPO
+
+    sample = GRPO._sample
+
+    def noted(self, keys, *args, **kwargs):
+        with open(path, "a") as out:
+            out.write(json.dumps(list(keys)) + "\n")
+        return sample(self, keys, *args, **kwargs)
+
+    GRPO._sample = noted
+
+
+# Two images a step, one image a step (cut between its questions), and two images a step learned
+# twice a rollout (its prompts computed twice: each process learns the batcher's share of the
+# answers all processes drew); the rollouts of 7 steps, and how the prompts are computed.
+GRPO_LAYOUTS = {
+    "two-images-a-step": ({"micro_batch": 8}, 7, "once a step"),
+    "one-image-a-step-cut": (ONE_IMAGE_A_STEP, 7, "once a step"),
+    "learned-twice-a-rollout": ({"micro_batch": 8, "num_iterations": 2}, 4, "twice a step (num_iterations 2"),
+}
+
+
+@pytest.mark.parametrize("layout", GRPO_LAYOUTS)
+def test_two_processes_draw_a_share_each_of_the_grpo_steps_and_take_the_steps_one_process_takes(
+    grouped_stage, layout, monkeypatch, capfd, tmp_path
+):
+    """A reward stage: each process draws the answers to its share of a step's questions (each
+    answer with its own seed: the answers one process draws), both gather them all and score the
+    step alike, and each learns its share from the prompts' forward its own rollout kept, as one
+    process learns them all. A step of one image is cut between its questions, so neither idles."""
     inputs, settings = grouped_stage
+    step, rollouts, prompts = GRPO_LAYOUTS[layout]
     grpo = {
         "method": "grpo",
         "num_generations": 2,
         "max_completion_length": 6,
-        "micro_batch": 4,
         "rewards": {"test_grpo:answer_length_reward": 1.0},
     }
-    assert_two_processes_take_one_process_steps(inputs, settings | grpo, tmp_path, CUT_LAYOUT_RTOL)
+    with monkeypatch.context() as patched:
+        patched.setattr(GRPO_CLASS, "_sample", GRPO_CLASS._sample)  # put back after the one process's run
+        note_draws(tmp_path / "drawn-one.jsonl")
+        assert_two_processes_take_one_process_steps(
+            inputs, settings | grpo | step, tmp_path, CUT_LAYOUT_RTOL, target=_train_noting_draws
+        )
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
     assert [row["reward"] for row in two] == [row["reward"] for row in one]
+    drawn = {who: read_jsonl(tmp_path / f"drawn-{who}.jsonl") for who in ("one", 0, 1)}
+    assert len(drawn["one"]) == len(drawn[0]) == len(drawn[1]) == rollouts
+    for whole, first, second in zip(drawn["one"], drawn[0], drawn[1]):
+        assert first and second and not set(first) & set(second)  # neither idles; none drawn twice
+        assert sorted(first + second) == sorted(whole)
+    assert all(len(row["rank_tokens"]) == 2 and min(row["rank_tokens"]) > 0 for row in two)  # what each learned
+    # The prompts computed alike by the one process and by the two (their main process says how).
+    assert capfd.readouterr().out.count(f"grpo: each prompt computed {prompts}") == 2
 
 
-def assert_two_processes_take_one_process_steps(inputs, settings, tmp_path, later_rtol: float | None = None):
+def assert_two_processes_take_one_process_steps(
+    inputs, settings, tmp_path, later_rtol: float | None = None, target=_train_in_process
+):
     """The same losses, gradient norms and adapter: to FLOAT64_RTOL, or from the third step on to
-    `later_rtol` where the processes' layout differs from the one process's."""
+    `later_rtol` where the processes' layout differs from the one process's. `target`: what each
+    of the two processes runs (_train_in_process's arguments)."""
     # One process: this one, as a job outside torchrun (nothing of torchrun's in its environment).
     assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ
     train_float64(inputs, settings, tmp_path / "one")
-    mp.spawn(_train_in_process, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
+    mp.spawn(target, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
 
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
     assert [row["step"] for row in two] == list(range(1, 8))

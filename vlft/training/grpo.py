@@ -14,6 +14,11 @@ update's forward over the prompts: each prompt computed once a step, not twice. 
 room for it, the decode steps read the adapter folded into a copy of the weights
 (vlft.generation.folded_adapter): one matmul a projection.
 
+With several processes (a stage's `gpus`), each process draws the answers to its share of a step's
+questions (`_shares`: the batcher's token-balanced sharing of the step), as TRL's processes each
+generate for their own prompts; all of them gather every answer, so that each scores the whole
+step alike, and each learns its share, from the prompts' forward its own rollout kept.
+
 An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update
 a rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
 a study whose results were moved draws what it drew. With one update per rollout (as
@@ -49,7 +54,8 @@ from vlft.generation.sampling import Sampling
 from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
 from vlft.training.batching import to_device
-from vlft.training.image_groups import ImageGroup, common_prefix
+from vlft.jobs import distributed
+from vlft.training.image_groups import ImageGroup, common_prefix, share_groups
 from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack_groups
 from vlft.training.reference import has_dropout
@@ -103,9 +109,19 @@ class GroupRelativePolicyOptimization:
     on_policy = True
 
     def __init__(
-        self, data: StageData, settings, rewards: Rewards, builder, tokenizer, model, device, dtype, prompts_once=False
+        self,
+        data: StageData,
+        settings,
+        rewards: Rewards,
+        builder,
+        tokenizer,
+        model,
+        device,
+        dtype,
+        prompts_once=False,
+        group: distributed.Group = distributed.Group(),
     ):
-        self.data, self.settings, self.rewards = data, settings, rewards
+        self.data, self.settings, self.rewards, self.group = data, settings, rewards, group
         self.builder, self.tokenizer, self.model, self.device, self.dtype = builder, tokenizer, model, device, dtype
         self.generations = settings.num_generations
         self.records = {r["key"]: r for r in data.records}
@@ -140,7 +156,10 @@ class GroupRelativePolicyOptimization:
         # fit its token budget computes them once, in the rollout's prefill, for its update too.
         compiled = settings.compile and device.type == "cuda"
         self.prompt_pass = PromptPass(model, device, dtype, compiled) if prompts_once else None
-        self.kept_answers: list[tuple[int, list[int]]] | None = None  # the rollout's, where its prompts are kept
+        # The rollout's answers where it kept its prompts' forward (this process's share), and their ids.
+        self.kept_answers: list[tuple[int, list[int]]] | None = None
+        self.kept_ids: list[str] = []
+        self.shares: dict[tuple[str, ...], list[list[tuple[str, ...]]]] = {}  # the last steps' (`_shares`)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
         self.reader = ThreadPoolExecutor(max_workers=1)  # the next step's prompts, read while this one's prefill runs
         self.read_ahead: dict[tuple[str, ...], Future] = {}  # by the keys read
@@ -154,14 +173,46 @@ class GroupRelativePolicyOptimization:
         thread reads while the prefill holds the device and the host waits on it. Started after
         the rollout, it read while the update launched its short answers' layers, whose host's work
         the device waits on, and took the interpreter from them."""
-        keep = self.prompt_pass is not None and self._prompts_fit(step, batcher.budget)
-        this_step = _keys_of(step)
+        shares = self._shares(step)
+        # Every process keeps its prompts' forward, or none does: a process that did not would learn
+        # the batcher's share of the step, which is not the share the others draw and learn.
+        keep = self.prompt_pass is not None and all(self._prompts_fit(share, batcher.budget) for share in shares)
+        this_step = _keys_of(shares[self.group.rank])
         self.read_ahead = {keys: read for keys, read in self.read_ahead.items() if keys == this_step}  # others: stale
         if upcoming is not None and (index + 1) % self.iterations == 0:  # the next step draws anew
-            keys = _keys_of(upcoming)
+            keys = _keys_of(self._shares(upcoming)[self.group.rank])
             self.read_ahead[keys] = self.reader.submit(self._read_prompts, keys)
         groups = self.step_groups(step, index, keep)
-        return groups, [KEPT_PROMPTS] if self.kept_answers is not None else batcher(groups)
+        if self.kept_answers is None:
+            return groups, batcher(groups)
+        return groups, [KEPT_PROMPTS] if self.kept_answers else []  # none: this process drew nothing
+
+    def _shares(self, step: Step) -> list[list[tuple[str, ...]]]:
+        """Each process's questions of the step, in rank order (one share for one process): the
+        step's groups as its update lays them out, each answer at its longest, shared out as the
+        batcher shares a step (vlft.training.image_groups.share_groups: balanced by tokens, a group
+        longer than a fair share cut between its questions, never between a question's answers). A
+        process draws its share's answers, and where its rollout keeps the prompts' forward, learns
+        them; the same on every process (it depends on the step alone)."""
+        if self.group.size == 1:
+            return [[tuple(keys) for keys in step]]
+        known = _keys_of(step)
+        if known not in self.shares:
+            room, groups = self.settings.max_completion_length, []
+            for keys in step:
+                samples = []
+                for key in keys:
+                    prompt = self.data.samples[key]
+                    ids = prompt.input_ids[: prompt.prompt_length] + [self.pad_id] * room
+                    samples += [Sample(key, ids, ids, prompt.prompt_length)] * self.generations
+                groups.append(ImageGroup.of(samples, unit=self.generations))
+            while len(self.shares) > 2:  # a step's shares are asked for a step ahead, then at the step
+                self.shares.pop(next(iter(self.shares)))
+            self.shares[known] = [
+                [tuple(p.samples[i].record_id for i in range(0, len(p.samples), self.generations)) for p in share]
+                for share in share_groups(groups, self.group.size)
+            ]
+        return self.shares[known]
 
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
         """The host inputs of each record's prompt (its image read, its positions computed), in pinned
@@ -224,10 +275,14 @@ class GroupRelativePolicyOptimization:
     def _roll_out(self, step: Step, rollout: int, keep_prompts: bool = False) -> list[ImageGroup]:
         """The step's questions answered by the adapter as it stands, rewarded; each answer's
         advantage and log-probabilities kept for the updates (and with `keep_prompts`, its
-        prompt's forward, vlft.training.shared_prompts)."""
-        keys = list(_keys_of(step))
+        prompt's forward, vlft.training.shared_prompts). With several processes each draws its
+        share of the questions (`_shares`), and all of them gather every answer."""
+        keys, own = list(_keys_of(step)), list(_keys_of(self._shares(step)[self.group.rank]))
         began = time.perf_counter()
-        answers = self._sample(keys, rollout, keep_prompts)  # read back to the host: the device is done
+        self.kept_answers = [] if keep_prompts else None
+        answers = self._sample(own, rollout, keep_prompts) if own else {}  # read back to the host: the device is done
+        if self.group.size > 1:  # every process's answers: the rewards and advantages are the whole step's
+            answers = {key: drawn for part in distributed.gathered(answers) for key, drawn in part.items()}
         timing = dict.fromkeys(TIMING, 0.0) | {"timing_s/gen": time.perf_counter() - began}
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
@@ -258,6 +313,12 @@ class GroupRelativePolicyOptimization:
             self.fields[f"rewards/{name}/mean"] = statistics.fmean(values) if values else float("nan")
             self.fields[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
         self.fields |= timing  # seconds of the step's rollout and passes (verl's names), apart from its update
+        if self.group.size > 1 and self.kept_answers is not None:  # each process learns the share it drew
+            shares = self._shares(step)
+            self.fields["rank_tokens"] = [
+                sum(ImageGroup.of([s for key in keys for s in samples[key]]).tokens for keys in share)
+                for share in shares
+            ]
         # One group a step group: a question's answers, or with image groups all answers to the
         # questions on one image, which then share the image too.
         return [ImageGroup.of([s for key in group for s in samples[key]]) for group in step]
@@ -278,7 +339,7 @@ class GroupRelativePolicyOptimization:
             logps = self.prompt_pass.answer_logps(answers)
             lengths = torch.tensor([len(tokens) for _, tokens in answers], device=logps.device)
             owners = torch.repeat_interleave(torch.arange(len(answers), device=logps.device), lengths)
-            ids = [s.record_id for g in self.groups for s in g.samples]
+            ids = self.kept_ids
         else:
             logps = answer_token_logps(model, batch)
             owners = batch["answer_owners"]
@@ -330,7 +391,7 @@ class GroupRelativePolicyOptimization:
     def _sample(self, keys: list[str], rollout: int, keep_prompts: bool = False) -> dict[str, list[list[int]]]:
         """`num_generations` answers to each record's question, each drawn with its own seed (the
         rollout's number: the step's, with one update a rollout). `keep_prompts`: prefilled by the
-        prompt pass, which keeps their forward for the update (`kept_answers`, in the step's order)."""
+        prompt pass, which keeps their forward for the update (`kept_answers`, in the order asked)."""
         settings, data = self.settings, self.data
         asked = [(key, n) for key in keys for n in range(self.generations)]
         answers: dict[str, list] = {key: [None] * self.generations for key in keys}
@@ -378,6 +439,7 @@ class GroupRelativePolicyOptimization:
                 prefill = self.prompt_pass.prefill
                 engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, prefill_with=prefill)
             self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
+            self.kept_ids = [answer_id(key, n) for key, n in asked]
             return answers
         with _answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable), _released():
             engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
@@ -424,7 +486,7 @@ class GroupRelativePolicyOptimization:
         image is its record's."""
         prompt = self.data.samples[key]
         ids = prompt.input_ids[: prompt.prompt_length]
-        sample_id = f"{key}#{number}"
+        sample_id = answer_id(key, number)
         self.data.images.setdefault(sample_id, self.data.images[key])
         return Sample(sample_id, ids + answer, [-100] * len(ids) + answer, len(ids))
 
@@ -443,6 +505,11 @@ class GroupRelativePolicyOptimization:
                 for n, sample_id in enumerate(batch["sample_ids"]):
                     logps_of[sample_id] = logps[owners.to(logps.device) == n].detach().cpu()
         return logps_of
+
+
+def answer_id(key: str, number: int) -> str:
+    """A sampled answer's sample id: its record's key and its number among the question's answers."""
+    return f"{key}#{number}"
 
 
 def _keys_of(step: Step) -> tuple[str, ...]:

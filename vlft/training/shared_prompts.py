@@ -15,8 +15,8 @@ first token is scored from its prompt's last hidden state. One backward pass goe
 The log-probabilities and gradients are those of the full forward over prompt and answer
 (tests/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
 the update compute the same prompts: one update a rollout, no LoRA dropout (a prefill in training
-mode would draw the masks the answers are then sampled under), one process (each one's share of
-the step is the batcher's, after the rollout), and no activation checkpointing (its recomputation
+mode would draw the masks the answers are then sampled under; with several processes, each
+keeps the prompts of its own share of the step, which it then learns), and no activation checkpointing (its recomputation
 would not keep the prompts' keys). `prompts_once_unless` says which of those a stage lacks.
 """
 
@@ -36,15 +36,13 @@ from vlft.training.loss import token_logps
 from vlft.training.step_evals import swapped_data
 
 
-def prompts_once_unless(model, settings, processes: int) -> str | None:
+def prompts_once_unless(model, settings) -> str | None:
     """Why a GRPO stage computes its prompts twice a step (once a step where None)."""
     dropout = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if settings.num_iterations != 1:
         return f"num_iterations {settings.num_iterations}: a rollout is learned by later weights too"
     if dropout:
         return f"the adapter's LoRA dropout {max(dropout)}: the answers are drawn without it"
-    if processes > 1:
-        return f"{processes} processes share out each step's answers after the rollout"
     if getattr(language_model(unwrapped(model)), "gradient_checkpointing", False):
         return "activation checkpointing recomputes the prompts' forward"
     return None

@@ -138,7 +138,7 @@ def train_stage(
         for step, (groups, micro_batches) in zip(todo, _step_batches(method, steps, todo, batcher)):
             fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
-            fields |= method.step_fields() | batcher.work_spread(groups)
+            fields |= batcher.work_spread(groups) | method.step_fields()  # a method's own sharing says its spread
             log.step(done, fields, lr, grad_norm, [s for g in groups for s in g.samples])
             if reason := _stop_reason(stop, done, len(steps), group, device):
                 _save_and_stop(run, trainer, reason, done, len(steps))
@@ -312,11 +312,11 @@ def _setup_method(
         return SupervisedFineTuning(data)
     if settings.method == "grpo":
         rewards = Rewards(settings.rewards, settings.answer_format)
-        twice = prompts_once_unless(model, settings, group.size)
+        twice = prompts_once_unless(model, settings)
         if group.is_main:
             print(f"grpo: each prompt computed {f'twice a step ({twice})' if twice else 'once a step'}", flush=True)
         return GroupRelativePolicyOptimization(
-            data, settings, rewards, builder, tokenizer, model, device, dtype, prompts_once=twice is None
+            data, settings, rewards, builder, tokenizer, model, device, dtype, prompts_once=twice is None, group=group
         )
 
     def batcher_of(pairs: StageData):
