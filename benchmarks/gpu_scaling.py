@@ -80,13 +80,12 @@ def prepare(work: Path, arch: str, images: int, questions_per_image: int) -> Pat
     return work / "model"
 
 
-def run(
-    work: Path, model_dir: Path, settings: dict, processes: int, warmup: int, gpus: list[int], label: str, code=REPO
-) -> dict:
-    out = work / label
-    cache = work / ("vision" if settings["vision_cache"] else "pixels")
+def train_job(code: Path, model_dir: Path, split: Path, cache: Path, settings: dict, out: Path, gpus: list[int]) -> int:
+    """A stage through `code`'s scripts/train.py, as the train rule runs it with `gpus: len(gpus)`, on
+    those GPUs: its outputs in `out`, what it prints in `out`.log; its exit status."""
+    processes = len(gpus)
     command = [sys.executable, str(code / "scripts/train.py"), "--model", str(model_dir)]
-    command += ["--prepared", str(work / "prepared.jsonl"), "--caches", str(cache)]
+    command += ["--prepared", str(split / "prepared.jsonl"), "--caches", str(cache)]
     command += ["--settings", json.dumps(settings), "--checkpoints", str(out / "ckpt"), "--checkpoint-every", "100000"]
     command += [
         "--adapter",
@@ -103,11 +102,19 @@ def run(
         CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
         PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
     )
+    with open(f"{out}.log", "w") as log:
+        return subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def run(
+    work: Path, model_dir: Path, settings: dict, processes: int, warmup: int, gpus: list[int], label: str, code=REPO
+) -> dict:
+    out = work / label
+    cache = work / ("vision" if settings["vision_cache"] else "pixels")
     started = time.time()
-    with open(work / f"{label}.log", "w") as log:
-        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        return {"error": f"exit {done.returncode}; see {work}/{label}.log"}
+    status = train_job(code, model_dir, work, cache, settings, out, gpus[:processes])
+    if status != 0:
+        return {"error": f"exit {status}; see {out}.log"}
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][warmup:]
     seconds = sum(row["samples"] / row["samples_per_s"] for row in rows)
     tokens = sum(row["tokens_per_s"] * row["samples"] / row["samples_per_s"] for row in rows)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from gpu_scaling import train_job  # noqa: E402
 from grpo_speed import questions  # noqa: E402
 from train_speed import build_caches, build_model, commit_of, image_processor_for, our_settings  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
@@ -34,28 +33,10 @@ from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 def run(code: Path, work: Path, model_dir: Path, prompts: Path, settings: dict, processes: int, label: str) -> dict:
     """The stage through `code`'s scripts/train.py on the first `processes` GPUs."""
     out = work / label
-    command = [sys.executable, str(code / "scripts/train.py"), "--model", str(model_dir)]
-    command += ["--prepared", str(prompts / "prepared.jsonl"), "--caches", str(prompts / "vision")]
-    command += ["--settings", json.dumps(settings), "--checkpoints", str(out / "ckpt"), "--checkpoint-every", "100000"]
-    command += [
-        "--adapter",
-        str(out / "adapter"),
-        "--log",
-        str(out / "log.jsonl"),
-        "--summary",
-        str(out / "summary.json"),
-    ]
-    command += ["--threads", str(8 * processes), "--processes", str(processes)]
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES=",".join(map(str, range(processes))),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
-    )
     started = time.time()
-    with open(work / f"{label}.log", "w") as log:
-        done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        return {"error": f"exit {done.returncode}; see {work}/{label}.log"}
+    status = train_job(code, model_dir, prompts, prompts / "vision", settings, out, list(range(processes)))
+    if status != 0:
+        return {"error": f"exit {status}; see {out}.log"}
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return {
         "step_s": [round(row["samples"] / row["samples_per_s"], 4) for row in rows],
