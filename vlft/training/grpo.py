@@ -19,17 +19,18 @@ questions (`_shares`: the batcher's token-balanced sharing of the step), as TRL'
 generate for their own prompts; all of them gather every answer, so that each scores the whole
 step alike, and each learns its share, from the prompts' forward its own rollout kept.
 
-An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update
-a rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at each step what an uninterrupted one would, and
-a study whose results were moved draws what it drew. With one update per rollout (as
-TRL's `num_iterations: 1`) the rollout's log-probabilities are the update's own, detached: no pass
-computes them. With `num_iterations` above 1 a rollout is learned that many steps in a row (the
-step plan repeats its step, vlft.training.steps), clipped against its log-probabilities at the
-rollout, which one pass without gradients computes (as TRL's do); a checkpoint within a rollout's
-steps keeps the adapter's weights the rollout was drawn with (a few MB), so a resumed stage draws
-the same rollout again and goes on as an uninterrupted one would. With `beta` above 0 the KL is to the stage's starting weights: the starting
-adapter's weights are kept (a copy of the adapter, not of the model) and swapped in for a pass over
-the rollout's answers without gradients.
+An answer's seed is a hash of (the stage's seed, the rollout's number (the step's, with one update a
+rollout), the record (its split's file name and id), the answer's number): a resumed stage draws at
+each step what an uninterrupted one would, and a study whose results were moved draws what it drew.
+With one update per rollout (as TRL's `num_iterations: 1`) the rollout's log-probabilities are the
+update's own, detached: no pass computes them. With `num_iterations` above 1 a rollout is learned
+that many steps in a row (the step plan repeats its step, vlft.training.steps), clipped against its
+log-probabilities at the rollout, which one pass without gradients computes (as TRL's do); a
+checkpoint within a rollout's steps keeps the adapter's weights the rollout was drawn with (a few
+MB), so a resumed stage draws the same rollout again and goes on as an uninterrupted one would. With
+`beta` above 0 the KL is to the stage's starting weights: the starting adapter's weights are kept (a
+copy of the adapter, not of the model) and swapped in for a pass over the rollout's answers without
+gradients.
 """
 
 from __future__ import annotations

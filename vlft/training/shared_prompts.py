@@ -15,9 +15,10 @@ first token is scored from its prompt's last hidden state. One backward pass goe
 The log-probabilities and gradients are those of the full forward over prompt and answer
 (tests/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
 the update compute the same prompts: one update a rollout, no LoRA dropout (a prefill in training
-mode would draw the masks the answers are then sampled under; with several processes, each
-keeps the prompts of its own share of the step, which it then learns), and no activation checkpointing (its recomputation
-would not keep the prompts' keys). `prompts_once_unless` says which of those a stage lacks.
+mode would draw the masks the answers are then sampled under), and no activation checkpointing (its
+recomputation would not keep the prompts' keys). `prompts_once_unless` says which of those a stage
+lacks. With several processes each keeps the prompts of its own share of the step, which it then
+learns (vlft.training.grpo).
 """
 
 from __future__ import annotations
