@@ -160,26 +160,38 @@ def _train_noting_draws(rank: int, size: int, port: int, inputs, settings: dict,
 
 
 def note_draws(path) -> None:
-    """Each rollout's questions that this process's GRPO stages draw answers to, a line each in `path`."""
+    """Each rollout's questions that this process's GRPO stages draw answers to, a line each in
+    `path`, and the questions whose answers each pass without gradients goes over (the reference's,
+    the rollout's log-probabilities), in `path` with "passed" for "drawn"."""
     from vlft.training.grpo import GroupRelativePolicyOptimization as GRPO
 
-    sample = GRPO._sample
+    sample, passes = GRPO._sample, GRPO._logps
 
     def noted(self, keys, *args, **kwargs):
         with open(path, "a") as out:
             out.write(json.dumps(list(keys)) + "\n")
         return sample(self, keys, *args, **kwargs)
 
-    GRPO._sample = noted
+    def passed(self, samples, keys, *args, **kwargs):
+        with open(str(path).replace("drawn", "passed"), "a") as out:
+            out.write(json.dumps(list(keys)) + "\n")
+        return passes(self, samples, keys, *args, **kwargs)
+
+    GRPO._sample, GRPO._logps = noted, passed
 
 
 # Two images a step, one image a step (cut between its questions), and two images a step learned
-# twice a rollout (its prompts computed twice: each process learns the batcher's share of the
-# answers all processes drew); the rollouts of 7 steps, and how the prompts are computed.
+# twice a rollout with a KL (its prompts computed twice: each process learns the batcher's share of
+# the answers all processes drew, and passes over its own draws for the reference's and the
+# rollout's log-probabilities); the rollouts of 7 steps, and how the prompts are computed.
 GRPO_LAYOUTS = {
     "two-images-a-step": ({"micro_batch": 8}, 7, "once a step"),
     "one-image-a-step-cut": (ONE_IMAGE_A_STEP, 7, "once a step"),
-    "learned-twice-a-rollout": ({"micro_batch": 8, "num_iterations": 2}, 4, "twice a step (num_iterations 2"),
+    "learned-twice-a-rollout-with-a-kl": (
+        {"micro_batch": 8, "num_iterations": 2, "beta": 0.04},
+        4,
+        "twice a step (num_iterations 2",
+    ),
 }
 
 
@@ -200,7 +212,8 @@ def test_two_processes_draw_a_share_each_of_the_grpo_steps_and_take_the_steps_on
         "rewards": {"test_grpo:answer_length_reward": 1.0},
     }
     with monkeypatch.context() as patched:
-        patched.setattr(GRPO_CLASS, "_sample", GRPO_CLASS._sample)  # put back after the one process's run
+        for name in ("_sample", "_logps"):  # put back after the one process's run
+            patched.setattr(GRPO_CLASS, name, getattr(GRPO_CLASS, name))
         note_draws(tmp_path / "drawn-one.jsonl")
         assert_two_processes_take_one_process_steps(
             inputs, settings | grpo | step, tmp_path, CUT_LAYOUT_RTOL, target=_train_noting_draws
@@ -213,6 +226,16 @@ def test_two_processes_draw_a_share_each_of_the_grpo_steps_and_take_the_steps_on
         assert first and second and not set(first) & set(second)  # neither idles; none drawn twice
         assert sorted(first + second) == sorted(whole)
     assert all(len(row["rank_tokens"]) == 2 and min(row["rank_tokens"]) > 0 for row in two)  # what each learned
+    # Each process's passes without gradients go over its own draws alone (two a rollout: the
+    # reference's and the rollout's log-probabilities), where the stage has any.
+    for who in (0, 1):
+        passes = tmp_path / f"passed-{who}.jsonl"
+        passed = read_jsonl(passes) if passes.exists() else []
+        assert passed == ([keys for keys in drawn[who] for _ in range(2)] if "beta" in step else [])
+    if "beta" in step:
+        # The KL to the starting weights, once they moved (the first step's warm-up rate is 0).
+        assert all(row["kl"] > 0 for row in two[2:])
+        assert [row["kl"] for row in two] == pytest.approx([row["kl"] for row in one], rel=CUT_LAYOUT_RTOL)
     # The prompts computed alike by the one process and by the two (their main process says how).
     assert capfd.readouterr().out.count(f"grpo: each prompt computed {prompts}") == 2
 

@@ -277,7 +277,8 @@ class GroupRelativePolicyOptimization:
         """The step's questions answered by the adapter as it stands, rewarded; each answer's
         advantage and log-probabilities kept for the updates (and with `keep_prompts`, its
         prompt's forward, vlft.training.shared_prompts). With several processes each draws its
-        share of the questions (`_shares`), and all of them gather every answer."""
+        share of the questions (`_shares`) and passes over its answers (the reference's and the
+        rollout's log-probabilities), and all of them gather every answer and pass."""
         keys, own = list(_keys_of(step)), list(_keys_of(self._shares(step)[self.group.rank]))
         began = time.perf_counter()
         self.kept_answers = [] if keep_prompts else None
@@ -294,10 +295,14 @@ class GroupRelativePolicyOptimization:
         advantages = group_advantages(total, self.generations, self.settings.scale_rewards)
         ids = [s.record_id for key in keys for s in samples[key]]
         began = time.perf_counter()
-        references = self._logps(samples, keys, self.start) if self.start is not None else {}
+        references = self._logps(samples, own, self.start) if self.start is not None else {}
         timing["timing_s/ref"], began = time.perf_counter() - began, time.perf_counter()
-        drawn = self._logps(samples, keys, None) if self.iterations > 1 else {}
+        drawn = self._logps(samples, own, None) if self.iterations > 1 else {}
         timing["timing_s/old_log_prob"] = time.perf_counter() - began
+        if self.group.size > 1 and (self.start is not None or self.iterations > 1):  # each passed over its share
+            passed = distributed.gathered((references, drawn))
+            references = {i: logps for part, _ in passed for i, logps in part.items()}
+            drawn = {i: logps for _, part in passed for i, logps in part.items()}
         self.rollout = {i: (float(a), references.get(i), drawn.get(i)) for i, a in zip(ids, advantages)}
         lengths = [len(a) for key in keys for a in answers[key]]
         self.fields = {
