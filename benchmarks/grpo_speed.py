@@ -91,7 +91,8 @@ ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' 
 ENGINE_PHASES = False
 
 
-COLLECTIONS: list[tuple[int, float]] = []  # each rollout's collections: (generation, seconds)
+# Each rollout's collections: (generation, seconds, device bytes allocated before it, after it).
+COLLECTIONS: list[tuple[int, float, int, int]] = []
 
 
 # With --phases: each step's seconds in each phase, the device synchronized around each call.
@@ -382,9 +383,9 @@ class TimedGc:
 
     @classmethod
     def collect(cls, generation: int = 2) -> int:
-        started = time.perf_counter()
+        before, started = torch.cuda.memory_allocated(), time.perf_counter()
         found = gc.collect(generation)
-        COLLECTIONS.append((generation, time.perf_counter() - started))
+        COLLECTIONS.append((generation, time.perf_counter() - started, before, torch.cuda.memory_allocated()))
         return found
 
 
@@ -724,9 +725,10 @@ def main() -> None:
             results[name]["parts_s"] = parts
             # Over all the run's rollouts (one a step), the first's included.
             results[name]["collections"] = {
-                "full_ones": sum(g == 2 for g, _ in COLLECTIONS),
-                "young_ones": sum(g != 2 for g, _ in COLLECTIONS),
-                "s_a_rollout": sum(t for _, t in COLLECTIONS) / args.steps,
+                "full_ones": sum(g == 2 for g, *_ in COLLECTIONS),
+                "young_ones": sum(g != 2 for g, *_ in COLLECTIONS),
+                "s_a_rollout": sum(t for _, t, *_ in COLLECTIONS) / args.steps,
+                "mib_before_freed": [[round(b / 2**20), round((b - a) / 2**20)] for _, _, b, a in COLLECTIONS],
             }
             if args.phases:  # each phase's mean seconds a step, over the steps after the warm-up
                 measured = STEP_PHASES[args.warmup : args.steps]

@@ -5,6 +5,7 @@ draws and trains what an uninterrupted one does."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
@@ -561,3 +562,56 @@ def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_fl
         on.method.read_ahead = {("another step",): on.method.reader.submit(released.wait, read_s)}
         on.method._sample(keys, 0)
     assert seen == [True, False]
+
+
+def test_a_rollout_collects_where_it_left_garbage_and_not_again_for_memory_a_collection_left_live():
+    """After a rollout the release collects while the device holds more than the rollout found;
+    memory that both collections left is live, and later rollouts collect only past it."""
+    allocated, collected = [0], []
+    garbage = {"bytes": 0}  # what a collection frees, as the device's reading sees it
+
+    def collections(phase, info):
+        if phase == "stop":
+            collected.append(info["generation"])
+            allocated[0] -= garbage["bytes"]
+            garbage["bytes"] = 0
+
+    release = grpo_module.RolloutRelease(allocated=lambda: allocated[0])
+    mib = 1 << 20
+    automatic = gc.isenabled()
+    gc.disable()  # only the release's own collections
+    gc.callbacks.append(collections)
+    try:
+
+        def roll_out(live: int, left: int) -> list[int]:
+            """A rollout that leaves `live` bytes in use and `left` bytes of garbage; its collections."""
+            collected.clear()
+            with release.around():
+                allocated[0] += live + left
+                garbage["bytes"] = left
+            allocated[0] -= live  # the update lets the live memory go
+            return list(collected)
+
+        assert roll_out(0, 10 * mib) == []  # within ROLLOUT_LEFT_BYTES: nothing to collect
+        assert roll_out(0, 500 * mib) == [1]  # garbage: the young generations free it
+        assert roll_out(300 * mib, 0) == [1, 2]  # live: neither frees it, and it is noted
+        assert release.live == 300 * mib
+        assert roll_out(300 * mib, 0) == []  # no longer collected for
+        assert roll_out(300 * mib, 500 * mib) == [1]  # garbage past it still is
+        assert roll_out(350 * mib, 0) == []  # within ROLLOUT_LEFT_BYTES past it
+        assert roll_out(600 * mib, 0) == [1, 2] and release.live == 600 * mib
+    finally:
+        gc.callbacks.remove(collections)
+        if automatic:
+            gc.enable()
+
+    cpu = grpo_module.RolloutRelease(allocated=None) if not torch.cuda.is_available() else None
+    if cpu is not None:  # nothing to read: both generations every rollout
+        gc.callbacks.append(collections)
+        try:
+            collected.clear()
+            with cpu.around():
+                pass
+            assert collected == [1, 2]
+        finally:
+            gc.callbacks.remove(collections)
