@@ -375,6 +375,11 @@ def device_idle(events: list[dict], device: list[tuple], start: float, end: floa
     }
 
 
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 class TimedGc:
     """The gc module as vlft.training.grpo sees it, each collection timed (the benchmark's own)."""
 
@@ -698,6 +703,7 @@ def main() -> None:
         vlft.generation.folded_adapter.FOLD_DEVICES = () if name == UNFOLDED else ("cuda",)
         ROLLOUTS.clear()
         STEP_PHASES[:] = [{}]
+        allocator = allocator_counts()
         run = run_ours(
             model_dir,
             directory / "prepared.jsonl",
@@ -716,6 +722,9 @@ def main() -> None:
             "steps_measured": len(run["step_s"]),
             "step_s": [round(t, 4) for t in run["step_s"]],
             "job_s": time.time() - started,
+            # The caching allocator's cudaMalloc and cudaFree calls and its retries (a free of its
+            # cached blocks, then the allocation again) over the run: an allocator short of memory.
+            "allocator": {k: v - allocator[k] for k, v in allocator_counts().items()},
         }
         if settings.get("method") == "grpo":
             # Each part's seconds a step (its own log's timing_s fields; the update is the rest),
