@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 
 import pytest
@@ -209,11 +210,23 @@ def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_an
         ("over budget", screens, {"max_batch_tokens": 64}),
     ]:
         once = train(root, tmp_path / name / "once", **settings)
-        assert "grpo: each prompt computed once a step" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "grpo: each prompt computed once a step" in out
+        # Each step's log says whether its prompts were computed once; a step over the budget is
+        # told of once, with the budget that would hold it, and the summary counts such steps.
+        over = name == "over budget"
+        assert [r["prompts_once"] for r in once] == [0.0 if over else 1.0] * len(once)
+        told = re.findall(r"grpo: step 1's prompts .* take (\d+) tokens, more than max_batch_tokens 64", out)
+        assert len(told) == (1 if over else 0) and out.count("such steps compute each prompt twice") == len(told)
+        if over:
+            assert f"(max_batch_tokens: {told[0]} or more computes them once)" in out and int(told[0]) > 64
+        summary = json.loads((tmp_path / name / "once/summary.json").read_text())
+        assert summary["steps_prompts_twice"] == (len(once) if over else 0)
         with monkeypatch.context() as patched:
             patched.setattr(train_module, "prompts_once_unless", lambda *args: "as before")
             twice = train(root, tmp_path / name / "twice", **settings)
         assert "computed twice a step (as before)" in capsys.readouterr().out
+        assert all("prompts_once" not in r for r in twice)  # the stage never could
         runs[name] = once, twice
         assert [r["reward"] for r in once] == [r["reward"] for r in twice]
         assert [r["completions/mean_length"] for r in once] == [r["completions/mean_length"] for r in twice]
