@@ -487,6 +487,48 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
         assert_close_normwise(dict(grouped_model.named_parameters())[name].grad, grad, FLOAT64_RTOL, name)
 
 
+def test_a_packed_row_computes_each_prompts_positions_once_and_gives_every_sample_its_own(grouped_family_setup):
+    """A reward stage's answers to one question (or a preference pair's two) share its prompt: a
+    packed row computes the prompt's M-RoPE positions once for them, and each sample's positions
+    are those of the model's own function over the sample alone, integer for integer; a sample with
+    an image after its prompt gets the function's positions over it whole."""
+    from dataclasses import replace
+
+    from vlft.data.prompts import Sample
+    from vlft.training.image_groups import ImageGroup
+    from vlft.training.packing import pack_groups
+
+    root = grouped_family_setup
+    samples, images, builder, _ = samples_and_images(root, ImageCache(root / "pixels"))
+    index = rope_index(lora_model(root / "model"))
+    asked = []
+    for sample in samples[:6]:  # five questions on one image, one on another
+        prompt = sample.input_ids[: sample.prompt_length]
+        for n, more in enumerate(([], [7], [7, 8, 9])):  # three answers of their own lengths
+            ids = sample.input_ids + more
+            images[f"{sample.record_id}#{n}"] = images[sample.record_id]
+            asked.append(Sample(f"{sample.record_id}#{n}", ids, [-100] * len(prompt) + ids[len(prompt) :], len(prompt)))
+    images["whole"] = images[samples[0].record_id]
+    asked.append(replace(samples[0], record_id="whole", prompt_length=1))  # its "answer" holds the image
+    calls = []
+
+    def counted(**inputs):
+        calls.append(inputs["input_ids"].shape[1])
+        return index(**inputs)
+
+    row = pack_groups([ImageGroup([s], 0) for s in asked], images, builder, counted)
+    start = 0
+    for sample in asked:
+        alone = collate([sample], images, builder, pad_id=0, rope_index=index)["position_ids"]
+        assert torch.equal(row["position_ids"][..., start : start + alone.shape[-1]], alone), sample.record_id
+        start += alone.shape[-1]
+    assert start == row["position_ids"].shape[-1]
+    # Once a prompt on its image (two records of the fixture ask the same question of one image), and
+    # the sample whose image follows its prompt, whole.
+    prompts = {(tuple(s.input_ids[: s.prompt_length]), images[s.record_id][1]): s.prompt_length for s in samples[:6]}
+    assert len(prompts) >= 4 and sorted(calls) == sorted([*prompts.values(), len(samples[0].input_ids)])
+
+
 def test_compiled_decoder_layers_take_no_python_float_as_a_cpu_tensor(tiny_model_dir):
     """With dynamic shapes dynamo would pass LoRA's scaling and the norms' epsilon into each layer's
     graph as float64 CPU tensors, and inductor would compile a C++ kernel for them: in a GPU job, a

@@ -64,12 +64,14 @@ def pack_groups(
     positions are its own; what each sample attends to is the row's layout (RowLayout)."""
     layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in groups])
     segments = iter(layout.segments)
+    positions = PromptPositions(rope_index)
     pieces: dict[str, list] = {key: [] for key in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
     grids, row_images, answer_positions, answer_targets, answer_owners = [], [], [], [], []
     for group in groups:
         for n, sample in enumerate(group.samples):
             # A batch of one has no padding, so the pad id is never written.
-            alone = collate([sample], images, builder, pad_id=0, rope_index=rope_index, read_images=n == 0)
+            alone = collate([sample], images, builder, pad_id=0, read_images=n == 0)
+            alone["position_ids"] = positions(sample, alone)
             drop = group.shared if n else 0  # the prefix, laid out with the group's first sample
             for key in pieces:
                 pieces[key].append(alone[key][..., drop:])
@@ -89,6 +91,41 @@ def pack_groups(
     row.update(layout.attention_inputs())
     row["images"] = row_images
     return pinned(row) if pin else row
+
+
+class PromptPositions:
+    """Each sample's M-RoPE positions as the model's own function gives them for the sample alone,
+    its prompt's computed once for all the samples that ask it on the same image (a reward stage's
+    G answers to a question, a preference pair's two answers): an answer holds no image, so its
+    positions follow its prompt's largest one by one in all three parts, as the function lays out
+    text. At 4 Kvasir-like images of 72 answers a step, the positions of each answer computed alone
+    took 0.14 s of the 0.24 s that laying the row out took on the host (the tiny Qwen3-VL's
+    function, 1,172-token prompts)."""
+
+    def __init__(self, rope_index: Callable):
+        self.rope_index = rope_index
+        self.known: dict[tuple, torch.Tensor] = {}  # (prompt ids, image grids) -> the prompt's positions
+
+    def __call__(self, sample: Sample, alone: dict) -> torch.Tensor:
+        """The positions (3, 1, tokens) of `sample`, collated alone (`alone`, without positions)."""
+        prompt = sample.prompt_length
+        if (alone["mm_token_type_ids"][0, prompt:] != 0).any():  # an image after the prompt: the whole sample
+            return self._of(alone, len(sample.input_ids))
+        key = (tuple(sample.input_ids[:prompt]), tuple(alone["image_grid_thw"].flatten().tolist()))
+        if key not in self.known:
+            self.known[key] = self._of(alone, prompt)
+        before = self.known[key]
+        answer = torch.arange(1, len(sample.input_ids) - prompt + 1, dtype=before.dtype) + before.max()
+        return torch.cat([before, answer.expand(3, 1, -1)], dim=-1)
+
+    def _of(self, alone: dict, tokens: int) -> torch.Tensor:
+        """The positions of the first `tokens` of a sample collated alone."""
+        return self.rope_index(
+            input_ids=alone["input_ids"][:, :tokens],
+            mm_token_type_ids=alone["mm_token_type_ids"][:, :tokens],
+            image_grid_thw=alone["image_grid_thw"],
+            attention_mask=alone["attention_mask"][:, :tokens],
+        )[0]
 
 
 def _varlen_kernel() -> Callable | None:
