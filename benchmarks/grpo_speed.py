@@ -64,14 +64,17 @@ from vlft.training.grpo import TIMING  # noqa: E402
 def questions(
     work: Path, images: int, per_image: int, generations: int, tokenizer, answer_tokens: int
 ) -> tuple[Path, Path, Path]:
-    """The same images three ways: `per_image` questions each (GRPO's prompts); G questions for each
-    of those with their answers (SFT's image groups: as many answers an image as GRPO samples), of
-    1-16 tokens; and the same with every answer `answer_tokens` long, as long as the sampled
-    answers GRPO learns (with random weights each runs to its limit)."""
+    """The same images three ways: `per_image` questions each (GRPO's prompts); each of those
+    questions G times with G answers of 1-16 tokens (SFT's image groups: the answers GRPO samples
+    and learns, as records); and the same with every answer `answer_tokens` long, as long as the
+    sampled answers (with random weights each runs to its limit): that SFT step lays out the
+    tokens of the GRPO update. Before 2026-11-28 the SFT records asked G different questions."""
     each = per_image * generations
     rows = read_jsonl(make_workload(work, images * each, tokenizer, 0, each, short_answers=True))
-    matched = [dict(r, answer=answer_of_length(tokenizer, answer_tokens, n)) for n, r in enumerate(rows)]
-    for name, records in (("prompts", rows[::generations]), ("answers", rows), ("answers-matched", matched)):
+    asked = rows[::generations]
+    answers = [dict(r, question=asked[n // generations]["question"]) for n, r in enumerate(rows)]
+    matched = [dict(r, answer=answer_of_length(tokenizer, answer_tokens, n)) for n, r in enumerate(answers)]
+    for name, records in (("prompts", asked), ("answers", answers), ("answers-matched", matched)):
         (work / name).mkdir(parents=True, exist_ok=True)
         write_jsonl(work / name / "raw.jsonl", records)
         prepare_split(work / name / "raw.jsonl", work / "images", work / name / "prepared.jsonl")
@@ -79,12 +82,22 @@ def questions(
 
 
 def answer_of_length(tokenizer, tokens: int, seed: int) -> str:
-    """An answer of `tokens` tokens with its end of turn (words, then `Final answer: three`)."""
-    words = random.Random(seed)
-    text = []
-    while len(tokenizer(" ".join(text) + ". Final answer: three", add_special_tokens=False)["input_ids"]) < tokens - 1:
-        text.append(words.choice(WORDS))
-    return " ".join(text) + ". Final answer: three"
+    """An answer of exactly `tokens` tokens with its end of turn, as a stage learns it whole (words,
+    then `Final answer: three`): a word that would pass the length is left for a shorter one."""
+    words, text, end = random.Random(seed), [], ". Final answer: three"
+
+    def length(parts: list[str]) -> int:
+        return len(tokenizer(" ".join(parts) + end, add_special_tokens=False)["input_ids"])
+
+    for _ in range(100 * tokens):
+        if length(text) >= tokens - 1:
+            break
+        word = words.choice(WORDS)
+        if length(text + [word]) <= tokens - 1:
+            text.append(word)
+    if length(text) != tokens - 1:
+        raise ValueError(f"no answer of {tokens} tokens from the benchmark's words")
+    return " ".join(text) + end
 
 
 ENGINE_CALLS: list[dict] = []  # each rollout's engine phases (answer_requests' stats), with --phases
@@ -375,6 +388,32 @@ def device_idle(events: list[dict], device: list[tuple], start: float, end: floa
     }
 
 
+def stage_settings(args) -> tuple[dict, dict]:
+    """The SFT runs' stage settings and the GRPO run's. The SFT runs learn each answer whole (`cot`),
+    so that the matched run's answers are as long as the answers GRPO samples and learns: with
+    `final`, as every run had it before 2026-11-28, an SFT stage learns the final answer alone
+    (`three` and its end of turn), and the matched SFT step held 11,074 tokens where the GRPO update
+    over the same images held 15,464 (36 Kvasir-like questions a step). GRPO's own setting does not
+    change its answers' lengths (max_completion_length does); its `format` reward parses `final`."""
+    base = dict(our_settings(args.steps), answer_format="cot", max_batch_tokens=args.max_batch_tokens)
+    if args.learning_rate is not None:
+        base["learning_rate"] = args.learning_rate
+    sft = dict(base, image_groups=True, micro_batch=args.prompts * args.generations)
+    grpo = dict(
+        base,
+        answer_format="final",
+        method="grpo",
+        beta=args.beta,
+        image_groups=args.questions_per_image
+        > 1,  # an image's questions' answers one group: the image once for them all
+        micro_batch=args.prompts,
+        num_generations=args.generations,
+        max_completion_length=args.max_completion_length,
+        rewards={"format": 1.0},
+    )
+    return sft, grpo
+
+
 def allocator_counts() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
@@ -652,27 +691,15 @@ def main() -> None:
     del model
     torch.cuda.empty_cache()
 
-    base = dict(our_settings(args.steps), answer_format="final", max_batch_tokens=args.max_batch_tokens)
-    if args.learning_rate is not None:
-        base["learning_rate"] = args.learning_rate
-    grpo = dict(
-        base,
-        method="grpo",
-        beta=args.beta,
-        image_groups=per_image > 1,  # an image's questions' answers one group: the image once for them all
-        micro_batch=args.prompts,
-        num_generations=args.generations,
-        max_completion_length=args.max_completion_length,
-        rewards={"format": 1.0},
-    )
+    sft, grpo = stage_settings(args)
     runs = {
         f"sft, image groups, {args.generations} answers an image": (
             answers,
-            dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
+            sft,
         ),
         f"sft, image groups, {args.generations} answers an image of {args.max_completion_length} tokens": (
             matched,
-            dict(base, image_groups=True, micro_batch=args.prompts * args.generations),
+            sft,
         ),
     }
     if args.also_fresh_engines:  # before the kept one: neither runs on what the other left
@@ -721,6 +748,9 @@ def main() -> None:
             "peak_gib": run["peak_gib"],
             "steps_measured": len(run["step_s"]),
             "step_s": [round(t, 4) for t in run["step_s"]],
+            # The tokens of the samples a step learns, each counted whole (its prompt too): the
+            # matched SFT run's and GRPO's are the same where their answers are as long.
+            "sample_tokens_a_step": statistics.fmean(run["tokens"]),
             "job_s": time.time() - started,
             # The caching allocator's cudaMalloc and cudaFree calls and its retries (a free of its
             # cached blocks, then the allocation again) over the run: an allocator short of memory.

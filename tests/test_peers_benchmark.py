@@ -168,3 +168,52 @@ def test_the_benchmarks_caches_hold_every_record_of_the_workload(tmp_path):
     assert len(images) == 2 and {vision.image_of(r["id"]) for r in records} == images
     for image in images:  # the tower's output for each image: one row per merged patch group
         assert vision.tensor(image).shape[0] == pixels.num_image_tokens(image)
+
+
+def test_the_grpo_benchmarks_matched_sft_step_learns_as_many_tokens_as_its_grpo_update(tmp_path):
+    """benchmarks/grpo_speed.py sets a GRPO step against the image-grouped SFT step over the same
+    images with answers as long as GRPO's: each matched SFT sample's learned answer is
+    max_completion_length tokens (its end of turn among them), as a sampled answer that runs to the
+    limit is, so that the SFT step's image groups hold the GRPO update's tokens exactly."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    import grpo_speed
+    import train_speed
+    from transformers import AutoConfig
+
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
+    from vlft.data.prompts import PromptBuilder, Sample
+    from vlft.data.stage_data import load_stage_data
+    from vlft.training.image_groups import ImageGroup
+    from vlft.training.steps import groups_in_order, image_of
+
+    images, per_image, generations, longest = 2, 3, 4, 12
+    args = Namespace(
+        steps=1, max_batch_tokens=None, learning_rate=None, prompts=images * per_image, generations=generations,
+        beta=0.0, questions_per_image=per_image, max_completion_length=longest,
+    )  # fmt: skip
+    sft, grpo = grpo_speed.stage_settings(args)
+    tokenizer = grpo_speed.make_tokenizer()
+    prompts, _, matched = grpo_speed.questions(tmp_path, images, per_image, generations, tokenizer, longest)
+    builder = PromptBuilder(tokenizer, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    eight_b = AutoConfig.for_model(**json.loads((REPO / "benchmarks/configs/qwen3-vl-8b.json").read_text()))
+    processor = grpo_speed.image_processor_for(SimpleNamespace(config=eight_b))  # as it reads a model's
+    pixels = PixelSettings.from_processor(processor, train_speed.MIN_PIXELS, train_speed.MAX_PIXELS)
+
+    def image_groups(directory: Path, answer_format: str) -> list[list[Sample]]:
+        build_image_cache(directory / "prepared.jsonl", tmp_path / "images", directory / "pixels", pixels)
+        data = load_stage_data(
+            [str(directory / "prepared.jsonl")], [str(directory / "pixels")], builder, {}, answer_format, 10**5
+        )
+        records = [{"key": key} for key in data.samples]
+        return [[data.samples[r["key"]] for r in group] for group in groups_in_order(records, image_of(data.images))]
+
+    learned = image_groups(matched, sft["answer_format"])
+    assert [len(g) for g in learned] == [per_image * generations] * images
+    assert {len(s.input_ids) - s.prompt_length for g in learned for s in g} == {longest}
+    drawn = [  # each question's G answers at the limit, as the GRPO update learns them
+        [Sample(f"{s.record_id}#{n}", s.input_ids[: s.prompt_length] + [7] * longest, [], s.prompt_length) for s in group for n in range(generations)]
+        for group in image_groups(prompts, grpo["answer_format"])
+    ]  # fmt: skip
+    assert [ImageGroup.of(g).tokens for g in learned] == [ImageGroup.of(g).tokens for g in drawn]
