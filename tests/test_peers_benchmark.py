@@ -212,8 +212,10 @@ def test_the_grpo_benchmarks_matched_sft_step_learns_as_many_tokens_as_its_grpo_
     learned = image_groups(matched, sft["answer_format"])
     assert [len(g) for g in learned] == [per_image * generations] * images
     assert {len(s.input_ids) - s.prompt_length for g in learned for s in g} == {longest}
-    drawn = [  # each question's G answers at the limit, as the GRPO update learns them
-        [Sample(f"{s.record_id}#{n}", s.input_ids[: s.prompt_length] + [7] * longest, [], s.prompt_length) for s in group for n in range(generations)]
-        for group in image_groups(prompts, grpo["answer_format"])
-    ]  # fmt: skip
+
+    def at_the_limit(s: Sample, n: int) -> Sample:  # an answer at the limit, as the GRPO update learns it
+        return Sample(f"{s.record_id}#{n}", s.input_ids[: s.prompt_length] + [7] * longest, [], s.prompt_length)
+
+    asked = image_groups(prompts, grpo["answer_format"])
+    drawn = [[at_the_limit(s, n) for s in group for n in range(generations)] for group in asked]
     assert [ImageGroup.of(g).tokens for g in learned] == [ImageGroup.of(g).tokens for g in drawn]

@@ -584,10 +584,11 @@ class RolloutRelease:
 
     A rollout may also leave memory that is live, not garbage, which no collection frees: on a
     36-question Kvasir-like step of the 8B (prompts computed twice), more than ROLLOUT_LEFT_BYTES,
-    and the two collections each rollout freed nothing in 0.55 s of a 2.6 s step. What the last full collection left is noted (the largest of
-    a stage's), and later rollouts collect only past it. On the GPU a collection then runs once or
-    twice a stage (after the first rollout, whose step captured its graph). `allocated` reads the
-    device's allocated bytes; on a CPU, where there is none to read, both generations run."""
+    and the two collections each rollout freed nothing in 0.55 s of a 2.6 s step. What a full
+    collection left is noted (the largest of a stage's), and later rollouts collect only past it:
+    on the GPU a collection then runs once or twice a stage (after the first rollout, whose step
+    captured its graph). `allocated` reads the device's allocated bytes; on a CPU, where there is
+    none to read, both generations run after every rollout."""
 
     def __init__(self, allocated=None):
         if allocated is None and torch.cuda.is_available():
