@@ -404,8 +404,8 @@ def stage_settings(args) -> tuple[dict, dict]:
         answer_format="final",
         method="grpo",
         beta=args.beta,
-        image_groups=args.questions_per_image
-        > 1,  # an image's questions' answers one group: the image once for them all
+        # With several questions an image, its questions' answers one group: the image once for them all.
+        image_groups=args.questions_per_image > 1,
         micro_batch=args.prompts,
         num_generations=args.generations,
         max_completion_length=args.max_completion_length,

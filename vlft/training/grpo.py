@@ -264,11 +264,10 @@ class GroupRelativePolicyOptimization:
     def _prompt_tokens(self, step: Step) -> int:
         """The step's prompts as a prefill lays them out, with every answer at its longest: the tokens
         the update's micro-batch holds where the rollout keeps them."""
-        tokens = 0
+        tokens, answer = 0, self.settings.max_completion_length
         for keys in step:
             prompts = [self.data.samples[key].input_ids[: self.data.samples[key].prompt_length] for key in keys]
             shared = common_prefix(prompts, min(len(p) for p in prompts) - 1)
-            answer = self.settings.max_completion_length
             tokens += shared + sum(self.generations * (len(p) - shared + answer) for p in prompts)
         return tokens
 
