@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from vlft.jobs import warm_start
 
 JOB = """
 import sys
+import threading
 preloaded = "torch" in sys.modules  # before this script imports anything: a warm process's doing
 from vlft.jobs.warm_start import hand_off, serving_a_job
 
@@ -374,7 +377,8 @@ def test_a_warm_process_refuses_another_users_job_unread(scripts, warm_env, tmp_
     marker = tmp_path / "ran"
     script = tmp_path / "hostile.py"
     script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    run(scripts / "job.py", "0", env=warm_env, cwd=tmp_path)  # the warm process runs now
+    first = run(scripts / "job.py", "0", env=warm_env, cwd=tmp_path)
+    assert outcome(first)[1]["warm"], first.stderr  # the warm process runs now, for IDLE_S more seconds
     key = warm_start.fingerprint(warm_env)
     address = warm_start._address(key)  # the owner's uid is in its name: listed for all to see
     read, write = os.pipe()
@@ -403,3 +407,27 @@ def test_a_warm_process_refuses_another_users_job_unread(scripts, warm_env, tmp_
     assert not marker.exists()
     log = (Path(warm_env["TMPDIR"]) / warm_start.server_log(key).name).read_text()  # the warm process's TMPDIR
     assert "refused a job from uid 65534: a warm process serves only its own user" in log
+
+
+def test_a_job_that_connects_as_the_warm_process_idles_out_starts_the_next_and_runs_warm(scripts, warm_env, tmp_path):
+    """A warm process ends IDLE_S after its last job; a job that connected just then waits in its
+    queue, never accepted, and the kernel drops it as the warm process closes (the job's send or
+    read fails). The job starts the next warm process, as a first job does, and runs there: before,
+    it imported everything itself and its run's following jobs found no warm process."""
+    env = warm_env | {"VLFT_TEST_ADDRESS": str(tmp_path)}  # an environment, so an address, of its own
+    ending = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ending.bind(warm_start._address(warm_start.fingerprint(env)))
+    ending.listen(1)
+    dropped = []
+
+    def end_idle():  # as serve() ends: the job's connection queued, the listener closed
+        dropped.append(bool(select.select([ending], [], [], 60)[0]))
+        ending.close()
+
+    ender = threading.Thread(target=end_idle)
+    ender.start()
+    result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
+    ender.join(timeout=60)
+    job, how = outcome(result)
+    assert dropped == [True] and how["warm"] and how["preloaded"], result.stderr
+    assert "importing here" not in result.stderr and result.returncode == 0

@@ -146,15 +146,24 @@ def hand_off() -> None:
         return
     key = fingerprint(os.environ)
     try:
-        connection = _connect(key)
-        if connection is None:
-            return _say(f"the warm process did not start (its log: {server_log(key)})")
-        if (owner := peer_uid(connection)) != os.getuid():  # another user took the address first
+        # Twice where the warm process ended without a word: it idled out as this job connected,
+        # and the kernel dropped the connection it had not accepted yet (the job's send or read
+        # fails). This job then starts the next one, as a first job does.
+        for _ in range(2):
+            connection = _connect(key)
+            if connection is None:
+                return _say(f"the warm process did not start (its log: {server_log(key)})")
+            if (owner := peer_uid(connection)) != os.getuid():  # another user took the address first
+                connection.close()
+                return _say(f"the warm process at this job's address runs as uid {owner}, not this job's user")
+            # The warm process's replies, a line each: its child's pid, then the child's exit status.
+            replies = connection.makefile("rb")
+            try:
+                if reply := _send_job(connection, replies):
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                reply = ""
             connection.close()
-            return _say(f"the warm process at this job's address runs as uid {owner}, not this job's user")
-        # The warm process's replies, a line each: its child's pid, then the child's exit status.
-        replies = connection.makefile("rb")
-        reply = _send_job(connection, replies)
     except OSError as error:  # nothing was started
         return _say(f"no warm process ({error}; its log: {server_log(key)})")
     except KeyboardInterrupt:  # Ctrl-C while the warm process imports: no child runs the job yet
