@@ -172,10 +172,10 @@ def note_draws(path) -> None:
             out.write(json.dumps(list(keys)) + "\n")
         return sample(self, keys, *args, **kwargs)
 
-    def passed(self, samples, keys, *args, **kwargs):
+    def passed(self, samples, share, *args, **kwargs):
         with open(str(path).replace("drawn", "passed"), "a") as out:
-            out.write(json.dumps(list(keys)) + "\n")
-        return passes(self, samples, keys, *args, **kwargs)
+            out.write(json.dumps([key for keys in share for key in keys]) + "\n")
+        return passes(self, samples, share, *args, **kwargs)
 
     GRPO._sample, GRPO._logps = noted, passed
 

@@ -399,6 +399,32 @@ def test_a_rollout_learned_twice_is_clipped_against_its_log_probabilities_at_the
     on.step_equals_trls(groups, "dapo", old=old, clipped=True)
 
 
+def test_a_rollouts_passes_without_gradients_go_a_row_at_a_time_in_the_updates_rows(shared_images, monkeypatch):
+    """The reference's and the rollout's log-probabilities (`beta` above 0, `num_iterations` above
+    1) are computed in the rows the update lays the step out in, a forward a row, each image's
+    prefix once for the answers to all its questions; they had taken a forward a question (1.25 s
+    of a 2.0 s step of 18 Kvasir-like questions on the 8B). Each answer's token log-probabilities
+    equal those of the answer computed as a sequence of its own (float64)."""
+    on = MethodOn(shared_images, "final", loss_type="dapo", num_iterations=2, beta=0.04)
+    on.method.rows = lambda groups: [[group] for group in groups]  # a row an image, as a token budget may cut them
+    rows = []
+
+    def noted(model, batch):
+        rows.append(sorted(batch["sample_ids"]))
+        return answer_token_logps(model, batch)
+
+    monkeypatch.setattr(grpo_module, "answer_token_logps", noted)
+    keys = [r["key"] for r in on.data.records[:4]]
+    groups = on.method.step_groups([keys[:2], keys[2:]], 0)
+    images = [sorted(s.record_id for s in group.samples) for group in groups]
+    assert [len(ids) for ids in images] == [8, 8] and rows == images + images  # the reference's pass, the rollout's
+    samples = [s for g in groups for s in g.samples]
+    for sample, alone in zip(samples, on.separate_logps(samples)):
+        _, reference, drawn = on.method.rollout[sample.record_id]  # the starting weights are the current ones
+        assert torch.allclose(reference, alone, rtol=FLOAT64_RTOL, atol=0), sample.record_id
+        assert torch.allclose(drawn, alone, rtol=FLOAT64_RTOL, atol=0), sample.record_id
+
+
 class MethodOn:
     """A grpo method over a tiny float64 Qwen3-VL with a random adapter, and TRL's loss beside it."""
 
