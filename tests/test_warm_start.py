@@ -27,7 +27,6 @@ from vlft.jobs import warm_start
 
 JOB = """
 import sys
-import threading
 preloaded = "torch" in sys.modules  # before this script imports anything: a warm process's doing
 from vlft.jobs.warm_start import hand_off, serving_a_job
 

@@ -351,9 +351,7 @@ class GroupRelativePolicyOptimization:
                 sum(ImageGroup.of([s for key in keys for s in samples[key]]).tokens for keys in share)
                 for share in shares
             ]
-        # One group a step group: a question's answers, or with image groups all answers to the
-        # questions on one image, which then share the image too.
-        return [ImageGroup.of([s for key in group for s in samples[key]]) for group in step]
+        return _answer_groups(step, samples)
 
     def step_fields(self) -> dict:
         return self.fields
@@ -535,7 +533,7 @@ class GroupRelativePolicyOptimization:
         `share` of the step laid out in the update's rows (each group's prompt, with image groups
         its image, once for all of its answers), a forward a row. A forward a question had taken
         1.25-1.59 s of a 2.0-2.4 s step (18 Kvasir-like questions, the 8B, an H200)."""
-        groups = [ImageGroup.of([s for key in keys for s in samples[key]]) for keys in share]
+        groups = _answer_groups(share, samples)
         logps_of = {}
         forward = adapter_autocast(self.model, self.device, self.dtype)
         swapped = swapped_data(self.trainable, weights) if weights is not None else nullcontext()
@@ -552,6 +550,12 @@ class GroupRelativePolicyOptimization:
 def answer_id(key: str, number: int) -> str:
     """A sampled answer's sample id: its record's key and its number among the question's answers."""
     return f"{key}#{number}"
+
+
+def _answer_groups(step: Step, samples: dict[str, list[Sample]]) -> list[ImageGroup]:
+    """One group a step group: a question's answers, or with image groups all answers to the
+    questions on one image, which then share the image too."""
+    return [ImageGroup.of([s for key in keys for s in samples[key]]) for keys in step]
 
 
 def _keys_of(step: Step) -> tuple[str, ...]:
