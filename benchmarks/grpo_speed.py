@@ -143,6 +143,8 @@ def phase_patches() -> list[tuple[object, str, str]]:
         (vlft.generation.runner.DecodeStep, "__call__", "decode steps"),
         (vlft.training.rewards.Rewards, "score", "rewards"),
         (vlft.training.shared_prompts.PromptPass, "answer_logps", "answers' forward after kept prompts"),
+        (vlft.training.grpo, "pack_groups", "rows laid out for a pass without gradients"),
+        (vlft.training.grpo, "to_device", "rows put on the device for a pass without gradients"),
         (vlft.training.grpo, "answer_token_logps", "forward over prompts and answers"),
         (torch.Tensor, "backward", "backward"),
         (torch.nn.utils, "clip_grad_norm_", "clipping"),
@@ -160,6 +162,7 @@ def profile_patches() -> list[tuple[object, str, str]]:
     return [
         (grpo, "step_batches", "the step's rollout: its setting up"),
         (grpo, "_roll_out", "the rollout: its answers judged"),
+        (grpo, "_logps", "a pass without gradients: its setting up"),
         (vlft.generation.engine.Engine, "answer", "the engine's run: its setting up"),
         (vlft.generation.engine.Generation, "start", "a prefill: its rows set up"),
         (vlft.generation.engine.Generation, "decode", "a decode step: its bookkeeping"),
