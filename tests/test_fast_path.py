@@ -528,6 +528,28 @@ def test_a_packed_row_computes_each_prompts_positions_once_and_gives_every_sampl
     prompts = {(tuple(s.input_ids[: s.prompt_length]), images[s.record_id][1]): s.prompt_length for s in samples[:6]}
     assert len(prompts) >= 4 and sorted(calls) == sorted([*prompts.values(), len(samples[0].input_ids)])
 
+    # Laid out as image groups, each sample after a group's first collated without the prefix it
+    # shares: its tokens, labels and positions past the prefix are those it has alone, and each
+    # answer position is followed in the row by the token it predicts.
+    by_image: dict = {}
+    for sample in asked[:-1]:
+        by_image.setdefault(images[sample.record_id][1], []).append(sample)
+    groups = [ImageGroup.of(group) for group in by_image.values()]
+    assert all(group.shared > 0 for group in groups)
+    row = pack_groups(groups, images, builder, index)
+    start = 0
+    for group in groups:
+        for n, sample in enumerate(group.samples):
+            alone = collate([sample], images, builder, pad_id=0, rope_index=index)
+            drop = group.shared if n else 0
+            for key in ("input_ids", "labels", "position_ids"):
+                own = alone[key][..., drop:]
+                assert torch.equal(row[key][..., start : start + own.shape[-1]], own), (key, sample.record_id)
+            start += len(sample.input_ids) - drop
+    assert start == row["input_ids"].shape[-1]
+    assert len(row["answer_targets"]) == sum(len(s.input_ids) - s.prompt_length for s in asked[:-1])
+    assert torch.equal(row["input_ids"][0, row["answer_positions"] + 1], row["answer_targets"])
+
 
 def test_compiled_decoder_layers_take_no_python_float_as_a_cpu_tensor(tiny_model_dir):
     """With dynamic shapes dynamo would pass LoRA's scaling and the norms' epsilon into each layer's

@@ -16,6 +16,7 @@ So a packed micro-batch gives each sample the loss and gradients it gets alone o
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from contextlib import contextmanager
 from typing import Callable
 
@@ -69,19 +70,22 @@ def pack_groups(
     grids, row_images, answer_positions, answer_targets, answer_owners = [], [], [], [], []
     for group in groups:
         for n, sample in enumerate(group.samples):
-            # A batch of one has no padding, so the pad id is never written.
-            alone = collate([sample], images, builder, pad_id=0, read_images=n == 0)
-            alone["position_ids"] = positions(sample, alone)
             drop = group.shared if n else 0  # the prefix, laid out with the group's first sample
+            # A batch of one has no padding, so the pad id is never written. Collated without the
+            # prefix (never an answer token: vlft.training.image_groups.shared_prefix_length): an
+            # image's 1,000-3,000 prompt tokens are not made into tensors again for each answer.
+            whole = partial(collate, [sample], images, builder, pad_id=0, read_images=False)
+            own = collate([without_prefix(sample, drop)], images, builder, pad_id=0, read_images=n == 0)
+            own["position_ids"] = positions(sample, own, drop, whole)
             for key in pieces:
-                pieces[key].append(alone[key][..., drop:])
+                pieces[key].append(own[key])
             if n == 0:
-                grids.append(alone["image_grid_thw"])
-                row_images += alone["images"]
+                grids.append(own["image_grid_thw"])
+                row_images += own["images"]
             # Each sample alone is a batch of one: its answer positions are offsets within it.
-            answer_positions.append(alone["answer_positions"] - drop + next(segments)[0])
-            answer_targets.append(alone["answer_targets"])
-            answer_owners.append(torch.full_like(alone["answer_targets"], len(answer_owners)))
+            answer_positions.append(own["answer_positions"] + next(segments)[0])
+            answer_targets.append(own["answer_targets"])
+            answer_owners.append(torch.full_like(own["answer_targets"], len(answer_owners)))
     row = {key: torch.cat(values, dim=-1) for key, values in pieces.items()}
     row["image_grid_thw"] = torch.cat(grids)
     row["answer_positions"] = torch.cat(answer_positions)
@@ -91,6 +95,13 @@ def pack_groups(
     row.update(layout.attention_inputs())
     row["images"] = row_images
     return pinned(row) if pin else row
+
+
+def without_prefix(sample: Sample, drop: int) -> Sample:
+    """`sample` without its first `drop` tokens, which lie in its prompt."""
+    if not drop:
+        return sample
+    return Sample(sample.record_id, sample.input_ids[drop:], sample.labels[drop:], sample.prompt_length - drop)
 
 
 class PromptPositions:
@@ -105,17 +116,19 @@ class PromptPositions:
         self.rope_index = rope_index
         self.known: dict[tuple, torch.Tensor] = {}  # (prompt ids, image grids) -> the prompt's positions
 
-    def __call__(self, sample: Sample, alone: dict) -> torch.Tensor:
-        """The positions (3, 1, tokens) of `sample`, collated alone (`alone`, without positions)."""
+    def __call__(self, sample: Sample, own: dict, drop: int, whole: Callable[[], dict]) -> torch.Tensor:
+        """The positions (3, 1, tokens) of `sample` past its first `drop` tokens (of its prompt),
+        `own` those tokens collated alone; `whole()` collates the sample whole, where its prompt's
+        positions are not known yet or an image follows its prompt."""
         prompt = sample.prompt_length
-        if (alone["mm_token_type_ids"][0, prompt:] != 0).any():  # an image after the prompt: the whole sample
-            return self._of(alone, len(sample.input_ids))
-        key = (tuple(sample.input_ids[:prompt]), tuple(alone["image_grid_thw"].flatten().tolist()))
+        if (own["mm_token_type_ids"][0, prompt - drop :] != 0).any():  # an image after the prompt: the whole sample
+            return self._of(whole(), len(sample.input_ids))[..., drop:]
+        key = (tuple(sample.input_ids[:prompt]), tuple(own["image_grid_thw"].flatten().tolist()))
         if key not in self.known:
-            self.known[key] = self._of(alone, prompt)
+            self.known[key] = self._of(whole(), prompt)
         before = self.known[key]
         answer = torch.arange(1, len(sample.input_ids) - prompt + 1, dtype=before.dtype) + before.max()
-        return torch.cat([before, answer.expand(3, 1, -1)], dim=-1)
+        return torch.cat([before[..., drop:], answer.expand(3, 1, -1)], dim=-1)
 
     def _of(self, alone: dict, tokens: int) -> torch.Tensor:
         """The positions of the first `tokens` of a sample collated alone."""
