@@ -526,6 +526,7 @@ class MethodOn:
         ({"method": "grpo", "answer_format": "final", "rewards": {"click_in_box": 1}}, "judges clicks"),
         ({"method": "grpo", "rewards": {"format": 1}, "loss_type": "sigmoid"}, "'sigmoid' is not a grpo loss"),
         ({"method": "grpo", "rewards": {"format": 1}, "packing": False}, "grpo needs packing: true"),
+        ({"method": "grpo", "rewards": {"format": 1}, "max_batch_tokens": "auto"}, "auto is measured on the records'"),
         ({"method": "grpo", "rewards": {"no_such_module_here:f": 1}, "answer_format": "final"}, "cannot be imported"),
         ({"method": "dpo", "beta": 0}, "dpo's β must be above 0"),
     ],
