@@ -76,7 +76,8 @@ def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
 
 
 # The seconds a step spends drawing its answers and in its passes without gradients (verl's names);
-# the rest of its time is its update.
+# the rest of its time is its update. The host's seconds: the passes are launched, not waited for,
+# so what the device still has of them when the host moves on counts in the update's.
 TIMING = ("timing_s/gen", "timing_s/ref", "timing_s/old_log_prob")
 
 # Where a question's prompt is kept once in the rollout's KV cache for its answers and read once a

@@ -16,8 +16,8 @@ So a packed micro-batch gives each sample the loss and gradients it gets alone o
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable
 
 import torch
