@@ -178,7 +178,7 @@ def test_a_prediction_follows_what_the_stage_computes():
     assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s
     # A grpo stage: num_iterations steps learn each rollout, drawn once: twice the updates, the same
     # rollouts (with rollouts taking no time, exactly twice the time).
-    grpo = dict(STAGE, method="grpo", num_generations=8, max_completion_length=20)
+    grpo = dict(STAGE, method="grpo", num_generations=8, max_completion_length=20, beta=0.0)
     no_rollouts = Throughputs(
         rate.device,
         rate.model,
@@ -187,8 +187,23 @@ def test_a_prediction_follows_what_the_stage_computes():
     )
     once, twice = (train_seconds(dict(grpo, num_iterations=n), counts, rate) for n in (1, 2))
     updates_once, updates_twice = (train_seconds(dict(grpo, num_iterations=n), counts, no_rollouts) for n in (1, 2))
-    assert updates_twice.work_s == pytest.approx(2 * updates_once.work_s) and once.work_s > updates_once.work_s
-    assert twice.work_s - once.work_s == pytest.approx(updates_once.work_s)
+    assert once.work_s > updates_once.work_s
+    # ... and, with num_iterations above 1, a pass without gradients a rollout for its
+    # log-probabilities; with beta above 0, one for the reference's: each a forward over the
+    # update's tokens, a third of their forward and backward (with no time a sample besides the
+    # tokens, exactly a third of the update).
+    tokens_only = Throughputs(rate.device, rate.model, no_rollouts.values | {"train_s_per_sample": 0}, 1.0)
+    update = train_seconds(dict(grpo, num_iterations=1), counts, tokens_only).work_s
+    assert train_seconds(dict(grpo, num_iterations=2), counts, tokens_only).work_s == pytest.approx(
+        update * (2 + 1 / 3)
+    )
+    assert train_seconds(dict(grpo, num_iterations=1, beta=0.04), counts, tokens_only).work_s == pytest.approx(
+        update * (1 + 1 / 3)
+    )
+    assert train_seconds(dict(grpo, num_iterations=2, beta=0.04), counts, tokens_only).work_s == pytest.approx(
+        update * (2 + 2 / 3)
+    )
+    assert twice.work_s - once.work_s == pytest.approx(updates_twice.work_s - updates_once.work_s)
     # Evaluation: answers capped at max_new_tokens, decoded in rows of batch_size.
     long = kvasir_like(300)
     capped = eval_seconds({"max_new_tokens": 100, "batch_size": 128}, long, rate)
