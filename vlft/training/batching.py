@@ -93,20 +93,29 @@ def pinned(batch: dict) -> dict:
     return moved
 
 
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`, the host not waiting for the device: a blocking copy waits for
+    everything queued before it (a reward stage queues its passes without gradients before its
+    update, whose layers the host then launches meanwhile). From pinned memory the copy runs
+    beside the host; from pageable memory it goes through a staging buffer at once, so the tensor
+    may go right after."""
+    return tensor.to(device, non_blocking=True)
+
+
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype, placed: dict | None = None) -> dict:
     """Model inputs (and answer positions and targets) on the device; non-blocking from pinned memory.
     `placed`: the images put on the device already, by their host tensor's id (several batches that
     share an image's host tensor share its one copy on the device too; the host tensors must live
     as long as `placed` is used, so that no id is taken by another tensor)."""
     moved = {
-        key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        key: host_to_device(value, device) if isinstance(value, torch.Tensor) else value
         for key, value in batch.items()
         if key != "images"
     }
     placed = {} if placed is None else placed
     for cache, tensor in batch["images"]:
         if id(tensor) not in placed:
-            placed[id(tensor)] = cache.device_input(tensor.to(device, non_blocking=True), dtype)
+            placed[id(tensor)] = cache.device_input(host_to_device(tensor, device), dtype)
     images = [placed[id(tensor)] for _, tensor in batch["images"]]
     moved["pixel_values"] = images[0] if len(images) == 1 else torch.cat(images)
     return moved

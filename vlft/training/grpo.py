@@ -54,7 +54,7 @@ from vlft.generation.evaluate import prompt_inputs, prompt_request
 from vlft.generation.sampling import Sampling
 from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
-from vlft.training.batching import to_device
+from vlft.training.batching import host_to_device, to_device
 from vlft.jobs import distributed
 from vlft.training.image_groups import ImageGroup, common_prefix, share_groups
 from vlft.training.loss import answer_token_logps
@@ -369,20 +369,17 @@ class GroupRelativePolicyOptimization:
         if batch is KEPT_PROMPTS:  # the rollout's answers after the prompts its prefill kept
             answers, self.kept_answers = self.kept_answers, None
             logps = self.prompt_pass.answer_logps(answers)
-            # Laid out on the host and copied without waiting (a blocking copy waits for the device,
-            # which may still be on the rollout's passes without gradients).
+            # Laid out on the host (the device may still be on the rollout's passes without gradients).
             lengths = torch.tensor([len(tokens) for _, tokens in answers])
-            owners = torch.repeat_interleave(torch.arange(len(answers)), lengths).to(logps.device, non_blocking=True)
-            lengths = lengths.to(logps.device, non_blocking=True)
+            owners = host_to_device(torch.repeat_interleave(torch.arange(len(answers)), lengths), logps.device)
+            lengths = host_to_device(lengths, logps.device)
             ids = self.kept_ids
         else:
             logps = answer_token_logps(model, batch)
             owners = batch["answer_owners"]
             lengths = torch.bincount(owners, minlength=len(batch["sample_ids"]))
             ids = batch["sample_ids"]
-        advantages = torch.tensor([self.rollout[i][0] for i in ids], dtype=logps.dtype).to(
-            logps.device, non_blocking=True
-        )
+        advantages = host_to_device(torch.tensor([self.rollout[i][0] for i in ids], dtype=logps.dtype), logps.device)
         reference = None
         if self.start is not None:
             reference = torch.cat([self.rollout[i][1] for i in ids]).to(logps.device, logps.dtype)

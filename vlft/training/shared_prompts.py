@@ -33,6 +33,7 @@ import torch
 from vlft.generation.kv_cache import language_model, prompt_positions
 from vlft.generation.runner import Prefilled, layer_calls, prefill
 from vlft.modeling import adapter_autocast, unwrapped
+from vlft.training.batching import host_to_device
 from vlft.training.loss import token_logps
 from vlft.training.step_evals import swapped_data
 
@@ -176,9 +177,11 @@ class PromptPass:
         rows = torch.cat(
             [torch.cat([torch.tensor([n]), torch.arange(at, at + own) + len(firsts)]) for n, at, own in order]
         )
-        targets = _to(torch.tensor([t for _, tokens in answers for t in tokens]), device)
+        targets = host_to_device(torch.tensor([t for _, tokens in answers for t in tokens]), device)
         self.clear()
-        return token_logps(hidden.index_select(0, _to(rows, device)), unwrapped(self.model).lm_head.weight, targets)
+        return token_logps(
+            hidden.index_select(0, host_to_device(rows, device)), unwrapped(self.model).lm_head.weight, targets
+        )
 
     def _answer_hidden(self, inputs, positions, keys: dict, device):
         """The last hidden states of every answer token but each answer's last, in one packed row,
@@ -188,14 +191,14 @@ class PromptPass:
             prompt_keys = _joined([p.cache.layers[i].keys for p in self.prefills])
             prompt_values = _joined([p.cache.layers[i].values for p in self.prefills])
             calls.append(partial(self.after, layer, prompt_keys, prompt_values))
-        text_positions = _to(torch.cat(positions), device)
+        text_positions = host_to_device(torch.cat(positions), device)
         lengths = [len(i) for i in inputs]
-        attention = {k: _to(v, device) if isinstance(v, torch.Tensor) else v for k, v in keys.items()}
+        attention = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in keys.items()}
 
         def forward():
             with layer_calls(self.text.layers, calls):
                 return self.text(
-                    input_ids=_to(torch.cat(inputs)[None], device),
+                    input_ids=host_to_device(torch.cat(inputs)[None], device),
                     position_ids=text_positions.view(1, 1, -1).expand(3, 1, -1),  # text: all three at one position
                     use_cache=False,
                     packed_cu_seqlens=_cumulative(lengths, device),
@@ -292,15 +295,7 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:
-    return _to(torch.tensor([0] + lengths).cumsum(0, dtype=torch.int32), device)
-
-
-def _to(tensor: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device`, the host not waiting for the device: a blocking copy waits for
-    everything queued before it, and a reward stage queues its passes without gradients (its
-    reference's) before its update, whose answers' layers the host then launches meanwhile. From
-    pageable memory the copy goes through a staging buffer at once: the tensor may go right after."""
-    return tensor.to(device, non_blocking=True)
+    return host_to_device(torch.tensor([0] + lengths).cumsum(0, dtype=torch.int32), device)
 
 
 @contextmanager
