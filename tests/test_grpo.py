@@ -24,14 +24,15 @@ from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training.batching import to_device
 import vlft.training.grpo as grpo_module
+from vlft.generation import folded_adapter
 from vlft.generation.engine import Engine
-from vlft.training.grpo import KEPT_PROMPTS, GroupRelativePolicyOptimization, answer_seed
+from vlft.training.grpo import KEPT_PROMPTS, GroupRelativePolicyOptimization, _keys_of, answer_seed
 from vlft.training.loss import answer_token_logps
 from vlft.training.packing import pack, pack_groups, use_packed_attention
 from vlft.modeling import rope_index
 from vlft.training.rewards import Rewards
 from vlft.training.runs import StageInputs
-from vlft.training.train import Preempted
+from vlft.training.train import Preempted, _out_of_memory_said
 from conftest import (
     FLOAT64_RTOL,
     StopAfter,
@@ -526,7 +527,6 @@ class MethodOn:
         ({"method": "grpo", "answer_format": "final", "rewards": {"click_in_box": 1}}, "judges clicks"),
         ({"method": "grpo", "rewards": {"format": 1}, "loss_type": "sigmoid"}, "'sigmoid' is not a grpo loss"),
         ({"method": "grpo", "rewards": {"format": 1}, "packing": False}, "grpo needs packing: true"),
-        ({"method": "grpo", "rewards": {"format": 1}, "max_batch_tokens": "auto"}, "auto is measured on the records'"),
         ({"method": "grpo", "rewards": {"no_such_module_here:f": 1}, "answer_format": "final"}, "cannot be imported"),
         ({"method": "dpo", "beta": 0}, "dpo's β must be above 0"),
     ],
@@ -655,3 +655,52 @@ def test_a_rollout_collects_where_it_left_garbage_and_not_again_for_memory_a_col
             assert collected == [1, 2]
         finally:
             gc.callbacks.remove(collections)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["each row its own prompt", "prompts kept once a question"])
+def test_the_rollout_engine_is_counted_before_it_is_made_as_it_then_holds(shared_images, monkeypatch, shared):
+    """`max_batch_tokens: auto` counts the rollouts' kept engine beside a reward stage's update (at an
+    SFT step's budget, 16 screenshots a step of the 8B on one H200 ran out of memory beside it). What
+    is counted before any rollout is what the engine then holds at the stage's largest rollout, its
+    KV cache and its folded adapter, byte for byte; a smaller rollout's engine holds less."""
+    monkeypatch.setattr(folded_adapter, "FOLD_DEVICES", ("cuda", "cpu"))
+    if shared:
+        monkeypatch.setattr(grpo_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
+    on = MethodOn(shared_images, "final", loss_type="dapo")
+    keys = [r["key"] for r in on.data.records[:4]]
+    small, large = [[keys[0]]], [keys[:2], keys[2:4]]  # a question; two images' two questions each
+    counted = on.method.rollout_bytes([small, large, small])
+    held = []
+    for step in (small, large):  # the engine made for the small rollout is made anew for the large
+        engine = on.method._engine([(k, n) for k in _keys_of(step) for n in range(GRPO["num_generations"])])
+        assert (engine.cache.prefixes is not None) == shared and engine.step.folded is not None
+        held.append(engine.bytes)
+    assert held[1] == counted > held[0]
+    weights = sum(p.nbytes for n, p in on.model.named_parameters() if "base_layer.weight" in n)
+    assert engine.step.folded.bytes == weights and counted > weights
+
+
+@pytest.mark.parametrize(
+    "budget, chosen, said",
+    [
+        (
+            24576,
+            None,
+            r"with max_batch_tokens: 24576 beside the rollout engine's 0\.0 GiB \(its KV cache and folded "
+            r"adapter\): give max_batch_tokens: auto, which measures this GPU, or a smaller number",
+        ),
+        (
+            9984,
+            {"max_batch_tokens": 9984},
+            r"with max_batch_tokens: 9984 \(chosen by auto\) beside .*: give a smaller number",
+        ),
+    ],
+)
+def test_a_step_out_of_memory_is_one_sentence_naming_the_budget_and_the_engine_beside_it(
+    shared_images, budget, chosen, said
+):
+    on = MethodOn(shared_images, "final", loss_type="dapo")
+    on.method._engine([(r["key"], n) for r in on.data.records[:2] for n in range(GRPO["num_generations"])])
+    with pytest.raises(ConfigError, match="^this stage's step ran out of the memory " + said):
+        with _out_of_memory_said(budget, chosen, on.method, CPU):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 372.00 MiB.")

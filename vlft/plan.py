@@ -230,10 +230,6 @@ def _check_rewards(settings: dict, key: str) -> None:
         raise ConfigError(
             f"{key}.method: grpo needs packing: true (a question's answers share their prompt in one packed row)"
         )
-    if settings["max_batch_tokens"] == "auto":
-        raise ConfigError(
-            f"{key}.max_batch_tokens: auto is measured on the records' answers, not on sampled ones: give a number (or null) for a grpo stage"
-        )
     Rewards(settings["rewards"], settings["answer_format"], f"{key}.rewards")
 
 

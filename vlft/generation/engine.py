@@ -97,14 +97,28 @@ class Engine:
         text = language_model(model)
         weight = text.embed_tokens.weight
         self.model, self.slots, self.cascade = model, slots, cascade
-        # A multiple of 256: matmuls over an odd length (1724, say) leave the tensor cores' fast kernels.
-        self.max_length = -(-max_length // 256) * 256
-        self.cache = SlotCache(model, slots, own_length(cascade, self.max_length) if cascade else self.max_length)
+        self.max_length, row_length = _lengths(max_length, cascade)
+        self.cache = SlotCache(model, slots, row_length)
         if cascade:
             self.cache.prefixes = SharedPrefixes(model, cascade, self.max_length, slots)
         # Compiled on a GPU (13 s for an 8B on a fresh machine, once a process), where it halves a step.
         self.step = DecodeStep(model, self.cache, compile=weight.device.type == "cuda", folded=folded)
         self.step.sampler = sampler_for(sampling, slots, self.step.positions)
+
+    @staticmethod
+    def cache_bytes(model, slots: int, max_length: int, cascade: Cascade | None) -> int:
+        """The bytes of the KV cache (its rows, and its prefix slots) that an engine of these
+        arguments allocates: what a reward stage's kept engine holds beside its update."""
+        padded, row_length = _lengths(max_length, cascade)
+        tokens = slots * row_length + (cascade.prefixes * padded if cascade else 0)
+        return tokens * SlotCache.bytes_per_token(model)
+
+    @property
+    def bytes(self) -> int:
+        """What it holds on the device: its KV cache (rows and prefix slots) and its folded adapter."""
+        prefixes = self.cache.prefixes
+        tensors = self.cache.keys + self.cache.values + (prefixes.keys + prefixes.values if prefixes else [])
+        return sum(t.nbytes for t in tensors) + (self.step.folded.bytes if self.step.folded else 0)
 
     def fits(self, slots: int, max_length: int, cascade: Cascade | None) -> bool:
         """Whether a run of `slots` rows of up to `max_length` positions, its shared prefixes laid
@@ -163,6 +177,14 @@ class Engine:
         """Its KV cache and CUDA graph freed now."""
         self.step.release()
         self.cache.release()
+
+
+def _lengths(max_length: int, cascade: Cascade | None) -> tuple[int, int]:
+    """An engine's longest prompt and answer, and what each of its rows holds (with shared
+    prefixes, its own part): a multiple of 256, since matmuls over an odd length (1724, say) leave
+    the tensor cores' fast kernels."""
+    padded = -(-max_length // 256) * 256
+    return padded, own_length(cascade, padded) if cascade else padded
 
 
 class Generation:

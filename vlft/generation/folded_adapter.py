@@ -110,6 +110,13 @@ class FoldedAdapter:
         why = why_not_folded(model, memory_limit)
         return (None, why) if why else (cls(adapted_layers(model)), None)
 
+    @staticmethod
+    def bytes_for_rollouts(model, memory_limit: int | None) -> int:
+        """The bytes `for_rollouts` would allocate (0 where it does not fold), without allocating them."""
+        return (
+            0 if why_not_folded(model, memory_limit) else sum(l.base_layer.weight.nbytes for l in adapted_layers(model))
+        )
+
     @property
     def bytes(self) -> int:
         return sum(w.nbytes for w in self.weights)

@@ -491,21 +491,8 @@ class GroupRelativePolicyOptimization:
         fit it. Its rows are as long as the stage's longest prompt and answer, so that one decode
         step, compiled and captured once, serves every rollout (a step's own longest gave each
         rollout a shape of its own: 1.7 s of recompiling a rollout on a Kvasir-like stage)."""
-        settings = self.settings
-        if self.longest is None:
-            self.longest = max(s.prompt_length for s in self.data.samples.values()) + settings.max_completion_length
-        cascade = None
-        if self.share_prompts:
-            samples = [self.data.samples[key] for key, _ in asked]
-            prompts = [(self.data.images[s.record_id][1], s.input_ids[: s.prompt_length]) for s in samples]
-            cascade = cascade_for(prompts, len(asked), settings.max_completion_length)
-        if cascade is not None:
-            # A prefix slot a question: its answers' seats. With image groups a slot holds the prefix
-            # its image's questions share, and each row its question past it; seats for all of an
-            # image's answers (72 at 9 questions of 8) are past what flex_attention's decoding kernel
-            # compiles for.
-            cascade = replace(cascade, seats=self.generations, prefixes=len(asked) // self.generations)
-        if self.engine is None or not self.engine.fits(len(asked), self.longest, cascade):
+        settings, cascade = self.settings, self._cascade(asked)
+        if self.engine is None or not self.engine.fits(len(asked), self._longest(), cascade):
             if self.engine is not None:
                 self.engine.release()
             sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
@@ -517,10 +504,46 @@ class GroupRelativePolicyOptimization:
                     f"grpo: the rollout's decode steps read the adapter {'' if folded else 'as it is, '}{said}",
                     flush=True,
                 )
-            self.engine = Engine(unwrapped(self.model), len(asked), self.longest, sampling, cascade, folded)
+            self.engine = Engine(unwrapped(self.model), len(asked), self._longest(), sampling, cascade, folded)
             if self.dtype not in (torch.float32, torch.float64):
                 self.answer_weights = [torch.empty_like(p, dtype=self.dtype) for p in self.trainable]
         return self.engine
+
+    def _longest(self) -> int:
+        """The stage's longest prompt and answer: every rollout's rows are as long."""
+        if self.longest is None:
+            prompts = max(s.prompt_length for s in self.data.samples.values())
+            self.longest = prompts + self.settings.max_completion_length
+        return self.longest
+
+    def _cascade(self, asked: list[tuple[str, int]]):
+        """How a rollout of `asked` keeps its shared prompts in the engine's cache (None: each row its own)."""
+        if not self.share_prompts:
+            return None
+        samples = [self.data.samples[key] for key, _ in asked]
+        prompts = [(self.data.images[s.record_id][1], s.input_ids[: s.prompt_length]) for s in samples]
+        cascade = cascade_for(prompts, len(asked), self.settings.max_completion_length)
+        if cascade is None:
+            return None
+        # A prefix slot a question: its answers' seats. With image groups a slot holds the prefix
+        # its image's questions share, and each row its question past it; seats for all of an
+        # image's answers (72 at 9 questions of 8) are past what flex_attention's decoding kernel
+        # compiles for.
+        return replace(cascade, seats=self.generations, prefixes=len(asked) // self.generations)
+
+    def rollout_bytes(self, steps: list[Step]) -> int:
+        """What the rollouts' kept engine holds on the device beside the update, at the stage's
+        largest rollout (this process's share): its KV cache and, where the adapter folds, the
+        folded copy. A budget measured for an SFT step leaves no room for them: the 8B's 16
+        screenshots a step at max_batch_tokens 24576 ran out of an H200's memory in the first
+        update (130.9 GiB allocated), the engine holding some 20 GiB."""
+        limit = memory_limit(self.device) if self.device.type == "cuda" else None
+        model, cache = unwrapped(self.model), 0
+        for step in steps:
+            asked = [(key, n) for key in _keys_of(self._shares(step)[self.group.rank]) for n in range(self.generations)]
+            if asked:
+                cache = max(cache, Engine.cache_bytes(model, len(asked), self._longest(), self._cascade(asked)))
+        return cache + FoldedAdapter.bytes_for_rollouts(self.model, limit)
 
     def _answer_sample(self, key: str, number: int, answer: list[int]) -> Sample:
         """A sampled answer after its record's prompt, as a training sample of its own id; its

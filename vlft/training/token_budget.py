@@ -69,10 +69,14 @@ def without_side_effects(model, probe):
         torch.cuda.set_rng_state_all(states[1])
 
 
-def auto_budget(model, samples: list, batcher: HostBatcher, method, optimizer, forward_context, device, dtype) -> dict:
+def auto_budget(
+    model, samples: list, batcher: HostBatcher, method, optimizer, forward_context, device, dtype, beside: int = 0
+) -> dict:
     """`max_batch_tokens: auto`: the budget chosen for this GPU and the measurement it was chosen
     from, for the summary. `samples`: the stage's, in its records' order; `batcher` lays out a
-    micro-batch as the stage's steps do, and `method` (vlft.training.methods) computes its loss."""
+    micro-batch as the stage's steps do, and `method` (vlft.training.methods) computes its loss.
+    `beside`: bytes the stage will hold beside its steps that the measurement does not see (a
+    reward stage's rollout engine, vlft.training.grpo)."""
     if device.type != "cuda":
         return {"max_batch_tokens": None, "why": "no GPU: micro_batch samples a micro-batch"}
     longest = max(len(s.input_ids) for s in samples)
@@ -105,19 +109,20 @@ def auto_budget(model, samples: list, batcher: HostBatcher, method, optimizer, f
             f"sample ({2 * longest} tokens); give activation_checkpointing: true or quantization_bit: 4"
         ) from None
     torch.cuda.empty_cache()
-    budget = choose(limit, fixed + moments, per_token, longest)
+    budget = choose(limit, fixed + moments + beside, per_token, longest)
+    besides = f"the model{f' and the rollout engine ({beside / 2**30:.1f} GiB)' if beside else ''}"
     if budget is None:
         raise ConfigError(
             f"max_batch_tokens: auto: this GPU's {limit / 2**30:.1f} GiB cannot hold the longest sample ({longest} tokens) "
-            "besides the model; give activation_checkpointing: true or quantization_bit: 4"
+            f"besides {besides}; give activation_checkpointing: true or quantization_bit: 4"
         )
     return {
         "max_batch_tokens": budget,
         "memory_limit_gib": limit / 2**30,
-        "held_gib": (fixed + moments) / 2**30,
+        "held_gib": (fixed + moments + beside) / 2**30,
         "per_token_kib": per_token / 2**10,
         "longest_sample": longest,
-    }
+    } | ({"rollout_engine_gib": beside / 2**30} if beside else {})
 
 
 def describe(chosen: dict) -> str:
@@ -127,5 +132,11 @@ def describe(chosen: dict) -> str:
     return (
         f"max_batch_tokens: auto: {chosen['max_batch_tokens']} tokens, to fill {SAFETY:.0%} of "
         f"{chosen['memory_limit_gib']:.1f} GiB at {chosen['per_token_kib']:.0f} KiB a token "
-        f"beside {chosen['held_gib']:.1f} GiB held (measured on this stage's samples)"
+        f"beside {chosen['held_gib']:.1f} GiB held"
+        + (
+            f", the rollout engine's {chosen['rollout_engine_gib']:.1f} GiB among them"
+            if "rollout_engine_gib" in chosen
+            else ""
+        )
+        + " (measured on this stage's samples)"
     )

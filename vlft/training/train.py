@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def train_stage(
     first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
-    batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer)
+    batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer, steps)
     steps_before = _steps_before(inputs.init_adapter)
 
     # The loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
@@ -135,8 +136,10 @@ def train_stage(
         run.running_log, len(steps), first_step, outputs.adapter.parent.name, curves, device, group.is_main
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
-        for step, (groups, micro_batches) in zip(todo, _step_batches(method, steps, todo, batcher)):
-            fields, lr, grad_norm = trainer.step(groups, micro_batches)
+        batches = _memory_told(_step_batches(method, steps, todo, batcher), batcher.budget, chosen, method, device)
+        for step, (groups, micro_batches) in zip(todo, batches):
+            with _out_of_memory_said(batcher.budget, chosen, method, device):
+                fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
             fields |= batcher.work_spread(groups) | method.step_fields()  # a method's own sharing says its spread
             log.step(done, fields, lr, grad_norm, [s for g in groups for s in g.samples])
@@ -158,6 +161,37 @@ def train_stage(
     result = run.publish(outputs)
     distributed.barrier()
     return result
+
+
+@contextmanager
+def _out_of_memory_said(budget, chosen: dict | None, method, device):
+    """A step that runs out of the GPU's memory, said in one sentence with what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        engine = getattr(method, "engine", None)  # a reward stage's rollouts' (vlft.training.grpo)
+        beside = f" beside the rollout engine's {engine.bytes / 2**30:.1f} GiB (its KV cache and folded adapter)"
+        gpu = f"GPU's {token_budget.memory_limit(device) / 2**30:.1f} GiB" if device.type == "cuda" else "memory"
+        held = f"max_batch_tokens: {budget}{' (chosen by auto)' if chosen else ''}" if budget else "no max_batch_tokens"
+        advice = (
+            "a smaller number" if chosen else "max_batch_tokens: auto, which measures this GPU, or a smaller number"
+        )
+        raise ConfigError(
+            f"this stage's step ran out of the {gpu} with {held}{beside if engine else ''}: "
+            f"give {advice}, or activation_checkpointing: true"
+        ) from error
+
+
+def _memory_told(batches, budget, chosen: dict | None, method, device):
+    """The step batches, a step that runs out of memory while they are made (a reward stage's
+    rollout) said as `_out_of_memory_said` says it."""
+    batches = iter(batches)
+    while True:
+        with _out_of_memory_said(budget, chosen, method, device):
+            made = next(batches, None)
+        if made is None:
+            return
+        yield made
 
 
 def _setup_curves(curves_dir, report_to, params: dict, first_step: int, steps_before: int, metrics, group):
@@ -348,7 +382,7 @@ def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, 
     )
 
 
-def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData, trainer: Trainer):
+def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData, trainer: Trainer, steps: list):
     """The host batcher with the stage's token budget, and for `max_batch_tokens: auto` what was
     chosen and why (vlft.training.token_budget): the tightest GPU's, in a data-parallel job."""
     batcher = _host_batcher(settings, tokenizer, builder, data, trainer.model, trainer.device, trainer.group)
@@ -356,15 +390,22 @@ def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData,
     if budget != "auto":
         return replace(batcher, budget=budget), None
     samples = [data.samples[record["key"]] for record in data.records]
+    measured_with, beside = trainer.method, 0
+    if settings.method == "grpo" and trainer.device.type == "cuda":
+        # A token of a reward stage's update costs what an SFT token does (a forward and backward of
+        # a packed row, the loss's own work aside): measured on the records' answers, with the
+        # rollouts' kept engine held beside the update.
+        measured_with, beside = SupervisedFineTuning(data), trainer.method.rollout_bytes(steps)
     chosen = token_budget.auto_budget(
         trainer.model,
         samples,
         batcher,
-        trainer.method,
+        measured_with,
         trainer.optimizer,
         trainer.forward_context,
         trainer.device,
         trainer.dtype,
+        beside,
     )
     budget, group = chosen["max_batch_tokens"], trainer.group
     if group.size > 1:
