@@ -36,16 +36,25 @@ def run(code: Path, work: Path, model_dir: Path, prompts: Path, settings: dict, 
     started = time.time()
     status = train_job(code, model_dir, prompts, prompts / "vision", settings, out, list(range(processes)))
     if status != 0:
-        return {"error": f"exit {status}; see {out}.log"}
+        log = Path(f"{out}.log")
+        said = [line for line in log.read_text().splitlines() if line.startswith("error: ")] if log.exists() else []
+        return {"error": f"exit {status}; see {out}.log", "said": said[-1:]}
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
     return {
+        "max_batch_tokens_auto": summary.get("max_batch_tokens_auto"),
+        "prompts_once": [row.get("prompts_once") for row in rows],
         "step_s": [round(row["samples"] / row["samples_per_s"], 4) for row in rows],
         "reward": [round(row["reward"], 4) for row in rows],
         "timing_s/gen": [round(row["timing_s/gen"], 4) for row in rows],
         "rank_tokens": [row.get("rank_tokens") for row in rows],
-        "peak_gib_main_process": json.loads((out / "summary.json").read_text())["peak_memory_gb"],
+        "peak_gib_main_process": summary["peak_memory_gb"],
         "job_s": round(time.time() - started, 1),
     }
+
+
+def budget_of(given: str):
+    return given if given == "auto" else int(given)
 
 
 def main():
@@ -59,7 +68,9 @@ def main():
     parser.add_argument("--max-completion-length", type=int, default=20)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, default=12288)
+    parser.add_argument(
+        "--max-batch-tokens", nargs="+", default=["12288"], help="a number or auto; several: a run of each, one GPU"
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-grpo-gpus"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit")
@@ -83,7 +94,7 @@ def main():
     settings = dict(
         our_settings(args.steps),
         answer_format="final",
-        max_batch_tokens=args.max_batch_tokens,
+        max_batch_tokens=budget_of(args.max_batch_tokens[0]),
         method="grpo",
         beta=0.0,
         image_groups=args.questions_per_image > 1,
@@ -92,12 +103,14 @@ def main():
         max_completion_length=args.max_completion_length,
         rewards={"format": 1.0},
     )
-    runs = [(REPO, n, f"{n} GPU(s)") for n in args.processes]
+    runs = [(REPO, n, f"{n} GPU(s)", settings) for n in args.processes]
     if args.before:
-        runs.append((args.before.resolve(), max(args.processes), f"{max(args.processes)} GPU(s), before"))
+        runs.append((args.before.resolve(), max(args.processes), f"{max(args.processes)} GPU(s), before", settings))
+    for budget in args.max_batch_tokens[1:]:
+        runs.append((REPO, 1, f"1 GPU(s), max_batch_tokens {budget}", settings | {"max_batch_tokens": budget_of(budget)}))
     results = {}
-    for code, processes, label in runs:
-        result = run(code, args.work, model_dir, prompts, settings, processes, label.replace(" ", "_"))
+    for code, processes, label, settings in runs:
+        result = run(code, args.work, model_dir, prompts, settings, processes, label.replace(" ", "_").replace(",", ""))
         if "step_s" in result:
             measured = result["step_s"][args.warmup :]
             result["s_per_step"] = sum(measured) / len(measured)
