@@ -701,6 +701,6 @@ def test_a_step_out_of_memory_is_one_sentence_naming_the_budget_and_the_engine_b
 ):
     on = MethodOn(shared_images, "final", loss_type="dapo")
     on.method._engine([(r["key"], n) for r in on.data.records[:2] for n in range(GRPO["num_generations"])])
-    with pytest.raises(ConfigError, match="^this stage's step ran out of the memory " + said):
-        with _out_of_memory_said(budget, chosen, on.method, CPU):
+    with pytest.raises(ConfigError, match="^this stage's step 6 ran out of the memory " + said):
+        with _out_of_memory_said(budget, chosen, on.method, CPU, 5):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 372.00 MiB.")

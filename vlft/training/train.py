@@ -32,6 +32,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -136,9 +137,9 @@ def train_stage(
         run.running_log, len(steps), first_step, outputs.adapter.parent.name, curves, device, group.is_main
     ) as log:
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
-        batches = _memory_told(_step_batches(method, steps, todo, batcher), batcher.budget, chosen, method, device)
-        for step, (groups, micro_batches) in zip(todo, batches):
-            with _out_of_memory_said(batcher.budget, chosen, method, device):
+        said = partial(_out_of_memory_said, batcher.budget, chosen, method, device)
+        for step, (groups, micro_batches) in _memory_told(_step_batches(method, steps, todo, batcher), todo, said):
+            with said(step):
                 fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
             fields |= batcher.work_spread(groups) | method.step_fields()  # a method's own sharing says its spread
@@ -164,8 +165,8 @@ def train_stage(
 
 
 @contextmanager
-def _out_of_memory_said(budget, chosen: dict | None, method, device):
-    """A step that runs out of the GPU's memory, said in one sentence with what to change."""
+def _out_of_memory_said(budget, chosen: dict | None, method, device, step: int):
+    """Step `step` (from 0) running out of the GPU's memory, said in one sentence with what to change."""
     try:
         yield
     except torch.OutOfMemoryError as error:
@@ -177,21 +178,19 @@ def _out_of_memory_said(budget, chosen: dict | None, method, device):
             "a smaller number" if chosen else "max_batch_tokens: auto, which measures this GPU, or a smaller number"
         )
         raise ConfigError(
-            f"this stage's step ran out of the {gpu} with {held}{beside if engine else ''}: "
+            f"this stage's step {step + 1} ran out of the {gpu} with {held}{beside if engine else ''}: "
             f"give {advice}, or activation_checkpointing: true"
         ) from error
 
 
-def _memory_told(batches, budget, chosen: dict | None, method, device):
-    """The step batches, a step that runs out of memory while they are made (a reward stage's
-    rollout) said as `_out_of_memory_said` says it."""
+def _memory_told(batches, todo: range, said):
+    """Each step of `todo` with its batches, a step that runs out of memory while they are made (a
+    reward stage's rollout) `said` so."""
     batches = iter(batches)
-    while True:
-        with _out_of_memory_said(budget, chosen, method, device):
-            made = next(batches, None)
-        if made is None:
-            return
-        yield made
+    for step in todo:
+        with said(step):
+            made = next(batches)
+        yield step, made
 
 
 def _setup_curves(curves_dir, report_to, params: dict, first_step: int, steps_before: int, metrics, group):
