@@ -107,7 +107,9 @@ def main():
     if args.before:
         runs.append((args.before.resolve(), max(args.processes), f"{max(args.processes)} GPU(s), before", settings))
     for budget in args.max_batch_tokens[1:]:
-        runs.append((REPO, 1, f"1 GPU(s), max_batch_tokens {budget}", settings | {"max_batch_tokens": budget_of(budget)}))
+        runs.append(
+            (REPO, 1, f"1 GPU(s), max_batch_tokens {budget}", settings | {"max_batch_tokens": budget_of(budget)})
+        )
     results = {}
     for code, processes, label, settings in runs:
         result = run(code, args.work, model_dir, prompts, settings, processes, label.replace(" ", "_").replace(",", ""))
