@@ -22,6 +22,7 @@ from vlft.errors import ConfigError
 from vlft.files import read_jsonl
 from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
+from vlft.training import token_budget
 from vlft.training.batching import to_device
 import vlft.training.grpo as grpo_module
 from vlft.generation import folded_adapter
@@ -704,3 +705,51 @@ def test_a_step_out_of_memory_is_one_sentence_naming_the_budget_and_the_engine_b
     with pytest.raises(ConfigError, match="^this stage's step 6 ran out of the memory " + said):
         with _out_of_memory_said(budget, chosen, on.method, CPU, 5):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 372.00 MiB.")
+
+
+@pytest.mark.parametrize(
+    "room, folds",
+    [
+        (-30, False),  # 30 tokens short of the longest step beside the folded copy, 70 over without it
+        (0, True),  # every step fits beside the folded copy too
+        (-150, True),  # without the folded copy some step still would not fit (50 short): it folds
+    ],
+    ids=["the folded copy keeps prompts twice", "room for both", "prompts twice either way"],
+)
+def test_auto_leaves_the_adapter_unfolded_where_that_is_what_holds_every_steps_prompts_once(
+    shared_images, monkeypatch, capsys, room, folds
+):
+    """`max_batch_tokens: auto` for a reward stage is measured with the folded adapter held beside
+    the update. Where that copy is what keeps some step's prompts and longest answers from fitting
+    the budget once, and the budget without it holds every step's, the stage takes that budget and
+    its rollouts decode on the adapter as it is (a few ms a decode step, against a second forward
+    over a step's prompts); elsewhere the choice stands. The measurement here is made up: a token
+    costs a hundredth of the folded copy, so leaving it out adds 100 tokens (budgets to the token)."""
+    monkeypatch.setattr(folded_adapter, "FOLD_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(token_budget, "STEP", 1)
+    on = MethodOn(shared_images, "final", prompts_once=True)
+    keys = [r["key"] for r in on.data.records[:4]]
+    steps = [[keys[:2]], [keys[2:4]], [keys[:1]]]
+    needs = max(on.method._prompt_tokens(step) for step in steps)
+    folded = folded_adapter.FoldedAdapter.bytes_for_rollouts(on.model, None)
+    per_token, limit = folded / 100, 2**30
+    held = limit * token_budget.SAFETY - (needs + room) * per_token
+    chosen = {
+        "max_batch_tokens": token_budget.choose(limit, held, per_token, 1),
+        "memory_limit_gib": limit / 2**30,
+        "held_gib": held / 2**30,
+        "per_token_kib": per_token / 2**10,
+        "longest_sample": 1,
+        "rollout_engine_gib": folded / 2**30,
+    }
+    assert (chosen["max_batch_tokens"] >= needs) == (room == 0)
+    taken = on.method.prompts_once_or_folded(chosen, steps)
+    engine = on.method._engine([(k, n) for k in keys[:2] for n in range(GRPO["num_generations"])])
+    assert (engine.step.folded is not None) == folds
+    if folds:
+        assert taken == chosen
+        return
+    assert taken["max_batch_tokens"] == token_budget.choose(limit, held - folded, per_token, 1) >= needs
+    assert taken["rollout_engine_gib"] == pytest.approx(0, abs=1e-12) and taken["held_gib"] < chosen["held_gib"]
+    said = capsys.readouterr().out
+    assert f"decode steps read the adapter as it is, so that every step's prompts and longest answers ({needs}" in said

@@ -125,6 +125,13 @@ def auto_budget(
     } | ({"rollout_engine_gib": beside / 2**30} if beside else {})
 
 
+def choose_beside(chosen: dict, more_bytes: int) -> int | None:
+    """The budget `chosen`'s measurement gives with `more_bytes` more held beside the steps (fewer
+    where negative)."""
+    held = chosen["held_gib"] * 2**30 + more_bytes
+    return choose(chosen["memory_limit_gib"] * 2**30, held, chosen["per_token_kib"] * 2**10, chosen["longest_sample"])
+
+
 def describe(chosen: dict) -> str:
     """The job log's line for the chosen budget."""
     if chosen["max_batch_tokens"] is None:

@@ -406,6 +406,8 @@ def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData,
         trainer.dtype,
         beside,
     )
+    if beside:  # a reward stage's: with or without its folded adapter, whichever holds its prompts once
+        chosen = trainer.method.prompts_once_or_folded(chosen, steps)
     budget, group = chosen["max_batch_tokens"], trainer.group
     if group.size > 1:
         budget = min((b for b in distributed.gathered(budget) if b), default=None)
