@@ -17,6 +17,7 @@ from vlft.costs import (
     CountsMemo,
     ModelShape,
     Prediction,
+    TEMPLATE_TOKENS,
     Refinement,
     SplitCounts,
     Throughputs,
@@ -178,7 +179,16 @@ def test_a_prediction_follows_what_the_stage_computes():
     assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s
     # A grpo stage: num_iterations steps learn each rollout, drawn once: twice the updates, the same
     # rollouts (with rollouts taking no time, exactly twice the time).
-    grpo = dict(STAGE, method="grpo", num_generations=8, max_completion_length=20, beta=0.0)
+    grpo = dict(
+        STAGE,
+        method="grpo",
+        num_generations=8,
+        max_completion_length=20,
+        beta=0.0,
+        lora_dropout=0.05,  # its rollouts' prompts computed twice (below: once)
+        activation_checkpointing=False,
+        max_batch_tokens=None,
+    )
     no_rollouts = Throughputs(
         rate.device,
         rate.model,
@@ -204,6 +214,26 @@ def test_a_prediction_follows_what_the_stage_computes():
         update * (2 + 2 / 3)
     )
     assert twice.work_s - once.work_s == pytest.approx(updates_twice.work_s - updates_once.work_s)
+    # Where the rollout keeps its prompts' forward for the update (vlft.training.shared_prompts), its
+    # prefill is the update's forward over them: nothing is added for it. Elsewhere (dropout on the
+    # adapter, the stage's own or the one it starts from; activation checkpointing; a step longer than
+    # max_batch_tokens) each rollout prefills its prompts once more, at the prefill's rate.
+    no_decode = Throughputs(rate.device, rate.model, rate.values | {"decode_step_s": 0, "decode_row_s": 0}, 1.0)
+    kept = dict(grpo, num_iterations=1, lora_dropout=0.0)
+    update = train_seconds(kept, counts, no_rollouts).work_s
+    assert train_seconds(kept, counts, no_decode).work_s == update
+    assert train_seconds(dict(kept, max_batch_tokens="auto"), counts, no_decode).work_s == update
+    prompts = counts.distinct_image_tokens + counts.records * TEMPLATE_TOKENS + counts.question_tokens
+    prefill = prompts / rate["prefill_tokens_per_s"]  # each record's prompt once: one epoch
+    step_tokens = prompts / counts.records * 16 + 16 * 8 * 20  # 16 questions, 8 answers of at most 20 tokens each
+    for twice_settings, dropout in [
+        (dict(kept, lora_dropout=0.05), None),
+        (kept, 0.05),
+        (dict(kept, activation_checkpointing=True), None),
+        (dict(kept, max_batch_tokens=int(step_tokens) - 1), None),
+    ]:
+        assert train_seconds(twice_settings, counts, no_decode, dropout).work_s == pytest.approx(update + prefill)
+    assert train_seconds(dict(kept, max_batch_tokens=int(step_tokens) + 1), counts, no_decode).work_s == update
     # Evaluation: answers capped at max_new_tokens, decoded in rows of batch_size.
     long = kvasir_like(300)
     capped = eval_seconds({"max_new_tokens": 100, "batch_size": 128}, long, rate)

@@ -313,11 +313,14 @@ def _decode_s(tokens: float, rows: int, rate: Throughputs) -> float:
     return tokens * (rate["decode_step_s"] / rows + rate["decode_row_s"])
 
 
-def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Prediction:
+def train_seconds(
+    settings: dict, counts: SplitCounts, rate: Throughputs, adapter_dropout: float | None = None
+) -> Prediction:
     """A training stage's time: each step's forward and backward over the tokens it computes (an
     image's once a group with image groups, once a sample otherwise), the vision tower where it
     trains from pixels, and a method's own passes (dpo: the reference, once; grpo: its rollouts and
-    their passes without gradients)."""
+    their passes without gradients). `adapter_dropout`: the LoRA dropout of the adapter the stage
+    trains (where it starts from another stage's, that adapter's; None: the stage's own)."""
     records = max(counts.records, 1)
     step_size = settings["micro_batch"] * settings["grad_accum"]
     # A grpo stage learns each rollout num_iterations steps in a row (vlft.training.steps.plan_steps):
@@ -341,9 +344,14 @@ def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Pre
         rows = generations * step_size
         longest = counts.longest_answer(settings["max_completion_length"])
         rollouts = samples / step_size / repeats  # one for its num_iterations steps
-        extra_s = prompts * passes / repeats / rate["prefill_tokens_per_s"] + _decode_s(
-            longest * rollouts * rows, rows, rate
-        )
+        extra_s = _decode_s(longest * rollouts * rows, rows, rate)
+        dropout = settings["lora_dropout"] if adapter_dropout is None else adapter_dropout
+        # Where the rollout keeps its prompts' forward for the update, its prefill is the update's
+        # forward over them, in the step's tokens already; elsewhere a pass of its own.
+        # (A step's prompts with every answer at max_completion_length, as the runtime checks them.)
+        step_tokens = prompts / records * step_size + rows * settings["max_completion_length"]
+        if not _prompts_once(settings, dropout, step_tokens):
+            extra_s += prompts * passes / repeats / rate["prefill_tokens_per_s"]
     else:
         text += counts.answer_tokens() + (counts.rejected_tokens if method == "dpo" else 0)
     step_s = passes * (
@@ -363,6 +371,16 @@ def train_seconds(settings: dict, counts: SplitCounts, rate: Throughputs) -> Pre
         extra_s += without_gradients * passes / repeats * (image + text) / rate["train_tokens_per_s"] / 3
     what = f"{samples:,.0f} samples, {tokens(passes * (image + text))} tokens"
     return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
+
+
+def _prompts_once(settings: dict, dropout: float, step_tokens: float) -> bool:
+    """Whether a grpo stage's rollouts keep their prompts' forward for the update, as far as the plan
+    can tell (vlft.training.shared_prompts.prompts_once_unless): one update a rollout, no LoRA
+    dropout, no activation checkpointing, and an average step's prompts with every answer at its
+    longest (`step_tokens`) within a numeric max_batch_tokens (auto fits what it can)."""
+    budget = settings["max_batch_tokens"]
+    fits = budget is None or budget == "auto" or step_tokens <= budget
+    return settings["num_iterations"] == 1 and dropout == 0 and not settings["activation_checkpointing"] and fits
 
 
 def eval_seconds(evaluation: dict, counts: SplitCounts, rate: Throughputs, shape: tuple | None = None) -> Prediction:

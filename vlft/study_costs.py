@@ -104,9 +104,12 @@ class StudyCosts:
     def _unrefined_train(self, stage_id: str) -> Prediction | None:
         if self.rate is None:
             return None
-        settings = self.plan.stages[stage_id].settings
+        stage = self.plan.stages[stage_id]
+        settings = stage.settings
         counts = self.counts(settings["dataset"], settings["train_splits"], settings, settings["filter"] or {})
-        return train_seconds(settings, counts, self.rate) if counts else None
+        # A stage that starts from another trains that stage's adapter, made with its chain's first stage's dropout.
+        made_by = ([stage] + self.plan.ancestors(stage))[-1]
+        return train_seconds(settings, counts, self.rate, made_by.settings["lora_dropout"]) if counts else None
 
     def _unrefined_eval(self, experiment: str, stage: str, split: str) -> Prediction | None:
         if self.rate is None:
