@@ -5,7 +5,8 @@ micro-batch at the longest sample's length and one at twice that give the memory
 whatever the budget (weights, adapter, gradients) and the memory each further token of a
 micro-batch takes (activations grow linearly with the tokens of a packed row). The budget is what
 fills the GPU's memory (or the process's share of it, torch.cuda.set_per_process_memory_fraction)
-to SAFETY of it, with AdamW's two float32 moments of every trained weight added, rounded down to a
+to SAFETY of it, with AdamW's two float32 moments of every trained weight added (and a reward
+stage's rollout engine, which it keeps beside its steps: vlft.training.grpo), rounded down to a
 multiple of STEP. The probe's gradients are dropped and the random state restored: the steps train
 as they would with that budget given by hand. On a CPU there is no memory to fit: micro_batch
 samples a micro-batch, as with no budget.
