@@ -753,3 +753,30 @@ def test_auto_leaves_the_adapter_unfolded_where_that_is_what_holds_every_steps_p
     assert taken["rollout_engine_gib"] == pytest.approx(0, abs=1e-12) and taken["held_gib"] < chosen["held_gib"]
     said = capsys.readouterr().out
     assert f"decode steps read the adapter as it is, so that every step's prompts and longest answers ({needs}" in said
+
+
+def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_gets_the_same_values(
+    shared_images, monkeypatch
+):
+    """A rollout that keeps its prompts has put each image on the device once: its reference pass
+    (beta above 0) reads those copies rather than copying each image again (on the 8B, 34 ms of
+    the device and the host a step of 8 screenshots), and its log-probabilities are those of the
+    pass that copies them, bit for bit (two images with two questions each, image groups)."""
+    on = MethodOn(shared_images, "final", prompts_once=True, beta=0.04)
+    keys = [r["key"] for r in on.data.records[:4]]
+    step = [keys[:2], keys[2:]]
+    copied = []  # per row of a pass: the images it found on the device already
+    to_device = grpo_module.to_device
+
+    def to_device_noted(batch, device, dtype, placed=None):
+        copied.append(len(placed or {}))
+        return to_device(batch, device, dtype, placed)
+
+    monkeypatch.setattr(grpo_module, "to_device", to_device_noted)
+    groups = on.method.step_groups(step, 0, keep_prompts=True)
+    reused = {i: entry[1] for i, entry in on.method.rollout.items()}
+    assert copied == [2] and on.method.images_placed == {}  # one row, its two images; let go after
+    samples = {key: [s for g in groups for s in g.samples if s.record_id.startswith(f"{key}#")] for key in keys}
+    again = on.method._logps(samples, step, on.method.start)  # nothing placed now: each image copied
+    assert copied == [2, 0] and again.keys() == reused.keys()
+    assert all(torch.equal(again[i], reused[i]) for i in reused)
