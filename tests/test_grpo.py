@@ -758,14 +758,15 @@ def test_auto_leaves_the_adapter_unfolded_where_that_is_what_holds_every_steps_p
 def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_gets_the_same_values(
     shared_images, monkeypatch
 ):
-    """A rollout that keeps its prompts has put each image on the device once: its reference pass
-    (beta above 0) reads those copies rather than copying each image again (on the 8B, 34 ms of
-    the device and the host a step of 8 screenshots), and its log-probabilities are those of the
-    pass that copies them, bit for bit (two images with two questions each, image groups)."""
+    """A rollout that keeps its prompts has read each image and put it on the device once: its
+    reference pass (beta above 0) neither reads it from its cache again nor copies it again (on the
+    8B, 8 screenshots' vision features are 0.5 GB a step, 34 ms of the device and the host to copy),
+    and its log-probabilities are those of the pass that reads and copies them, bit for bit (two
+    images with two questions each, image groups)."""
     on = MethodOn(shared_images, "final", prompts_once=True, beta=0.04)
     keys = [r["key"] for r in on.data.records[:4]]
     step = [keys[:2], keys[2:]]
-    copied = []  # per row of a pass: the images it found on the device already
+    copied, read = [], []  # per row of a pass: the images it found on the device already; images read
     to_device = grpo_module.to_device
 
     def to_device_noted(batch, device, dtype, placed=None):
@@ -773,10 +774,19 @@ def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_g
         return to_device(batch, device, dtype, placed)
 
     monkeypatch.setattr(grpo_module, "to_device", to_device_noted)
+    cache = on.data.images[keys[0]][0]
+    tensor = type(cache).tensor
+
+    def tensor_noted(self, image_id):
+        read.append(image_id)
+        return tensor(self, image_id)
+
+    monkeypatch.setattr(type(cache), "tensor", tensor_noted)
     groups = on.method.step_groups(step, 0, keep_prompts=True)
     reused = {i: entry[1] for i, entry in on.method.rollout.items()}
     assert copied == [2] and on.method.images_placed == {}  # one row, its two images; let go after
+    assert len(read) == 2  # each image read once, by the rollout; the reference pass read none again
     samples = {key: [s for g in groups for s in g.samples if s.record_id.startswith(f"{key}#")] for key in keys}
-    again = on.method._logps(samples, step, on.method.start)  # nothing placed now: each image copied
-    assert copied == [2, 0] and again.keys() == reused.keys()
+    again = on.method._logps(samples, step, on.method.start)  # nothing placed now: each image read and copied
+    assert copied == [2, 0] and len(read) == 4 and again.keys() == reused.keys()
     assert all(torch.equal(again[i], reused[i]) for i in reused)

@@ -35,9 +35,11 @@ def collate(
     rope_index: Callable | None = None,
     pin: bool = False,
     read_images: bool = True,
+    held: dict | None = None,
 ) -> dict:
     """A micro-batch on the host. `prompt_only` drops the answers (for generation, left-padded).
-    `read_images` false leaves the images out (a sample whose image another one brings).
+    `read_images` false leaves the images out (a sample whose image another one brings). `held`:
+    images read already, by their source ((cache, image id)), taken as they are, not read again.
 
     With `rope_index` (the model's M-RoPE position function) a right-padded batch gets its
     positions here and no attention mask: under causal attention a real token only sees tokens
@@ -82,7 +84,15 @@ def collate(
         batch["attention_mask"] = attention
     # Each image as its cache holds it (pixels, or the vision tower's outputs), with the cache
     # that knows how to turn it into model input.
-    batch["images"] = [(cache, cache.tensor(image_id)) for cache, image_id in sources] if read_images else []
+    held = held or {}
+    batch["images"] = (
+        [
+            (cache, held[cache, image_id] if (cache, image_id) in held else cache.tensor(image_id))
+            for cache, image_id in sources
+        ]
+        if read_images
+        else []
+    )
     return pinned(batch) if pin else batch
 
 

@@ -66,7 +66,6 @@ from vlft.training.shared_prompts import PromptPass
 from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
 from vlft.training import token_budget
-from vlft.training.token_budget import memory_limit
 
 
 def answer_seed(stage_seed: int, rollout: int, key: str, number: int) -> int:
@@ -170,8 +169,8 @@ class GroupRelativePolicyOptimization:
         self.shares: dict[tuple[str, ...], list[list[tuple[str, ...]]]] = {}  # the last steps' (`_shares`)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else builder.end_of_turn
         self.reader = ThreadPoolExecutor(max_workers=1)  # the next step's prompts, read while this one's prefill runs
-        # A rollout's images on the device, by their source (data.images' (cache, image)), until its
-        # passes without gradients have been queued (`_logps`).
+        # A rollout's images as it read them and as it put them on the device, by their source
+        # (data.images' (cache, image)), until its passes without gradients have been queued (`_logps`).
         self.images_placed: dict = {}
         self.release = RolloutRelease()
         self.told_budget = False  # a step whose prompts did not fit max_batch_tokens told of (once a stage)
@@ -485,12 +484,13 @@ class GroupRelativePolicyOptimization:
                 engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, prefill_with=prefill)
             self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
             self.kept_ids = [answer_id(key, n) for key, n in asked]
-            # The images it put on the device, by their source, for its passes without gradients
-            # (where a rollout frees what it made, they go with it).
+            # The images it read and put on the device, by their source, for its passes without
+            # gradients (where a rollout frees what it made, they go with it).
             self.images_placed = {
-                data.images[data.samples[key].record_id]: placed[id(ready[key]["images"][0][1])]
+                data.images[data.samples[key].record_id]: (host, placed[id(host)])
                 for key in keys
                 if ready[key]["images"]
+                for host in [ready[key]["images"][0][1]]
             }
             return answers
         with (
@@ -508,8 +508,7 @@ class GroupRelativePolicyOptimization:
         few ms a decode step (on the 8B at 72 rows, 2.7 of 10.9 ms: about 50 ms a rollout of 20
         tokens); a step whose prompts do not fit computes them twice (16 screenshots of the 8B on
         one H200: 2.2-2.4 s a step against 1.35-1.40 s)."""
-        limit = memory_limit(self.device) if self.device.type == "cuda" else None
-        folded = FoldedAdapter.bytes_for_rollouts(self.model, limit)
+        folded = self._folded_bytes()
         budget = chosen["max_batch_tokens"]
         if self.prompt_pass is None or not folded or budget is None:
             return chosen
@@ -534,9 +533,8 @@ class GroupRelativePolicyOptimization:
             if self.engine is not None:
                 self.engine.release()
             sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, image_markers(self.model.config))
-            limit = memory_limit(self.device) if self.device.type == "cuda" else None
             folded, why_not = (
-                (None, self.not_folded) if self.not_folded else FoldedAdapter.for_rollouts(self.model, limit)
+                (None, self.not_folded) if self.not_folded else FoldedAdapter.for_rollouts(self.model, self._limit())
             )
             if self.engine is None:  # said once a stage
                 said = f"folded into a copy of its weights ({folded.bytes / 2**30:.1f} GiB)" if folded else why_not
@@ -577,13 +575,20 @@ class GroupRelativePolicyOptimization:
         folded copy. A budget measured for an SFT step leaves no room for them: the 8B's 16
         screenshots a step at max_batch_tokens 24576 ran out of an H200's memory in the first
         update (130.9 GiB allocated), the engine holding some 20 GiB."""
-        limit = memory_limit(self.device) if self.device.type == "cuda" else None
         model, cache = unwrapped(self.model), 0
         for step in steps:
             asked = [(key, n) for key in _keys_of(self._shares(step)[self.group.rank]) for n in range(self.generations)]
             if asked:
                 cache = max(cache, Engine.cache_bytes(model, len(asked), self._longest(), self._cascade(asked)))
-        return cache + FoldedAdapter.bytes_for_rollouts(self.model, limit)
+        return cache + self._folded_bytes()
+
+    def _limit(self) -> int | None:
+        """The bytes this process may hold on its GPU (None: not on a GPU)."""
+        return token_budget.memory_limit(self.device) if self.device.type == "cuda" else None
+
+    def _folded_bytes(self) -> int:
+        """The folded adapter's copy of the weights that the rollouts would hold beside the update (0: none)."""
+        return FoldedAdapter.bytes_for_rollouts(self.model, self._limit())
 
     def _answer_sample(self, key: str, number: int, answer: list[int]) -> Sample:
         """A sampled answer after its record's prompt, as a training sample of its own id; its
@@ -609,31 +614,22 @@ class GroupRelativePolicyOptimization:
         logps_of = {}
         forward = adapter_autocast(self.model, self.device, self.dtype)
         swapped = swapped_data(self.trainable, weights) if weights is not None else nullcontext()
+        # The images the rollout read and put on the device (prompts kept), neither read nor copied
+        # again: on the 8B, 8 screenshots' cached vision features are 0.5 GB a step, whose copy from
+        # pageable memory took 34 ms of the device and the host, with the device idle after the rollout.
+        held = {source: host for source, (host, _) in self.images_placed.items()}
+        on_device = {id(host): tensor for host, tensor in self.images_placed.values()}
         with swapped, torch.no_grad(), forward:
             for row in self.rows(groups):
-                batch = pack_groups(row, self.data.images, self.builder, rope_index(self.model))
-                logps = answer_token_logps(
-                    self.model, to_device(batch, self.device, self.dtype, self._placed(row, batch))
-                )
+                batch = pack_groups(row, self.data.images, self.builder, rope_index(self.model), held=held)
+                # A row's own copy of what is on the device: an image it copies is its own (its host
+                # tensor's id may be another's once that tensor is gone).
+                logps = answer_token_logps(self.model, to_device(batch, self.device, self.dtype, dict(on_device)))
                 # An answer's tokens are consecutive, in the order of the row's samples (the host's
                 # batch says how many each has).
                 lengths = torch.bincount(batch["answer_owners"], minlength=len(batch["sample_ids"]))
                 logps_of.update(zip(batch["sample_ids"], logps.split(lengths.tolist())))
         return logps_of
-
-    def _placed(self, row: list[ImageGroup], batch: dict) -> dict:
-        """The row's images that the rollout put on the device already, as `to_device` takes them (by
-        the id of the row's host tensor): a row's image is its group's first sample's (each group
-        of the update's rows brings one), so they are not copied again (from pageable memory, 34 ms
-        of the device and the host a step of 8 screenshots of the 8B, an H200)."""
-        if not self.images_placed or len(batch["images"]) != len(row):
-            return {}
-        sources = [self.data.images[group.samples[0].record_id] for group in row]
-        return {
-            id(tensor): self.images_placed[source]
-            for (_, tensor), source in zip(batch["images"], sources)
-            if source in self.images_placed
-        }
 
 
 def answer_id(key: str, number: int) -> str:

@@ -58,11 +58,17 @@ def pack(samples: list[Sample], images: dict, builder: PromptBuilder, rope_index
 
 
 def pack_groups(
-    groups: list[ImageGroup], images: dict, builder: PromptBuilder, rope_index: Callable, pin: bool = False
+    groups: list[ImageGroup],
+    images: dict,
+    builder: PromptBuilder,
+    rope_index: Callable,
+    pin: bool = False,
+    held: dict | None = None,
 ) -> dict:
     """One packed row on the host: each group's first sample whole, then its other samples without
     the prefix they share (vlft.training.image_groups). Every sample is collated alone first, so its
-    positions are its own; what each sample attends to is the row's layout (RowLayout)."""
+    positions are its own; what each sample attends to is the row's layout (RowLayout). `held`:
+    images read already, by their source, not read again (vlft.training.batching.collate)."""
     layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in groups])
     segments = iter(layout.segments)
     positions = PromptPositions(rope_index)
@@ -75,7 +81,7 @@ def pack_groups(
             # prefix (never an answer token: vlft.training.image_groups.shared_prefix_length): an
             # image's 1,000-3,000 prompt tokens are not made into tensors again for each answer.
             whole = partial(collate, [sample], images, builder, pad_id=0, read_images=False)
-            own = collate([without_prefix(sample, drop)], images, builder, pad_id=0, read_images=n == 0)
+            own = collate([without_prefix(sample, drop)], images, builder, pad_id=0, read_images=n == 0, held=held)
             own["position_ids"] = positions(sample, own, drop, whole)
             for key in pieces:
                 pieces[key].append(own[key])
