@@ -1,0 +1,167 @@
+"""What CUDA graphs would take out of a GRPO update's host-bound passes: the language model's 36
+decoder layers, LoRA on every linear layer, a forward and a backward over a pass of a few thousand
+tokens (a reward stage's prefill with gradients, or its answers' forward, on one Kvasir-like image),
+run three ways on one GPU:
+
+- `compiled`: each layer through one compiled function, as the stage runs them
+  (vlft.training.shared_prompts: torch.compile, dynamic shapes), the host launching every kernel;
+- `eager`: the layers as they are, the host launching every kernel;
+- `graphed`: each layer's forward and backward captured once (torch.cuda.make_graphed_callables, at
+  a fixed shape), replayed: the host launches one graph a layer and direction.
+
+A spike, not the stage's code: plain causal attention (SDPA) over one sequence, not the stage's
+packed prompts and answers; the point is the host's share at these sizes. The gradients of the
+graphed pass are checked against the eager pass's (the same kernels, so within bf16's rounding of
+the order of a few reductions).
+
+    python benchmarks/update_graphs.py --arch qwen3-vl-8b --tokens 1300 2600 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from train_speed import build_model, commit_of  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+
+LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+class LayerCall(torch.nn.Module):
+    """One decoder layer called as the stage's passes call it, its inputs tensors alone (what
+    make_graphed_callables takes)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, cos, sin):
+        return self.layer(hidden, position_embeddings=(cos, sin), attention_mask=None)
+
+
+def adapted_layers(arch: str, device: str):
+    """The model's decoder layers with a fresh LoRA (r 16, float32 weights, B random so that its
+    gradients are not all zero), and its rotary embedding."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_model(arch, make_tokenizer(), device)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    torch.manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+            if "lora_B" in name:
+                parameter.data.normal_(std=0.01)
+    text = model.base_model.model.model.language_model
+    return [LayerCall(layer) for layer in text.layers], text.rotary_emb, model
+
+
+def pass_inputs(rotary, tokens: int, width: int, device: str):
+    hidden = torch.randn(1, tokens, width, device=device, dtype=torch.bfloat16) * 0.5
+    positions = torch.arange(tokens, device=device).view(1, 1, -1).expand(3, 1, -1)
+    cos, sin = rotary(hidden, positions)
+    return hidden, cos, sin
+
+
+def run_pass(calls, hidden, cos, sin, autocast_dtype, device: str):
+    """A forward through every layer and a backward from a fixed direction: the host's seconds to
+    launch it and the seconds until the device is done."""
+    torch.cuda.synchronize() if device == "cuda" else None
+    began = time.perf_counter()
+    with torch.autocast(device, dtype=autocast_dtype, cache_enabled=False):
+        h = hidden.detach().requires_grad_()
+        for call in calls:
+            h = call(h, cos, sin)
+    (h.float() * DIRECTION[h.shape[1]]).sum().backward()
+    launched = time.perf_counter() - began
+    torch.cuda.synchronize() if device == "cuda" else None
+    return launched, time.perf_counter() - began
+
+
+DIRECTION: dict[int, torch.Tensor] = {}
+
+
+def lora_grads(model) -> list[torch.Tensor]:
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def timed(calls, inputs, model, repeats: int, device: str) -> dict:
+    for _ in range(3):  # compiles, autotuning, allocator warm-up
+        run_pass(calls, *inputs, torch.bfloat16, device)
+        model.zero_grad(set_to_none=True)
+    launched, done = [], []
+    for _ in range(repeats):
+        a, b = run_pass(calls, *inputs, torch.bfloat16, device)
+        launched.append(a)
+        done.append(b)
+        model.zero_grad(set_to_none=True)
+    launched.sort(), done.sort()
+    return {"host_launch_s": launched[len(launched) // 2], "pass_s": done[len(done) // 2], "repeats": repeats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen3-vl-8b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1300, 2600])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--commit")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls, rotary, model = adapted_layers(args.arch, device)
+    width = model.base_model.model.config.text_config.hidden_size
+    compiled_layer = torch.compile(lambda call, h, cos, sin: call(h, cos, sin), dynamic=True)
+    compiled = [lambda h, cos, sin, call=call: compiled_layer(call, h, cos, sin) for call in calls]
+    results = {}
+    for tokens in args.tokens:
+        inputs = pass_inputs(rotary, tokens, width, device)
+        DIRECTION[tokens] = torch.randn(1, tokens, width, device=device)
+        row = {"eager": timed(calls, inputs, model, args.repeats, device)}
+        run_pass(calls, *inputs, torch.bfloat16, device)
+        eager_grads = lora_grads(model)
+        row["compiled"] = timed(compiled, inputs, model, args.repeats, device)
+        if device == "cuda":
+            # Each layer's input as the pass hands it on: requiring gradients, as the graphs are replayed.
+            samples = tuple((inputs[0].detach().clone().requires_grad_(), inputs[1], inputs[2]) for _ in calls)
+            with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+                graphed = torch.cuda.make_graphed_callables(tuple(calls), samples)
+            model.zero_grad(set_to_none=True)
+            row["graphed"] = timed(list(graphed), inputs, model, args.repeats, device)
+            run_pass(list(graphed), *inputs, torch.bfloat16, device)
+            graphed_grads = lora_grads(model)
+            worst = max(
+                float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(graphed_grads, eager_grads)
+            )
+            row["graphed_vs_eager_grad_max_rel"] = worst
+            del graphed
+        results[tokens] = row
+        print(tokens, json.dumps(row), flush=True)
+    report = {
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "date": date.today().isoformat(),
+        "commit": commit_of(args.commit),
+        "command": "benchmarks/update_graphs.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "passes": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
