@@ -39,6 +39,17 @@ from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
+class CompiledCall(torch.nn.Module):
+    """A LayerCall through the one compiled function every layer runs (as the stage's passes run them)."""
+
+    def __init__(self, call: "LayerCall", compiled):
+        super().__init__()
+        self.call, self.compiled = call, compiled
+
+    def forward(self, hidden, cos, sin):
+        return self.compiled(self.call, hidden, cos, sin)
+
+
 class LayerCall(torch.nn.Module):
     """One decoder layer called as the stage's passes call it, its inputs tensors alone (what
     make_graphed_callables takes)."""
@@ -113,6 +124,22 @@ def timed(calls, inputs, model, repeats: int, device: str) -> dict:
     return {"host_launch_s": launched[len(launched) // 2], "pass_s": done[len(done) // 2], "repeats": repeats}
 
 
+def graphed_pass(modules, inputs, model, eager_grads, repeats: int, device: str) -> dict:
+    """The pass with each module's forward and backward captured at this shape and replayed; its
+    LoRA gradients against the eager pass's (`eager_grads`)."""
+    # Each layer's input as the pass hands it on: requiring gradients, as the graphs are replayed.
+    samples = tuple((inputs[0].detach().clone().requires_grad_(), inputs[1], inputs[2]) for _ in modules)
+    with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(tuple(modules), samples)
+    model.zero_grad(set_to_none=True)
+    row = timed(list(graphed), inputs, model, repeats, device)
+    run_pass(list(graphed), *inputs, torch.bfloat16, device)
+    worst = max(
+        float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(lora_grads(model), eager_grads)
+    )
+    return row | {"grad_max_rel_to_eager": worst}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3-vl-8b")
@@ -125,7 +152,7 @@ def main() -> None:
     calls, rotary, model = adapted_layers(args.arch, device)
     width = model.base_model.model.config.text_config.hidden_size
     compiled_layer = torch.compile(lambda call, h, cos, sin: call(h, cos, sin), dynamic=True)
-    compiled = [lambda h, cos, sin, call=call: compiled_layer(call, h, cos, sin) for call in calls]
+    compiled = [CompiledCall(call, compiled_layer) for call in calls]
     results = {}
     for tokens in args.tokens:
         inputs = pass_inputs(rotary, tokens, width, device)
@@ -135,19 +162,13 @@ def main() -> None:
         eager_grads = lora_grads(model)
         row["compiled"] = timed(compiled, inputs, model, args.repeats, device)
         if device == "cuda":
-            # Each layer's input as the pass hands it on: requiring gradients, as the graphs are replayed.
-            samples = tuple((inputs[0].detach().clone().requires_grad_(), inputs[1], inputs[2]) for _ in calls)
-            with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
-                graphed = torch.cuda.make_graphed_callables(tuple(calls), samples)
-            model.zero_grad(set_to_none=True)
-            row["graphed"] = timed(list(graphed), inputs, model, args.repeats, device)
-            run_pass(list(graphed), *inputs, torch.bfloat16, device)
-            graphed_grads = lora_grads(model)
-            worst = max(
-                float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(graphed_grads, eager_grads)
-            )
-            row["graphed_vs_eager_grad_max_rel"] = worst
-            del graphed
+            for name, modules in (("graphed", calls), ("compiled, graphed", compiled)):
+                try:
+                    row[name] = graphed_pass(modules, inputs, model, eager_grads, args.repeats, device)
+                except Exception as error:  # a spike: what failed is the finding
+                    row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                for module in modules:  # make_graphed_callables replaced each one's forward: put back
+                    module.__dict__.pop("forward", None)
         results[tokens] = row
         print(tokens, json.dumps(row), flush=True)
     report = {
