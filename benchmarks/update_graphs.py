@@ -7,7 +7,11 @@ run three ways on one GPU:
   (vlft.training.shared_prompts: torch.compile, dynamic shapes), the host launching every kernel;
 - `eager`: the layers as they are, the host launching every kernel;
 - `graphed`: each layer's forward and backward captured once (torch.cuda.make_graphed_callables, at
-  a fixed shape), replayed: the host launches one graph a layer and direction.
+  a fixed shape), replayed: the host launches one graph a layer and direction;
+- `compiled, C++ wrapper` (`--cpp-wrapper`): as `compiled`, inductor's code that launches a graph's
+  kernels written in C++ rather than Python (its `cpp_wrapper` option), dynamic shapes kept;
+- `compiled, reduce-overhead` (`--reduce-overhead`): torch.compile's own CUDA graphs of the
+  compiled layers (one recorded for each shape it meets), forward and backward.
 
 A spike, not the stage's code: plain causal attention (SDPA) over one sequence, not the stage's
 packed prompts and answers; the point is the host's share at these sizes. The gradients of the
@@ -91,6 +95,8 @@ def run_pass(calls, hidden, cos, sin, autocast_dtype, device: str):
     launch it and the seconds until the device is done."""
     torch.cuda.synchronize() if device == "cuda" else None
     began = time.perf_counter()
+    # torch.compile's CUDA graphs: a new pass, so the last one's outputs may be overwritten.
+    torch.compiler.cudagraph_mark_step_begin()
     with torch.autocast(device, dtype=autocast_dtype, cache_enabled=False):
         h = hidden.detach().requires_grad_()
         for call in calls:
@@ -134,10 +140,25 @@ def graphed_pass(modules, inputs, model, eager_grads, repeats: int, device: str)
     model.zero_grad(set_to_none=True)
     row = timed(list(graphed), inputs, model, repeats, device)
     run_pass(list(graphed), *inputs, torch.bfloat16, device)
-    worst = max(
-        float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(lora_grads(model), eager_grads)
-    )
-    return row | {"grad_max_rel_to_eager": worst}
+    return row | {"grad_max_rel_to_eager": largest_difference(lora_grads(model), eager_grads)}
+
+
+def compiled_row(compile_options: dict, calls, inputs, model, compiled_grads, repeats, device) -> dict:
+    """The pass through layers compiled with `compile_options`; its LoRA gradients against the
+    plainly compiled pass's (`compiled_grads`)."""
+    try:
+        layer = torch.compile(lambda call, h, cos, sin: call(h, cos, sin), dynamic=True, **compile_options)
+        modules = [CompiledCall(call, layer) for call in calls]
+        row = timed(modules, inputs, model, repeats, device)
+        run_pass(modules, *inputs, torch.bfloat16, device)
+    except Exception as error:  # a spike: what failed is the finding
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return row | {"grad_max_rel_to_compiled": largest_difference(lora_grads(model), compiled_grads)}
+
+
+def largest_difference(grads, reference) -> float:
+    """The largest difference of any LoRA gradient from its reference, over that reference's largest value."""
+    return max(float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(grads, reference))
 
 
 def main() -> None:
@@ -149,6 +170,10 @@ def main() -> None:
         "--graph-compiled",
         action="store_true",
         help="also capture the compiled layers (with torch 2.11 on an H200 the capture failed and left the device unusable)",
+    )
+    parser.add_argument("--cpp-wrapper", action="store_true", help="also the compiled layers with inductor's C++ wrapper")
+    parser.add_argument(
+        "--reduce-overhead", action="store_true", help="also the compiled layers as torch.compile's own CUDA graphs"
     )
     parser.add_argument("--commit")
     parser.add_argument("--out", type=Path, required=True)
@@ -166,6 +191,13 @@ def main() -> None:
         run_pass(calls, *inputs, torch.bfloat16, device)
         eager_grads = lora_grads(model)
         row["compiled"] = timed(compiled, inputs, model, args.repeats, device)
+        run_pass(compiled, *inputs, torch.bfloat16, device)
+        compiled_grads = lora_grads(model)
+        variants = {"compiled, C++ wrapper": {"options": {"cpp_wrapper": True}}} if args.cpp_wrapper else {}
+        if args.reduce_overhead and device == "cuda":
+            variants["compiled, reduce-overhead"] = {"mode": "reduce-overhead"}
+        for name, compile_options in variants.items():
+            row[name] = compiled_row(compile_options, calls, inputs, model, compiled_grads, args.repeats, device)
         if device == "cuda":
             both = (("graphed", calls), ("compiled, graphed", compiled))
             for name, modules in both if args.graph_compiled else both[:1]:
