@@ -11,7 +11,8 @@ run three ways on one GPU:
 - `compiled, C++ wrapper` (`--cpp-wrapper`): as `compiled`, inductor's code that launches a graph's
   kernels written in C++ rather than Python (its `cpp_wrapper` option), dynamic shapes kept;
 - `compiled, reduce-overhead` (`--reduce-overhead`): torch.compile's own CUDA graphs of the
-  compiled layers (one recorded for each shape it meets), forward and backward.
+  compiled layers (one recorded for each shape it meets), forward and backward; with
+  `--reduce-overhead-static`, compiled for each shape rather than for dynamic shapes.
 
 A spike, not the stage's code: plain causal attention (SDPA) over one sequence, not the stage's
 packed prompts and answers; the point is the host's share at these sizes. The gradients of the
@@ -147,7 +148,8 @@ def compiled_row(compile_options: dict, calls, inputs, model, compiled_grads, re
     """The pass through layers compiled with `compile_options`; its LoRA gradients against the
     plainly compiled pass's (`compiled_grads`)."""
     try:
-        layer = torch.compile(lambda call, h, cos, sin: call(h, cos, sin), dynamic=True, **compile_options)
+        compile_options = {"dynamic": True} | compile_options
+        layer = torch.compile(lambda call, h, cos, sin: call(h, cos, sin), **compile_options)
         modules = [CompiledCall(call, layer) for call in calls]
         row = timed(modules, inputs, model, repeats, device)
         run_pass(modules, *inputs, torch.bfloat16, device)
@@ -171,9 +173,14 @@ def main() -> None:
         action="store_true",
         help="also capture the compiled layers (with torch 2.11 on an H200 the capture failed and left the device unusable)",
     )
-    parser.add_argument("--cpp-wrapper", action="store_true", help="also the compiled layers with inductor's C++ wrapper")
+    parser.add_argument(
+        "--cpp-wrapper", action="store_true", help="also the compiled layers with inductor's C++ wrapper"
+    )
     parser.add_argument(
         "--reduce-overhead", action="store_true", help="also the compiled layers as torch.compile's own CUDA graphs"
+    )
+    parser.add_argument(
+        "--reduce-overhead-static", action="store_true", help="the same, compiled for each shape (not dynamic)"
     )
     parser.add_argument("--commit")
     parser.add_argument("--out", type=Path, required=True)
@@ -196,6 +203,8 @@ def main() -> None:
         variants = {"compiled, C++ wrapper": {"options": {"cpp_wrapper": True}}} if args.cpp_wrapper else {}
         if args.reduce_overhead and device == "cuda":
             variants["compiled, reduce-overhead"] = {"mode": "reduce-overhead"}
+        if args.reduce_overhead_static and device == "cuda":
+            variants["compiled for its shape, reduce-overhead"] = {"mode": "reduce-overhead", "dynamic": False}
         for name, compile_options in variants.items():
             row[name] = compiled_row(compile_options, calls, inputs, model, compiled_grads, args.repeats, device)
         if device == "cuda":
