@@ -200,6 +200,10 @@ def main() -> None:
         row["compiled"] = timed(compiled, inputs, model, args.repeats, device)
         run_pass(compiled, *inputs, torch.bfloat16, device)
         compiled_grads = lora_grads(model)
+        # How far two passes of the same compiled layers lie apart: what the variants' differences
+        # from compiled_grads are measured against.
+        run_pass(compiled, *inputs, torch.bfloat16, device)
+        row["compiled"]["grad_max_rel_to_itself"] = largest_difference(lora_grads(model), compiled_grads)
         variants = {"compiled, C++ wrapper": {"options": {"cpp_wrapper": True}}} if args.cpp_wrapper else {}
         if args.reduce_overhead and device == "cuda":
             variants["compiled, reduce-overhead"] = {"mode": "reduce-overhead"}
