@@ -204,13 +204,7 @@ def main() -> None:
         # from compiled_grads are measured against.
         run_pass(compiled, *inputs, torch.bfloat16, device)
         row["compiled"]["grad_max_rel_to_itself"] = largest_difference(lora_grads(model), compiled_grads)
-        variants = {"compiled, C++ wrapper": {"options": {"cpp_wrapper": True}}} if args.cpp_wrapper else {}
-        if args.reduce_overhead and device == "cuda":
-            variants["compiled, reduce-overhead"] = {"mode": "reduce-overhead"}
-        if args.reduce_overhead_static and device == "cuda":
-            variants["compiled for its shape, reduce-overhead"] = {"mode": "reduce-overhead", "dynamic": False}
-        for name, compile_options in variants.items():
-            row[name] = compiled_row(compile_options, calls, inputs, model, compiled_grads, args.repeats, device)
+        # make_graphed_callables first: after torch.compile's own graphs its capture failed.
         if device == "cuda":
             both = (("graphed", calls), ("compiled, graphed", compiled))
             for name, modules in both if args.graph_compiled else both[:1]:
@@ -220,6 +214,13 @@ def main() -> None:
                     row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 for module in modules:  # make_graphed_callables replaced each one's forward: put back
                     module.__dict__.pop("forward", None)
+        variants = {"compiled, C++ wrapper": {"options": {"cpp_wrapper": True}}} if args.cpp_wrapper else {}
+        if args.reduce_overhead and device == "cuda":
+            variants["compiled, reduce-overhead"] = {"mode": "reduce-overhead"}
+        if args.reduce_overhead_static and device == "cuda":
+            variants["compiled for its shape, reduce-overhead"] = {"mode": "reduce-overhead", "dynamic": False}
+        for name, compile_options in variants.items():
+            row[name] = compiled_row(compile_options, calls, inputs, model, compiled_grads, args.repeats, device)
         results[tokens] = row
         print(tokens, json.dumps(row), flush=True)
     report = {
