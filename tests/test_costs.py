@@ -129,6 +129,11 @@ def kvasir_like(answer_tokens: int, records=288, images=32) -> SplitCounts:
     )
 
 
+# Every decode rate a table may give zeroed: an evaluation's and a rollout's.
+NO_DECODE = {"decode_step_s": 0, "decode_row_s": 0, "rollout_decode_step_s": 0, "rollout_decode_row_s": 0}
+# A reward stage's host's costs beyond its tokens' work zeroed.
+NO_HOST = {"grpo_step_host_s": 0, "grpo_pass_host_s": 0}
+
 STAGE = dict(
     micro_batch=16, grad_accum=1, max_steps=None, epochs=1, image_groups=False, method="sft", vision_cache=True
 )
@@ -192,7 +197,7 @@ def test_a_prediction_follows_what_the_stage_computes():
     no_rollouts = Throughputs(
         rate.device,
         rate.model,
-        rate.values | {"prefill_tokens_per_s": math.inf, "decode_step_s": 0, "decode_row_s": 0},
+        rate.values | {"prefill_tokens_per_s": math.inf} | NO_DECODE,
         1.0,
     )
     once, twice = (train_seconds(dict(grpo, num_iterations=n), counts, rate) for n in (1, 2))
@@ -202,7 +207,7 @@ def test_a_prediction_follows_what_the_stage_computes():
     # log-probabilities; with beta above 0, one for the reference's: each a forward over the
     # update's tokens, a third of their forward and backward (with no time a sample besides the
     # tokens, exactly a third of the update).
-    tokens_only = Throughputs(rate.device, rate.model, no_rollouts.values | {"train_s_per_sample": 0}, 1.0)
+    tokens_only = Throughputs(rate.device, rate.model, no_rollouts.values | {"train_s_per_sample": 0} | NO_HOST, 1.0)
     update = train_seconds(dict(grpo, num_iterations=1), counts, tokens_only).work_s
     assert train_seconds(dict(grpo, num_iterations=2), counts, tokens_only).work_s == pytest.approx(
         update * (2 + 1 / 3)
@@ -214,11 +219,21 @@ def test_a_prediction_follows_what_the_stage_computes():
         update * (2 + 2 / 3)
     )
     assert twice.work_s - once.work_s == pytest.approx(updates_twice.work_s - updates_once.work_s)
+    # Beyond the tokens' work, the host's launches: a cost each step (288 questions in steps of 16,
+    # num_iterations steps a rollout) and each pass without gradients (one a rollout each).
+    host = Throughputs(
+        rate.device, rate.model, tokens_only.values | {"grpo_step_host_s": 1, "grpo_pass_host_s": 10}, 1.0
+    )
+    for iterations, beta, passes_a_rollout in [(1, 0.0, 0), (2, 0.0, 1), (1, 0.04, 1), (2, 0.04, 2)]:
+        settings = dict(grpo, num_iterations=iterations, beta=beta)
+        added = train_seconds(settings, counts, host).work_s - train_seconds(settings, counts, tokens_only).work_s
+        steps = 288 / 16 * iterations
+        assert added == pytest.approx(steps * 1 + passes_a_rollout * 288 / 16 * 10)
     # Where the rollout keeps its prompts' forward for the update (vlft.training.shared_prompts), its
     # prefill is the update's forward over them: nothing is added for it. Elsewhere (dropout on the
     # adapter, the stage's own or the one it starts from; activation checkpointing; a step longer than
     # max_batch_tokens) each rollout prefills its prompts once more, at the prefill's rate.
-    no_decode = Throughputs(rate.device, rate.model, rate.values | {"decode_step_s": 0, "decode_row_s": 0}, 1.0)
+    no_decode = Throughputs(rate.device, rate.model, rate.values | NO_DECODE, 1.0)
     kept = dict(grpo, num_iterations=1, lora_dropout=0.0)
     update = train_seconds(kept, counts, no_rollouts).work_s
     assert train_seconds(kept, counts, no_decode).work_s == update
@@ -240,6 +255,105 @@ def test_a_prediction_follows_what_the_stage_computes():
     uncapped = eval_seconds({"max_new_tokens": 512, "batch_size": 128}, long, rate)
     per_token = rate["decode_step_s"] / 128 + rate["decode_row_s"]
     assert uncapped.work_s - capped.work_s == pytest.approx(288 * 200 * per_token)
+
+
+@pytest.mark.parametrize("rows, measured_ms", [(72, 8.26), (144, 10.39), (288, 14.76)])
+def test_the_h200s_rollout_rates_give_the_decode_steps_measured(rows, measured_ms):
+    """The table's rollout rates against the three Kvasir-like steps they were fitted to (their
+    source: grpo_speed --phases, H200), each within 0.1 ms; the evaluation's rates would say
+    9.8, 15.5 and 27.0 ms."""
+    rate = throughputs("H200", 7.57e9)
+    assert (rate["rollout_decode_step_s"] + rows * rate["rollout_decode_row_s"]) * 1e3 == pytest.approx(
+        measured_ms, abs=0.1
+    )
+
+
+def test_a_rollouts_decode_steps_are_timed_at_the_rollouts_rates_where_the_table_has_them():
+    """A reward stage's decode steps: each rollout's longest answer's steps over all its rows (8
+    answers to each of a step's 16 questions), at the rollout's rates on the H200 and, where a table
+    has none (the H100's), at its evaluation's."""
+    counts = kvasir_like(10)
+    grpo = dict(
+        STAGE,
+        method="grpo",
+        num_generations=8,
+        max_completion_length=20,
+        beta=0.0,
+        lora_dropout=0.0,
+        num_iterations=1,
+        activation_checkpointing=False,
+        max_batch_tokens=None,
+    )
+    rows, rollouts = 8 * 16, counts.records / 16
+    steps = counts.longest_answer(20) * rollouts
+    for device, kind in (("H200", "rollout_"), ("H100", "")):
+        rate = throughputs(device, 7.57e9)
+        assert ("rollout_decode_step_s" in rate.values) == (kind == "rollout_")
+        zeroed = {f"{kind}decode_step_s": 0, f"{kind}decode_row_s": 0}
+        without = Throughputs(rate.device, rate.model, rate.values | zeroed, 1.0)
+        decode_s = train_seconds(grpo, counts, rate).work_s - train_seconds(grpo, counts, without).work_s
+        assert decode_s == pytest.approx(steps * (rate[f"{kind}decode_step_s"] + rows * rate[f"{kind}decode_row_s"]))
+    # The evaluation's rates are left to evaluations.
+    rate = throughputs("H200", 7.57e9)
+    rollout_rates_gone = {"rollout_decode_step_s": 0, "rollout_decode_row_s": 0}
+    evaluation_rates_gone = {"decode_step_s": 0, "decode_row_s": 0}
+    for gone in (rollout_rates_gone, evaluation_rates_gone):
+        changed = Throughputs(rate.device, rate.model, rate.values | gone, 1.0)
+        assert (train_seconds(grpo, counts, changed).work_s < train_seconds(grpo, counts, rate).work_s) == (
+            gone is rollout_rates_gone
+        )
+
+
+# benchmarks/grpo_speed.py's screenshots (benchmarks/train_speed.py's SIZES under its MIN_PIXELS and
+# MAX_PIXELS), one question each, taken in turn.
+SCREENSHOT_SIZES = [(720, 576), (1024, 768), (1280, 720), (1280, 1024), (1600, 900), (1920, 1080)]
+
+
+def screenshots(count: int) -> SplitCounts:
+    tokens = [image_tokens(h, w, 32, 3136, 1036 * 1288) for w, h in SCREENSHOT_SIZES]
+    taken = sum(tokens[i % len(tokens)] for i in range(count))
+    return SplitCounts(
+        records=count,
+        images=count,
+        image_tokens=taken,
+        distinct_image_tokens=taken,
+        question_tokens=count * 15,
+        answer_lengths={20: count},
+    )
+
+
+@pytest.mark.parametrize(
+    "workload, questions, beta, measured",
+    [
+        ("kvasir", 9, 0.0, 0.585),
+        ("kvasir", 18, 0.0, 0.860),
+        ("kvasir", 36, 0.0, 1.251),
+        ("kvasir", 18, 0.04, 1.056),
+        ("screenshots", 8, 0.0, 0.815),
+        ("screenshots", 8, 0.04, 1.115),
+    ],
+)
+def test_a_reward_stages_predicted_step_is_the_step_measured_on_the_h200(workload, questions, beta, measured):
+    """GRPO steps of the 8B as benchmarks/grpo_speed.py measured them on an H200 (the steady runs the
+    table's grpo_step_host_s names; every answer at its 20 tokens): the prediction of one step from
+    the table's rates. The host's two costs were fitted to these six steps, each within 6%."""
+    counts = (
+        kvasir_like(20, records=questions, images=questions // 9) if workload == "kvasir" else screenshots(questions)
+    )
+    settings = dict(
+        STAGE,
+        micro_batch=questions,
+        image_groups=workload == "kvasir",
+        method="grpo",
+        num_generations=8,
+        max_completion_length=20,
+        beta=beta,
+        lora_dropout=0.0,
+        num_iterations=1,
+        activation_checkpointing=False,
+        max_batch_tokens=None,
+    )
+    assert train_seconds(settings, counts, throughputs("H200", 7.57e9)).work_s == pytest.approx(measured, rel=0.06)
 
 
 def test_the_plans_wall_time_waits_for_what_a_job_needs_and_for_free_gpus():

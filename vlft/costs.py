@@ -36,8 +36,9 @@ TEMPLATE_TOKENS = 20
 CHARACTERS_A_TOKEN = 4
 COUNTS_VERSION = 1
 # Costs that do not grow with the model's size as its per-token work does: a job's own (reading its
-# data, saving), and what a GPU process pays once, with its first job (the model's load, the compile).
-FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s", "eval_compile_s")
+# data, saving), what a GPU process pays once, with its first job (the model's load, the compile),
+# and a reward stage's host's launches a step and a pass (its layers', not its tokens').
+FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s", "eval_compile_s", "grpo_step_host_s", "grpo_pass_host_s")
 
 
 def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> int:
@@ -307,10 +308,14 @@ def tokens(count: float) -> str:
     return f"{count / 1e6:,.1f}M" if count >= 1e6 else f"{count / 1e3:,.0f}k" if count >= 1e3 else f"{count:.0f}"
 
 
-def _decode_s(tokens: float, rows: int, rate: Throughputs) -> float:
+def _decode_s(tokens: float, rows: int, rate: Throughputs, kind: str = "") -> float:
     """Generating `tokens` answer tokens with `rows` answered at once: each step reads the weights
-    once for all its rows, and each row's own part."""
-    return tokens * (rate["decode_step_s"] / rows + rate["decode_row_s"])
+    once for all its rows, and each row's own part. `kind` "rollout_": a reward stage's rollout's
+    steps, at their own rates where the table has them (its rows share their prompts' keys, read
+    once a prompt, where an evaluation's each read their own), the evaluation's elsewhere."""
+    if f"{kind}decode_step_s" not in rate.values:
+        kind = ""
+    return tokens * (rate[f"{kind}decode_step_s"] / rows + rate[f"{kind}decode_row_s"])
 
 
 def train_seconds(
@@ -344,7 +349,7 @@ def train_seconds(
         rows = generations * step_size
         longest = counts.longest_answer(settings["max_completion_length"])
         rollouts = samples / step_size / repeats  # one for its num_iterations steps
-        extra_s = _decode_s(longest * rollouts * rows, rows, rate)
+        extra_s = _decode_s(longest * rollouts * rows, rows, rate, "rollout_")
         dropout = settings["lora_dropout"] if adapter_dropout is None else adapter_dropout
         # Where the rollout keeps its prompts' forward for the update, its prefill is the update's
         # forward over them, in the step's tokens already; elsewhere a pass of its own.
@@ -369,6 +374,11 @@ def train_seconds(
         # SFT step over the same tokens takes 0.58 s.
         without_gradients = (settings["beta"] > 0) + (repeats > 1)
         extra_s += without_gradients * passes / repeats * (image + text) / rate["train_tokens_per_s"] / 3
+        # What the token counts leave out: the host's launches of a step's passes through the compiled
+        # layers, which outlast their kernels at a few thousand tokens a pass (benchmarks/README.md,
+        # "What CUDA graphs would take out of the update"), a step and a pass without gradients.
+        steps = samples / step_size
+        extra_s += steps * rate["grpo_step_host_s"] + without_gradients * steps / repeats * rate["grpo_pass_host_s"]
     what = f"{samples:,.0f} samples, {tokens(passes * (image + text))} tokens"
     return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
 
