@@ -137,6 +137,18 @@ NO_HOST = {"grpo_step_host_s": 0, "grpo_pass_host_s": 0}
 STAGE = dict(
     micro_batch=16, grad_accum=1, max_steps=None, epochs=1, image_groups=False, method="sft", vision_cache=True
 )
+# A reward stage whose rollouts keep their prompts' forward (one update a rollout, no LoRA dropout).
+GRPO_STAGE = dict(
+    STAGE,
+    method="grpo",
+    num_generations=8,
+    max_completion_length=20,
+    beta=0.0,
+    lora_dropout=0.0,
+    num_iterations=1,
+    activation_checkpointing=False,
+    max_batch_tokens=None,
+)
 
 
 @pytest.mark.parametrize(
@@ -184,16 +196,7 @@ def test_a_prediction_follows_what_the_stage_computes():
     assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s
     # A grpo stage: num_iterations steps learn each rollout, drawn once: twice the updates, the same
     # rollouts (with rollouts taking no time, exactly twice the time).
-    grpo = dict(
-        STAGE,
-        method="grpo",
-        num_generations=8,
-        max_completion_length=20,
-        beta=0.0,
-        lora_dropout=0.05,  # its rollouts' prompts computed twice (below: once)
-        activation_checkpointing=False,
-        max_batch_tokens=None,
-    )
+    grpo = dict(GRPO_STAGE, lora_dropout=0.05)  # its rollouts' prompts computed twice (below: once)
     no_rollouts = Throughputs(
         rate.device,
         rate.model,
@@ -273,17 +276,7 @@ def test_a_rollouts_decode_steps_are_timed_at_the_rollouts_rates_where_the_table
     answers to each of a step's 16 questions), at the rollout's rates on the H200 and, where a table
     has none (the H100's), at its evaluation's."""
     counts = kvasir_like(10)
-    grpo = dict(
-        STAGE,
-        method="grpo",
-        num_generations=8,
-        max_completion_length=20,
-        beta=0.0,
-        lora_dropout=0.0,
-        num_iterations=1,
-        activation_checkpointing=False,
-        max_batch_tokens=None,
-    )
+    grpo = GRPO_STAGE
     rows, rollouts = 8 * 16, counts.records / 16
     steps = counts.longest_answer(20) * rollouts
     for device, kind in (("H200", "rollout_"), ("H100", "")):
@@ -340,19 +333,7 @@ def test_a_reward_stages_predicted_step_is_the_step_measured_on_the_h200(workloa
     counts = (
         kvasir_like(20, records=questions, images=questions // 9) if workload == "kvasir" else screenshots(questions)
     )
-    settings = dict(
-        STAGE,
-        micro_batch=questions,
-        image_groups=workload == "kvasir",
-        method="grpo",
-        num_generations=8,
-        max_completion_length=20,
-        beta=beta,
-        lora_dropout=0.0,
-        num_iterations=1,
-        activation_checkpointing=False,
-        max_batch_tokens=None,
-    )
+    settings = dict(GRPO_STAGE, micro_batch=questions, image_groups=workload == "kvasir", beta=beta)
     assert train_seconds(settings, counts, throughputs("H200", 7.57e9)).work_s == pytest.approx(measured, rel=0.06)
 
 
