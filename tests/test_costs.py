@@ -7,6 +7,8 @@ import json
 import math
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -297,14 +299,15 @@ def test_a_rollouts_decode_steps_are_timed_at_the_rollouts_rates_where_the_table
         )
 
 
-# benchmarks/grpo_speed.py's screenshots (benchmarks/train_speed.py's SIZES under its MIN_PIXELS and
-# MAX_PIXELS), one question each, taken in turn.
-SCREENSHOT_SIZES = [(720, 576), (1024, 768), (1280, 720), (1280, 1024), (1600, 900), (1920, 1080)]
-
-
 def screenshots(count: int) -> SplitCounts:
-    tokens = [image_tokens(h, w, 32, 3136, 1036 * 1288) for w, h in SCREENSHOT_SIZES]
-    taken = sum(tokens[i % len(tokens)] for i in range(count))
+    """benchmarks/grpo_speed.py's screenshots (benchmarks/train_speed.py's SIZES under its MIN_PIXELS
+    and MAX_PIXELS), one question each, taken in turn."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_speed
+
+    sizes = train_speed.SIZES
+    tokens = [image_tokens(h, w, 32, train_speed.MIN_PIXELS, train_speed.MAX_PIXELS) for w, h in sizes]
+    taken = sum(tokens[i % len(sizes)] for i in range(count))
     return SplitCounts(
         records=count,
         images=count,

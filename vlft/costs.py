@@ -377,8 +377,9 @@ def train_seconds(
         # What the token counts leave out: the host's launches of a step's passes through the compiled
         # layers, which outlast their kernels at a few thousand tokens a pass (benchmarks/README.md,
         # "What CUDA graphs would take out of the update"), a step and a pass without gradients.
-        steps = samples / step_size
-        extra_s += steps * rate["grpo_step_host_s"] + without_gradients * steps / repeats * rate["grpo_pass_host_s"]
+        extra_s += (
+            samples / step_size * rate["grpo_step_host_s"] + without_gradients * rollouts * rate["grpo_pass_host_s"]
+        )
     what = f"{samples:,.0f} samples, {tokens(passes * (image + text))} tokens"
     return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
 
