@@ -117,5 +117,5 @@ def test_the_compiled_draw_draws_the_eager_draws_tokens(settings):
     for position in range(0, 40, 7):
         positions = torch.full((64,), position, device="cuda")
         eager = draw_tokens(logits, seeds, positions, settings)
-        compiled = draw_tokens(logits, seeds, positions, settings, gumbel_max_compiled)
+        compiled = draw_tokens(logits, seeds, positions, settings, gumbel_max_compiled())
         assert torch.equal(compiled, eager), position

@@ -193,6 +193,65 @@ def test_outside_snakemake_a_script_runs_in_its_own_process(scripts, tmp_path):
     assert result.returncode == 0 and outcome(result)[1] == {"warm": False, "preloaded": False}
 
 
+# Imports what a warm process preloads, with CUDA reported present and every way into it recording
+# who called it; prints those calls. Each of them starts the CUDA driver on a GPU machine or reads
+# what only it can tell: `is_available` and `device_count` ask the driver how many GPUs there are
+# (cudaGetDeviceCount starts it), the device's capability and properties initialize torch.cuda,
+# and torch.compile called at import started the driver on an H200 (vlft.generation.sampling's did,
+# and no job of a study ran warm).
+IMPORTS_WITH_CUDA_PRESENT = """
+import json, sys, traceback
+import torch
+
+calls = []
+
+
+def recorder(name, result):
+    def called(*args, **kwargs):
+        frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+        calls.append(f"{name}, from {frames[-1].filename}:{frames[-1].lineno}")
+        return result(*args) if callable(result) else result
+    return called
+
+
+torch.cuda.is_available = recorder("torch.cuda.is_available", True)
+torch.cuda.device_count = recorder("torch.cuda.device_count", 1)
+torch.cuda.get_device_capability = recorder("torch.cuda.get_device_capability", (9, 0))
+torch.cuda.get_device_properties = recorder("torch.cuda.get_device_properties", None)
+torch.cuda.current_device = recorder("torch.cuda.current_device", 0)
+torch.cuda.init = torch.cuda._lazy_init = recorder("torch.cuda._lazy_init", None)
+# A CUDA build's, which bitsandbytes' CUDA backend reads at import where CUDA is present.
+torch._C._cuda_getCurrentRawStream = recorder("torch._C._cuda_getCurrentRawStream", 0)
+torch.compile = recorder("torch.compile", lambda model=None: model)
+if sys.argv[1] == "without-bitsandbytes":
+    sys.modules["bitsandbytes"] = None  # as if not installed: its import fails, find_spec finds none
+
+from vlft.jobs import warm_start  # noqa: E402
+import importlib  # noqa: E402
+
+modules = warm_start.preloaded_modules()
+for name in modules:
+    importlib.import_module(name)
+print(json.dumps({"modules": modules, "calls": calls}))
+"""
+
+
+@pytest.mark.parametrize("extras", ["as-installed", "without-bitsandbytes"])
+def test_importing_what_a_warm_process_preloads_starts_nothing_of_cuda(extras):
+    """With CUDA present, a warm process that had started CUDA in its imports could fork no job (a
+    forked child cannot use CUDA): every job of a study would pay its imports again. So nothing it
+    preloads may start CUDA or query a GPU, with the optional extras installed (bitsandbytes, which
+    PEFT imports wherever it is installed, queries every GPU at import) or not."""
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS_WITH_CUDA_PRESENT, extras], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    imported = json.loads(result.stdout.splitlines()[-1])
+    assert imported["calls"] == []
+    if extras == "without-bitsandbytes":  # the whole list then, PEFT and what imports it included
+        assert set(warm_start.PRELOAD_WITH_PEFT) <= set(imported["modules"])
+
+
 def test_a_warm_process_serves_only_jobs_of_its_environment_and_code(tmp_path, monkeypatch):
     """The variables a job reads only when it first uses them may differ; anything else, or a
     change to the project's code, needs a warm process of its own."""
@@ -212,31 +271,41 @@ def test_a_warm_process_serves_only_jobs_of_its_environment_and_code(tmp_path, m
 
 
 def test_a_warm_process_that_cannot_import_says_why_and_the_job_runs_itself(scripts, warm_env, tmp_path):
-    """A library that fails to import in the warm process: each job says so in one line and runs
-    in its own process, as without warm starts."""
-    broken = tmp_path / "site" / "peft"
+    """A library that fails to import in the warm process: the first job says so in one line, and
+    runs in its own process, as without warm starts; so do the later ones, which the warm process
+    refuses at once, without saying it again (every job's output is the run's too)."""
+    broken = tmp_path / "site" / "transformers"
     broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text('raise ImportError("this peft is broken")\n')
+    (broken / "__init__.py").write_text('raise ImportError("this transformers is broken")\n')
     path = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
     env = warm_env | {"PYTHONPATH": path}
-    said = "job.py: importing peft failed: this peft is broken; importing here (vlft.jobs.warm_start)\nto stderr\n"
+    said = "job.py: importing transformers failed: this transformers is broken; importing here (vlft.jobs.warm_start)\n"
     first = run(scripts / "job.py", "0", env=env, cwd=tmp_path)  # it starts the warm process
-    assert (first.returncode, first.stderr, outcome(first)[1]) == (0, said, {"warm": False, "preloaded": False})
-    # Later jobs, side by side, learn the same from the warm process, which refuses at once.
+    assert (first.returncode, first.stderr, outcome(first)[1]) == (
+        0,
+        said + "to stderr\n",
+        {"warm": False, "preloaded": False},
+    )
     later = [
         subprocess.Popen([sys.executable, str(scripts / "job.py"), "0"], env=env, cwd=tmp_path, **PIPES)
         for _ in range(4)
     ]
     for job in later:
         out, err = job.communicate(timeout=300)
-        assert (job.returncode, err, json.loads(out.splitlines()[1])) == (0, said, {"warm": False, "preloaded": False})
+        assert (job.returncode, err, json.loads(out.splitlines()[1])) == (
+            0,
+            "to stderr\n",
+            {"warm": False, "preloaded": False},
+        )
+    log = (Path(warm_env["TMPDIR"]) / warm_start.server_log(warm_start.fingerprint(env)).name).read_text()
+    assert log.count("importing transformers failed: this transformers is broken") == 1
 
 
 def test_ctrl_c_while_the_warm_process_imports_is_one_line_and_the_jobs_end_by_sigint(scripts, warm_env, tmp_path):
     """The first job waits for the warm process's imports: Ctrl-C then reaches the job's own process,
     before any child runs the script. One line, as a script's own Ctrl-C gives (vlft.jobs.cli), no
     traceback from the wait, and the job's end by SIGINT."""
-    slow = tmp_path / "site" / "peft"
+    slow = tmp_path / "site" / "transformers"
     slow.mkdir(parents=True)
     started = tmp_path / "importing"
     (slow / "__init__.py").write_text(
@@ -246,7 +315,7 @@ def test_ctrl_c_while_the_warm_process_imports_is_one_line_and_the_jobs_end_by_s
     job = subprocess.Popen([sys.executable, str(scripts / "job.py"), "0"], env=warm_env | {"PYTHONPATH": path}, **PIPES)
     deadline = time.time() + 120
     while not started.exists():
-        assert job.poll() is None and time.time() < deadline, "the job ended, or no warm process imported peft"
+        assert job.poll() is None and time.time() < deadline, "the job ended, or no warm process imported transformers"
         time.sleep(0.05)
     try:
         job.send_signal(signal.SIGINT)
@@ -310,11 +379,17 @@ def test_a_warm_process_running_threads_of_its_own_forks_no_job(scripts, warm_en
     env = warm_env | {"PYTHONPATH": path}
     said = (
         "job.py: the warm process runs threads besides its own (busy), which a forked job would inherit "
-        "half-done; importing here (vlft.jobs.warm_start)\nto stderr\n"
+        "half-done; importing here (vlft.jobs.warm_start)\n"
     )
-    for _ in range(2):  # the first job starts the warm process, the second finds it running
+    # The first job starts the warm process and says why it runs itself; the second finds it running,
+    # and runs itself without saying it again.
+    for expected in (said + "to stderr\n", "to stderr\n"):
         result = run(scripts / "job.py", "0", env=env, cwd=tmp_path)
-        assert (result.returncode, result.stderr, outcome(result)[1]) == (0, said, {"warm": False, "preloaded": False})
+        assert (result.returncode, result.stderr, outcome(result)[1]) == (
+            0,
+            expected,
+            {"warm": False, "preloaded": False},
+        )
 
 
 def test_an_installed_package_changes_which_warm_process_serves(tmp_path, monkeypatch):

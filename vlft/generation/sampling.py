@@ -13,6 +13,7 @@ answer in any batch, row or order, and a resumed run draws what an uninterrupted
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,7 @@ class Seeded:
         # A GPU's decode step adds the noise and takes the argmax compiled (the same arithmetic,
         # fused): eagerly, the noise of 64 rows by 151,936 tokens took some 25 elementwise kernels
         # over int64 and float64 tensors, 1.1 ms of the 8B's 11.7 ms step.
-        self.noise_and_argmax = gumbel_max_compiled if positions.is_cuda else gumbel_max
+        self.noise_and_argmax = gumbel_max_compiled() if positions.is_cuda else gumbel_max
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
@@ -140,9 +141,15 @@ def gumbel_max(warped: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     return (warped + gumbel).argmax(-1)
 
 
-# One shape a decode step (its rows and the vocabulary): compiled for it, as the step's layers are.
-# (Not the top-p's sort and cumulative sum: inductor failed to generate the float64 scan's kernel.)
-gumbel_max_compiled = torch.compile(gumbel_max, dynamic=False)
+@functools.cache
+def gumbel_max_compiled():
+    """`gumbel_max` compiled for one shape a decode step (its rows and the vocabulary), as the step's
+    layers are. (Not the top-p's sort and cumulative sum: inductor failed to generate the float64
+    scan's kernel.) Compiled when first asked for, never at import: torch.compile called while this
+    module was imported initialized the CUDA driver on an H200, and a warm process that has done so
+    cannot fork jobs (vlft.jobs.warm_start; tests/test_warm_start.py holds every preloaded module to it)."""
+    return torch.compile(gumbel_max, dynamic=False)
+
 
 MASK32 = 0xFFFFFFFF
 

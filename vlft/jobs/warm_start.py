@@ -65,14 +65,16 @@ PER_JOB = (
     "NUMEXPR_NUM_THREADS",
     "VLFT_JOB_STARTED",  # when the job's launcher started (vlft.jobs.cli): read at its end
 )
-# What the warm process imports once: the libraries and the project's modules the scripts use.
+# What the warm process imports once: the libraries and the project's modules the scripts use. None
+# of it may start CUDA, or query a GPU, when imported: a forked job could not use CUDA then
+# (tests/test_warm_start.py imports them all with CUDA's entry points recording their callers).
 PRELOAD = (
     "torch",
     "transformers",
-    "peft",
-    "vlft.training.train",
-    "vlft.generation.evaluate",
-    "vlft.caches.vision_cache",
+    "transformers.modeling_utils",
+    "transformers.models.qwen3_vl.modeling_qwen3_vl",
+    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    "transformers.models.qwen2_vl.modeling_qwen2_vl",
     "vlft.caches.image_cache",
     "vlft.demo.tiny_model",
     # An evaluation's free-text metrics (vlft.generation.text_metrics): nltk alone takes a second.
@@ -80,6 +82,19 @@ PRELOAD = (
     "rouge_score.rouge_scorer",
     "sacrebleu.tokenizers.tokenizer_13a",
 )
+# What imports peft, which imports bitsandbytes wherever it is installed (the `qlora` extra), and
+# bitsandbytes' own import asks torch for every GPU's compute capability: it starts CUDA. So these
+# are preloaded only where bitsandbytes is not installed; elsewhere each job imports them itself.
+PRELOAD_WITH_PEFT = ("peft", "vlft.training.train", "vlft.generation.evaluate", "vlft.caches.vision_cache")
+
+
+def preloaded_modules() -> tuple[str, ...]:
+    """What this machine's warm process imports once."""
+    import importlib.util
+
+    return PRELOAD + (() if importlib.util.find_spec("bitsandbytes") else PRELOAD_WITH_PEFT)
+
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 PROJECT = Path(__file__).resolve().parents[1]  # the vlft package: its code is part of the key
 # The warm process's program. It drops `-c`'s working directory from sys.path, so that it imports
@@ -170,6 +185,8 @@ def hand_off() -> None:
         end_interrupted()
     if not reply.isdigit():
         connection.close()  # a warm process that forks only now sees it, and starts nothing
+        if reply.startswith("said "):  # to an earlier job of the run, whose line is in the run's output
+            return None
         return _say(reply.removeprefix("no ") or "the warm process ended")
     _wait_for(replies, int(reply))
 
@@ -294,8 +311,12 @@ def serve(key: str) -> None:
     except OSError:
         return  # another job started one first
     listener.listen(64)  # jobs that connect now wait in the queue until the imports are done
-    # Where it cannot serve, it stays and tells each job why (so jobs do not each start another).
+    # Where it cannot serve, it stays and refuses each job (so jobs do not each start another). Each
+    # reason is said once, by the first job it reaches: every job's output is the run's output too.
     refusal = _preload()
+    if refusal:
+        print(refusal, file=sys.stderr, flush=True)
+    said: set[str] = set()
     children: dict[int, socket.socket] = {}
     last_busy = time.monotonic()
     listener.settimeout(0.2)
@@ -325,7 +346,8 @@ def serve(key: str) -> None:
         elif job is not None:
             pid = _start_child(connection, listener, children, *job)
         if pid is None:
-            _send_line(connection, f"no {refusal or 'job'}")
+            _send_line(connection, f"{'said' if refusal in said else 'no'} {refusal or 'job'}")
+            said |= {refusal} - {None}
             connection.close()
         else:
             children[pid] = connection
@@ -335,13 +357,13 @@ def _preload() -> str | None:
     """Import what the jobs would: None where this process can serve them then, else why not."""
     import importlib
 
-    for name in PRELOAD:
+    for name in preloaded_modules():
         try:
             importlib.import_module(name)
         except Exception as error:
             return f"importing {name} failed: {error}"
-        if cuda_touched():
-            return f"importing {name} initialized CUDA, which a forked job could not use"
+        if touched := cuda_touched():
+            return f"importing {name} {touched}, so no job can be forked from it (a forked job could not use CUDA)"
     return None
 
 
@@ -365,21 +387,24 @@ def _send_line(connection: socket.socket, line: str) -> None:
         pass  # the job's process is gone
 
 
-def cuda_touched() -> bool:
-    """Whether this process started the CUDA driver (it opens the NVIDIA device files then; merely
-    loading libcuda, as importing torch does, opens none) or counted GPUs: a forked child could not
-    use CUDA then, or would see this process's GPUs rather than its job's."""
+def cuda_touched() -> str | None:
+    """What this process did of CUDA, if anything, that a forked child could not live with: started
+    the driver (it opens the NVIDIA device files then; merely loading libcuda, as importing torch
+    does, opens none), initialized torch.cuda, or counted the GPUs (the child would see this
+    process's GPUs rather than its job's)."""
     fds = Path("/proc/self/fd")
     for fd in fds.iterdir():
         try:
-            if os.readlink(fd).startswith("/dev/nvidia"):
-                return True
+            if (target := os.readlink(fd)).startswith("/dev/nvidia"):
+                return f"started the CUDA driver (it opened {target})"
         except OSError:
             continue  # closed meanwhile (the directory's own descriptor)
     torch = sys.modules.get("torch")
-    return torch is not None and (
-        torch.cuda.is_initialized() or getattr(torch.cuda, "_cached_device_count", None) is not None
-    )
+    if torch is not None and torch.cuda.is_initialized():
+        return "initialized torch.cuda"
+    if torch is not None and getattr(torch.cuda, "_cached_device_count", None) is not None:
+        return "counted the GPUs (torch.cuda.device_count)"
+    return None
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
