@@ -219,15 +219,35 @@ def rule_times(results: Path) -> list[dict]:
 
 
 TOOK = re.compile(r"^took (\d+) s, predicted (\d+) s", re.M)
+# The dry run's one-time lines and its whole study's wall time (vlft.study_costs.StudyCosts.lines).
+ONCE_A_GPU = re.compile(r"once a GPU, before its first (train|evaluate) job: ([\d.]+ (?:s|min|h))")
+ONCE_A_SHAPE = re.compile(r"once an evaluation shape .*: (\d+) x ([\d.]+ (?:s|min|h))")
+PREDICTED_WALL = re.compile(r"wall time ([\d.]+ (?:s|min|h)) at")
 
 
-def predicted_against_measured(results: Path) -> dict:
+def seconds_of(duration: str) -> float:
+    """A duration as the dry run writes it ("50 s", "6.5 min", "1.20 h") in seconds."""
+    value, unit = duration.split()
+    return float(value) * {"s": 1, "min": 60, "h": 3600}[unit]
+
+
+def one_time_costs(dry_run: str) -> tuple[dict[str, float], float]:
+    """What the dry run predicts once a GPU, before its first job of each kind (train, evaluate), and
+    once an evaluation shape."""
+    per_kind = {m.group(1): seconds_of(m.group(2)) for m in ONCE_A_GPU.finditer(dry_run)}
+    shape = ONCE_A_SHAPE.search(dry_run)
+    return per_kind, (seconds_of(shape.group(2)) if shape else 0.0)
+
+
+def predicted_against_measured(results: Path, dry_run: str = "", gpus: int = 1) -> dict:
     """Each training and evaluation job's predicted time (the plan's, made before any of the study's
-    jobs ran: its `predicted_s` resource) against what it took, from the last line of its log. The
-    first job of each kind pays the GPU process's one-time costs (the model's load, the compile), and
-    the first evaluation of each split its decode step's compile for that shape: they are set apart
-    (the dry run counts those costs once, on lines of their own); the rest give the median error and the worst ratio; `refined` predicts each of
-    them again with the median measured/predicted ratio of the others of its kind (leave one out)."""
+    jobs ran: its `predicted_s` resource) against what it took, from the last line of its log, and
+    its fixed cost: what it took less its own work (the time its summary or metrics give). Each GPU's
+    first job of each kind pays what the dry run predicts once a GPU for that kind (the compile, the
+    model's first read), and the first evaluation of each split its decode step's compile for that shape: those jobs are
+    predicted with the dry run's one-time lines added (`predicted_whole_s`), and counted with the
+    rest. `refined` predicts each later job again with the median measured/predicted ratio of the
+    others of its kind (leave one out), as a dry run does once jobs of the study have run."""
     jobs = []
     for log in sorted((results / "logs").rglob("*.log")):
         rel = log.relative_to(results / "logs")
@@ -245,32 +265,58 @@ def predicted_against_measured(results: Path) -> dict:
                     "predicted_s": predicted,
                     "measured_s": measured,
                     "ratio": round(measured / predicted, 3),
+                    "fixed_s": fixed_cost(results, str(rel.with_suffix("")), measured),
                 }
             )
     jobs.sort(key=lambda job: job["started"])
+    once_a_gpu, once_a_shape = one_time_costs(dry_run)
     for job in jobs:
         job["shape"] = evaluation_shape(results, job["job"]) if job["kind"] == "evaluate" else "train"
-    # The first job of each kind pays the GPU process's one-time costs, and the first evaluation of
-    # each split's shape compiles the decode step for it: the dry run counts both once, apart.
-    firsts = {next(j["job"] for j in jobs if j["shape"] == shape) for shape in {j["shape"] for j in jobs}}
-    firsts |= {next(j["job"] for j in jobs if j["kind"] == kind) for kind in {j["kind"] for j in jobs}}
-    rest = [j for j in jobs if j["job"] not in firsts]
+    # Each GPU's first job of each kind, and each evaluation shape's first job.
+    kind_firsts = {j["job"] for kind in ("train", "evaluate") for j in [j for j in jobs if j["kind"] == kind][:gpus]}
+    shape_firsts = {next(j["job"] for j in jobs if j["shape"] == s) for s in {j["shape"] for j in jobs} - {"train"}}
+    gpu_firsts = {j["job"] for j in jobs[:gpus]}
+    for job in jobs:
+        once = once_a_gpu.get(job["kind"], 0.0) * (job["job"] in kind_firsts)
+        once += once_a_shape * (job["job"] in shape_firsts)
+        job["predicted_whole_s"] = round(job["predicted_s"] + once)
+        job["ratio_whole"] = round(job["measured_s"] / job["predicted_whole_s"], 3)
+        job["first_of_its_kind"] = job["job"] in kind_firsts | shape_firsts
+    rest = [j for j in jobs if not j["first_of_its_kind"]]
     for job in rest:
         others = [o["ratio"] for o in rest if o["kind"] == job["kind"] and o is not job]
         job["refined_s"] = round(job["predicted_s"] * statistics.median(others)) if others else None
-    for job in jobs:
-        job["first_of_its_kind"] = job["job"] in firsts
 
-    def error(key):
-        errors = [abs(j[key] - j["measured_s"]) / j["measured_s"] for j in rest if j.get(key)]
+    def error(key, among):
+        errors = [abs(j[key] - j["measured_s"]) / j["measured_s"] for j in among if j.get(key)]
         return round(statistics.median(errors), 3) if errors else None
 
+    later_fixed = [j["fixed_s"] for j in jobs if j["job"] not in gpu_firsts and j["fixed_s"] is not None]
     return {
         "jobs": jobs,
-        "median_error": error("predicted_s"),
-        "median_error_refined": error("refined_s"),
-        "worst_ratio": max((max(j["ratio"], 1 / j["ratio"]) for j in rest), default=None),
+        "one_time_s": {"once_a_gpu": once_a_gpu, "once_an_evaluation_shape": once_a_shape},
+        "median_error": error("predicted_whole_s", jobs),
+        "worst_ratio": max((max(j["ratio_whole"], 1 / j["ratio_whole"]) for j in jobs), default=None),
+        "median_error_after_firsts": error("predicted_s", rest),
+        "median_error_refined": error("refined_s", rest),
+        "largest_fixed_s_after_the_gpus_first_job": max(later_fixed, default=None),
     }
+
+
+def fixed_cost(results: Path, job: str, measured_s: int) -> float | None:
+    """What a job took beyond its own work: its launch, imports, model load and exit, from its
+    measured time less the wall time its summary (training) or metrics (evaluation) give."""
+    kind, *name = job.split("/")
+    own = (
+        results
+        / ("train" if kind == "train" else "eval")
+        / Path(*name)
+        / ("summary.json" if kind == "train" else "metrics.json")
+    )
+    try:
+        return round(measured_s - json.loads(own.read_text())["wall_time_s"], 1)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def evaluation_shape(results: Path, job: str) -> str:
@@ -305,6 +351,26 @@ def snakemake_timeline(log: Path) -> list[dict]:
     return sorted(jobs.values(), key=lambda job: job["start_s"])
 
 
+def promises(result: dict, forecast: dict, returncode, args) -> dict[str, bool]:
+    """What the README promises of a study run on the GPU, each True where this run holds to it:
+    the run finished, its jobs ran warm, each GPU job's fixed cost after the GPU's first is small, and
+    the dry run's predictions (made before any job ran) came true."""
+    wall = result["predicted_wall_s"]
+    fixed = forecast["largest_fixed_s_after_the_gpus_first_job"]
+    return {
+        "snakemake exited 0": returncode == 0,
+        f"at least {args.min_warm_share:.0%} of the jobs run warm": result["warm_share"] >= args.min_warm_share,
+        f"each GPU job's fixed cost at most {args.max_fixed_s:.0f} s after the GPU's first": fixed is not None
+        and fixed <= args.max_fixed_s,
+        f"median prediction error at most {args.max_median_error:.0%}": forecast["median_error"] is not None
+        and forecast["median_error"] <= args.max_median_error,
+        f"no prediction off by more than {args.max_ratio}x": forecast["worst_ratio"] is not None
+        and forecast["worst_ratio"] <= args.max_ratio,
+        f"the study's wall time within {args.max_median_error:.0%} of the prediction": wall is not None
+        and abs(wall - result["snakemake_s"]) <= args.max_median_error * result["snakemake_s"],
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
@@ -323,6 +389,16 @@ def main():
     )
     parser.add_argument(
         "--warm-start", choices=["on", "off"], default="on", help="jobs run by a warm process (vlft.jobs.warm_start)"
+    )
+    # What the README promises; the script exits 1 where this run breaks any of them.
+    parser.add_argument("--min-warm-share", type=float, default=0.9, help="of the jobs run by a warm process")
+    parser.add_argument("--max-fixed-s", type=float, default=15.0, help="a GPU job's cost beyond its own work")
+    parser.add_argument("--max-median-error", type=float, default=0.15, help="of the predictions, and of the wall time")
+    parser.add_argument(
+        "--max-ratio", type=float, default=1.5, help="the worst prediction's took/predicted, either way"
+    )
+    parser.add_argument(
+        "--build-only", action="store_true", help="build the study's data, model and workflow copy, then stop"
     )
     parser.add_argument("--resume", action="store_true", help="carry on with the study an earlier run left in --work")
     args = parser.parse_args()
@@ -356,15 +432,25 @@ def main():
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
     env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
     env |= extra_env
-    # The plan's own dry run first: what it predicts each job and the whole study will take.
-    dry_run = subprocess.run(
-        command + ["-n"], cwd=workdir, env=env | {"VLFT_WARM_START": "0"}, capture_output=True, text=True
-    )
-    predicted_plan = (
-        dry_run.stderr[dry_run.stderr.find("Predicted time of the jobs") :]
-        if "Predicted time" in dry_run.stderr
-        else dry_run.stderr[-3000:]
-    )
+    # The plan's own dry run first: what it predicts each job and the whole study will take (made by the
+    # --build-only call where the study was built by one).
+    dry_run_file = work / "dry-run.txt"
+    if args.resume and dry_run_file.exists():
+        predicted_plan = dry_run_file.read_text()
+    else:
+        dry_run = subprocess.run(
+            command + ["-n"], cwd=workdir, env=env | {"VLFT_WARM_START": "0"}, capture_output=True, text=True
+        )
+        predicted_plan = (
+            dry_run.stderr[dry_run.stderr.find("Predicted time of the jobs") :]
+            if "Predicted time" in dry_run.stderr
+            else dry_run.stderr[-3000:]
+        )
+        dry_run_file.write_text(predicted_plan)
+    if args.build_only:
+        print(predicted_plan)
+        print(f"data, model and the workflow's copy built in {build_s:.0f} s under {work}: run again with --resume")
+        return
     started = time.time()
     snakemake_log = args.out / f"workflow_gpu-{args.study}-{args.arch}.log"
     busy_samples = work / "gpu-samples.csv"
@@ -441,8 +527,14 @@ def main():
         "evaluate": evaluations,
         "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
         "dry_run_before": predicted_plan,
-        "predicted_against_measured": predicted_against_measured(results),
+        "predicted_against_measured": predicted_against_measured(results, predicted_plan, args.gpus),
     }
+    forecast = result["predicted_against_measured"]
+    predicted_wall = PREDICTED_WALL.search(predicted_plan)
+    result["predicted_wall_s"] = seconds_of(predicted_wall.group(1)) if predicted_wall else None
+    all_jobs = sum(1 for log in (results / "logs").rglob("*.log") if not log.name.endswith(".attempts.log"))
+    result["warm_share"] = round(warm_jobs / all_jobs, 3) if all_jobs else 0.0
+    result["promises"] = promises(result, forecast, returncode, args)
     (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
     # The jobs' own logs and per-step training logs beside it, for where each job's time went.
     logs = args.out / f"workflow_gpu-{args.study}-{args.arch}-logs"
@@ -468,6 +560,16 @@ def main():
     for name, metrics in evaluations.items():
         print(f"evaluate {name}: {metrics}")
     print(predicted_plan)
+    forecast = result["predicted_against_measured"]
+    print(
+        f"forecast: median error {forecast['median_error']} (first jobs with the one-time lines), worst "
+        f"{forecast['worst_ratio']}x; whole study predicted {result['predicted_wall_s']} s, Snakemake took {run_s:.0f} s; "
+        f"largest fixed cost after the GPU's first job {forecast['largest_fixed_s_after_the_gpus_first_job']} s"
+    )
+    broken = [name for name, held in result["promises"].items() if not held]
+    if broken:
+        print(f"promises that no longer hold: {', '.join(broken)}")
+        sys.exit(1)
     accuracy = result["predicted_against_measured"]
     for job in accuracy["jobs"]:
         first = " (first of its kind or shape: the one-time costs)" if job["first_of_its_kind"] else ""

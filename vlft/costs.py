@@ -36,9 +36,17 @@ TEMPLATE_TOKENS = 20
 CHARACTERS_A_TOKEN = 4
 COUNTS_VERSION = 1
 # Costs that do not grow with the model's size as its per-token work does: a job's own (reading its
-# data, saving), what a GPU process pays once, with its first job (the model's load, the compile),
+# data, saving), what a GPU pays once, with its first job of a kind (the compile, the model's first read),
 # and a reward stage's host's launches a step and a pass (its layers', not its tokens').
-FIXED = ("train_fixed_s", "eval_fixed_s", "study_once_s", "eval_compile_s", "grpo_step_host_s", "grpo_pass_host_s")
+FIXED = (
+    "train_fixed_s",
+    "eval_fixed_s",
+    "train_once_s",
+    "eval_once_s",
+    "eval_compile_s",
+    "grpo_step_host_s",
+    "grpo_pass_host_s",
+)
 
 
 def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> int:

@@ -47,6 +47,13 @@ def local_gpu() -> str | None:
     return next((d for d in devices() if d.lower() != "cpu" and d.lower() in first.lower()), None)
 
 
+# A GPU's one-time costs by the kind of job that pays them: (job names' start, the table's quantity, what it is).
+ONCE_A_GPU = (
+    ("train", "train_once_s", "the training step's compile"),
+    ("evaluate", "eval_once_s", "the model's first read and the answering's compile"),
+)
+
+
 class StudyCosts:
     def __init__(self, plan: Plan, config: dict, digests: DigestMemo, results: str):
         self.plan, self.config, self.digests, self.results = plan, config, digests, results
@@ -226,12 +233,15 @@ class StudyCosts:
             named = ", ".join(f"{count} {rule}" for rule, count in sorted(cpu_jobs.items()))
             lines.append(f"  not predicted: the CPU jobs ({named})")
         hours = "GPU-hours" if device.lower() != "cpu" else "hours of jobs"
-        once = self.rate["study_once_s"] if self.rate else 0.0
-        if once:  # each GPU's first job: not in the jobs' times, so that each job's own can be checked
-            processes = min(capacity, len(priced))
-            gpu_hours += once * processes / 3600
-            wall += once
-            lines.append(f"  once a GPU, before its first job: {_duration(once)} (the model's load and the compile)")
+        # What each GPU pays with its first job of a kind (the layers' compile; for evaluations also the
+        # model's first read): not in the jobs' times, so that each job's own can be checked.
+        for kind, quantity, what in ONCE_A_GPU:
+            once = self.rate[quantity] if self.rate else 0.0
+            of_kind = sum(name.startswith(kind) for _, name, _, _ in priced)
+            if once and of_kind:
+                gpu_hours += once * min(capacity, of_kind) / 3600
+                wall += once
+                lines.append(f"  once a GPU, before its first {kind} job: {_duration(once)} ({what})")
         shapes = {p.compiles for _, _, p, _ in priced if p and p.compiles}
         compile_s = len(shapes) * (self.rate["eval_compile_s"] if self.rate else 0.0)
         if compile_s:  # paid by whichever evaluation of each shape runs first
