@@ -2,12 +2,16 @@
 format is never loaded, and says so; a damaged one is set aside and the one before it serves."""
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import KilledAfter, StopAfter
+
+from vlft.errors import TrainingError
 
 from vlft.files import read_jsonl
 from vlft.training import checkpoints
@@ -93,3 +97,41 @@ class RunsCode:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_altered_in_place_is_one_sentence_set_aside_and_the_one_before_serves(
+    small_stage, tmp_path, capsys
+):
+    """The newest checkpoint's adapter weights rewritten, same size, still a valid safetensors file:
+    its recorded checksum tells it apart, and the stage resumes from the one before."""
+    with pytest.raises(KeyboardInterrupt):
+        train(small_stage, tmp_path, KilledAfter(3))
+    newest = checkpoints.latest(run_dir(tmp_path))
+    adapter = newest / checkpoints.ADAPTER
+    weights = load_file(adapter)
+    size = adapter.stat().st_size
+    save_file({name: torch.full_like(t, float("nan")) for name, t in weights.items()}, adapter)
+    assert adapter.stat().st_size == size
+    summary = train(small_stage, tmp_path)
+    assert summary["resumed_from_step"] == 1
+    said = capsys.readouterr().out
+    assert f"{newest}: damaged (adapter.safetensors: its content differs from the checksum in state.json)" in said
+    assert [row["step"] for row in read_jsonl(tmp_path / "log.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_loss_that_is_not_a_finite_number_stops_the_stage_in_one_sentence_naming_the_step(small_stage, tmp_path):
+    """A learning rate so large that the first update overflows: the next step's loss is not finite.
+    The stage stops there, and no adapter is written to be evaluated (or win the report)."""
+    inputs, settings = small_stage
+    paths = [tmp_path / name for name in ("adapter", "log.jsonl", "summary.json")]
+    with pytest.raises(TrainingError) as stopped:
+        train_stage(
+            inputs, settings | {"max_steps": 4, "micro_batch": 4, "learning_rate": 1e30}, *paths, tmp_path / "ckpt", 1
+        )
+    said = str(stopped.value)
+    assert re.fullmatch(
+        r"step [234] of 4: the loss is (nan|inf|-inf) and the gradient norm \S+, not finite numbers: the stage "
+        r"stops here with no adapter \(a lower learning_rate or max_grad_norm, or rewards that stay finite, may avoid it\)",
+        said,
+    ), said
+    assert not any(path.exists() for path in paths)

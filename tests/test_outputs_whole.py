@@ -227,3 +227,59 @@ def test_outputs_follow_the_umask_though_safetensors_writes_them_private(tmp_pat
     for path in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "index.json"):
         assert (tmp_path / path).stat().st_mode & 0o777 == plain, path
     assert (tmp_path / "adapter").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_a_training_job_removes_only_what_it_made(demo_workdir, tmp_path):
+    """A stage's checkpoint directory linked to a directory of the user's (more room elsewhere), and its
+    TensorBoard directory holding a file of theirs: training the stage removes the run directory of its
+    earlier settings, which this project made, and nothing else of either; no link is followed out."""
+    from conftest import copy_demo_upstream, snakemake
+
+    workdir = copy_demo_upstream(demo_workdir, tmp_path / "demo")
+    users = tmp_path / "users-disk"
+    (users / "mydata").mkdir(parents=True)
+    (users / "precious.txt").write_text("mine")
+    (users / "mydata/notes.txt").write_text("mine too")
+    (users / "0123456789abcdef").mkdir()  # named like a run directory, but not one this project made
+    earlier = users / "fedcba9876543210"  # a run of the stage's earlier settings, as training made it
+    earlier.mkdir()
+    (earlier / ".vlft-run-directory").touch()
+    (workdir / "results/checkpoints/exp1").mkdir(parents=True)
+    (workdir / "results/checkpoints/exp1/main").symlink_to(users)
+    curves = workdir / "results/tensorboard/exp1/main"
+    curves.mkdir(parents=True)
+    (curves / "my-notes.txt").write_text("mine")
+    (curves / "events.out.tfevents.1.host.1.0").write_bytes(b"")  # an earlier run's curves
+
+    snakemake(workdir, "--cores", "2", "results/train/exp1/main/summary.json", timeout=900)
+
+    assert (users / "precious.txt").read_text() == "mine" and (users / "mydata/notes.txt").read_text() == "mine too"
+    assert (users / "0123456789abcdef").is_dir() and not earlier.exists()
+    assert (curves / "my-notes.txt").read_text() == "mine"
+    assert not (curves / "events.out.tfevents.1.host.1.0").exists()  # its own, of the run before
+    assert list(curves.glob("events.out.tfevents.*"))  # this run's curves
+
+
+@pytest.mark.parametrize(
+    "results,why",
+    [
+        ("/", "the file system's root"),
+        (str(Path.home()), "your home directory"),
+        ("..", "a directory above the study's"),
+        (".", "the study's own directory"),
+    ],
+)
+def test_a_results_directory_that_is_not_the_studys_own_is_refused(tmp_path, results, why):
+    """Jobs write and clean up under `results`: the root, the home directory, or the study's own
+    directory or one above it is refused in one sentence before any job, nothing written."""
+    from conftest import copy_workflow, snakemake
+    import yaml
+
+    workdir = copy_workflow(tmp_path / "study")
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    (workdir / "config/bad.yaml").write_text(yaml.safe_dump(config | {"results": results}))
+    result = snakemake(workdir, "--dry-run", "--configfile", "config/bad.yaml", check=False)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("Invalid config: ")]
+    assert result.returncode != 0 and len(lines) == 1, result.stdout + result.stderr
+    assert lines[0].startswith(f"Invalid config: results: '{results}' is {why}")
+    assert not (workdir / "results").exists()

@@ -168,7 +168,26 @@ def results_directory(config: dict, config_files: list) -> str:
     """Where a study's outputs land: its `results`, else results/<its config file's name> (the last
     --configfile given), or results for the demo: two studies never share one by default."""
     if config.get("results"):
-        return config["results"]
+        return checked_results(config["results"])
     if "demo" in config or not config_files:
         return "results"
     return f"results/{Path(config_files[-1]).name.split('.')[0]}"
+
+
+def checked_results(results: str) -> str:
+    """`results` where it can be a study's own directory: jobs create, replace and remove files under
+    it, so never the file system's root, the home directory, or the study's directory or one above it."""
+    where = Path(results).resolve()
+    here = Path.cwd().resolve()
+    if where == Path(where.anchor):
+        why = "the file system's root"
+    elif where == Path.home().resolve():
+        why = "your home directory"
+    elif here == where or here.is_relative_to(where):
+        why = "the study's own directory" if here == where else f"a directory above the study's ({here})"
+    else:
+        return results
+    raise ConfigError(
+        f"results: '{results}' is {why}: the study's outputs need a directory of their own, which its jobs "
+        "write and clean up (results/<study>, say)"
+    )

@@ -23,3 +23,8 @@ class ConfigError(Exception):
 class StorageError(Exception):
     """A write that failed for want of space (a full disk, a used-up quota): the message names the
     file and the file system."""
+
+
+class TrainingError(Exception):
+    """A stage whose training cannot go on (a loss or gradient that is not a finite number): the
+    message names the step."""

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from vlft.jobs import warm_start
-from vlft.errors import ConfigError, DeviceError, InputError, StorageError
+from vlft.errors import ConfigError, DeviceError, InputError, StorageError, TrainingError
 
 
 def describe_placement() -> str:
@@ -114,7 +114,7 @@ def run(main) -> None:
         if rank is None:
             print(f"{script}: {describe_placement()}", flush=True)
         main()
-    except (InputError, ConfigError, DeviceError, StorageError) as err:
+    except (InputError, ConfigError, DeviceError, StorageError, TrainingError) as err:
         if rank in (None, "0"):
             print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -23,6 +23,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from vlft.caches.integrity import file_checksum
 from vlft.files import atomic_path, remove_inside
 
 COMPLETE = "state.json"  # written last inside the checkpoint; its presence marks it complete
@@ -69,7 +70,10 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, method_tensors: 
         tensors, state = state_dicts(optimizer, scheduler)
         tensors |= {METHOD + name: t.detach().contiguous().cpu() for name, t in (method_tensors or {}).items()}
         save_file(tensors, tmp / TENSORS)
-        (tmp / COMPLETE).write_text(json.dumps({"step": step} | state))
+        # Each file's CRC-32, checked when the checkpoint is read (`readable`): a file altered in place
+        # loads as tensors of another value, and a resumed stage would train on from them.
+        checksums = {name: file_checksum(tmp / name) for name in (ADAPTER, TENSORS)}
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "crc32": checksums} | state))
     for old in sorted(run_dir.glob("step-*"))[:-KEEP]:
         remove_inside(old, run_dir)
     return target
@@ -99,10 +103,13 @@ def method_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def readable(checkpoint: Path) -> str | None:
-    """Why a complete checkpoint cannot be loaded (a file cut short or overwritten), or None."""
+    """Why a complete checkpoint cannot be loaded (a file cut short, overwritten, or altered in place),
+    or None. One of an earlier version, which recorded no checksums, is only loaded whole."""
     try:
-        json.loads((checkpoint / COMPLETE).read_text())
+        recorded = json.loads((checkpoint / COMPLETE).read_text()).get("crc32", {})
         for name in (ADAPTER, TENSORS):
+            if name in recorded and file_checksum(checkpoint / name) != recorded[name]:
+                return f"{name}: its content differs from the checksum in {COMPLETE}"
             load_file(checkpoint / name)
     except (OSError, ValueError, SafetensorError) as error:
         return f"{error}"

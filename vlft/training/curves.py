@@ -22,6 +22,7 @@ from vlft.training.trackers import open_trackers
 # (vlft.training.methods: DPO's rewards, say).
 SCALARS = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "memory_gb")
 FLUSH_S = 30  # how stale a curve may be while a stage trains
+EVENTS = "events.out.tfevents."  # how SummaryWriter names the files it writes
 
 
 class Curves:
@@ -43,8 +44,9 @@ class Curves:
         self.offset = steps_before
         self.writer = None
         if "tensorboard" in report_to:
-            if first_step == 0:
-                remove_inside(log_dir, log_dir.parent)
+            if first_step == 0:  # the stage's earlier curves: TensorBoard's event files, nothing else there
+                for events in log_dir.glob(f"{EVENTS}*"):
+                    remove_inside(events, log_dir)
             # Steps are counted from 1 in the log: the purge drops what the stopped attempt wrote after first_step.
             purge = steps_before + first_step + 1 if first_step else None
             self.writer = SummaryWriter(log_dir, purge_step=purge, flush_secs=FLUSH_S)

@@ -10,6 +10,7 @@ just after. What it publishes, and keeps until then, is a trained stage (vlft.tr
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ from vlft.training import checkpoints, step_evals
 FINISHED = "finished"
 UNPUBLISHED = "unpublished"
 RUNNING_LOG = "log.jsonl"
+# In each run directory this project makes, from its start: what marks it as one. A stage removes
+# the run directories of its earlier settings, and nothing else of its checkpoint directory (which
+# may be a link to a directory of the user's, or lie in one).
+MADE_HERE = ".vlft-run-directory"
 
 
 @dataclass
@@ -66,10 +71,11 @@ class RunDirectory:
         (`clean`: the main process's): no run of this stage will resume them."""
         root = Path(checkpoint_root)
         self.path = root / checkpoints.fingerprint(key, inputs.files() + inputs.eval_files())
-        for earlier in root.glob("*") if clean else ():
+        for earlier in made_here(root) if clean else ():
             if earlier != self.path:
                 remove_inside(earlier, root)
         self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MADE_HERE).touch()
         self.finished = self.path / FINISHED
         self.kept = TrainedStage.at(self.finished)  # the finished outputs, as they will be published
         self.running_log = self.path / RUNNING_LOG
@@ -161,6 +167,16 @@ class RunDirectory:
                 shutil.copyfile(source, tmp)
         (self.finished / UNPUBLISHED).unlink(missing_ok=True)
         return self.kept.read_summary()
+
+
+def made_here(root: Path) -> list[Path]:
+    """The run directories under a stage's checkpoint directory that this project made: real
+    directories (not links) named by a fingerprint, with the mark it writes into each."""
+    return [
+        path
+        for path in root.glob("*")
+        if re.fullmatch(r"[0-9a-f]{16}", path.name) and not path.is_symlink() and (path / MADE_HERE).is_file()
+    ]
 
 
 def training_fingerprint(inputs: StageInputs, settings, evaluation: dict | None, steps: list) -> str:

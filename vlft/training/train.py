@@ -29,6 +29,7 @@ job every process calls it; the main one alone writes files.
 from __future__ import annotations
 
 import json
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -42,7 +43,7 @@ from vlft.data import clicks
 from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import StageData, load_stage_data, uses_vision_cache
 from vlft.caches.vision_cache import use_vision_cache
-from vlft.errors import ConfigError
+from vlft.errors import ConfigError, TrainingError
 from vlft.job_settings import StageSettings
 from vlft.jobs import distributed
 from vlft.jobs.stopping import StopRequest
@@ -139,7 +140,7 @@ def train_stage(
         during.after(model, first_step, len(steps), log)  # before the first step, where it is due
         said = partial(_out_of_memory_said, batcher.budget, chosen, method, device)
         for step, (groups, micro_batches) in _memory_told(_step_batches(method, steps, todo, batcher), todo, said):
-            with said(step):
+            with said(step), _step_named(step, len(steps)):
                 fields, lr, grad_norm = trainer.step(groups, micro_batches)
             done = step + 1
             fields |= batcher.work_spread(groups) | method.step_fields()  # a method's own sharing says its spread
@@ -248,11 +249,33 @@ class Trainer:
             distributed.sum_across(self.trainable, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         totals = totals.tolist()
+        stop_if_not_finite(totals[0] / weight, float(grad_norm))
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler then sets the next
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {name: total / weight for name, total in zip(self.method.METRICS, totals)}, lr, float(grad_norm)
+
+
+@contextmanager
+def _step_named(step: int, total: int):
+    """A step that cannot go on (vlft.errors.TrainingError), said with its number (from 1)."""
+    try:
+        yield
+    except TrainingError as err:
+        raise TrainingError(f"step {step + 1} of {total}: {err}") from None
+
+
+def stop_if_not_finite(loss: float, grad_norm: float) -> None:
+    """A step whose loss or gradient norm is not a finite number would make the adapter's weights NaN:
+    the stage stops before that update, publishing nothing, rather than finish with an adapter that
+    answers nothing (and could win the report). Its checkpoints from before the step stay."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    raise TrainingError(
+        f"the loss is {loss} and the gradient norm {grad_norm}, not finite numbers: the stage stops here with "
+        "no adapter (a lower learning_rate or max_grad_norm, or rewards that stay finite, may avoid it)"
+    )
 
 
 def _restore_if_finished(run: RunDirectory, outputs: TrainedStage, retry: bool, group) -> dict | None:
