@@ -46,8 +46,8 @@ def awkward_images(directory) -> dict[str, tuple[int, int]]:
 
 def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_dir):
     """For every kind of image, the cache holds what the model's own processor makes of the image
-    as transformers loads it (EXIF orientation applied, any mode to RGB): the same grid, the same
-    patches, bit for bit."""
+    as transformers loads it (EXIF orientation applied, any mode to RGB; a 16-bit grayscale one
+    scaled to 8 bits, not clipped): the same grid, the same patches, bit for bit."""
     sizes = awkward_images(tmp_path)
     assert Image.open(tmp_path / "16bit.png").mode.startswith("I") and Image.open(tmp_path / "cmyk.jpg").mode == "CMYK"
     rows = [{"id": name, "image": name, "question": "q", "answer": "a"} for name in sizes]
@@ -60,9 +60,19 @@ def test_cached_pixels_give_exactly_the_processors_patches(tmp_path, tiny_model_
     build_image_cache(tmp_path / "prepared.jsonl", tmp_path, tmp_path / "cache", settings, shard_bytes=50_000)
     cache = ImageCache(tmp_path / "cache")
     assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) > 1
+
+    def as_seen(name):
+        """The image as transformers loads it; a 16-bit one as viewers show it (0-65535 to 0-255),
+        where transformers' own conversion clips it at 255, nearly white."""
+        if name != "16bit.png":
+            return load_image(str(tmp_path / name))
+        wide = np.asarray(Image.open(tmp_path / name)).astype(np.float64)
+        assert np.asarray(load_image(str(tmp_path / name))).mean() > 250  # what clipping makes of it
+        return load_image(Image.fromarray(np.rint(wide / 257).astype(np.uint8), mode="L"))
+
     for name in sizes:
         expected = processor(
-            images=[load_image(str(tmp_path / name))],
+            images=[as_seen(name)],
             size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
             return_tensors="pt",
         )

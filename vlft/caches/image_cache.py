@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
 from transformers.image_utils import load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -61,14 +62,31 @@ class PixelSettings:
         return w, h
 
 
+# PIL's modes of one channel of more than 8 bits: 16-bit grayscale PNGs and TIFFs (as medical images
+# often are) open as one of these.
+WIDE_GRAYSCALE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
 def load_resized(path: str | Path, settings: PixelSettings) -> np.ndarray:
     # transformers' own loading, as an inference server would feed the processor: the EXIF
     # orientation applied (the image as a person sees it), then any mode converted to RGB.
-    image = load_image(str(path))
+    with Image.open(path) as opened:
+        image = load_image(eight_bit(opened))
     size = settings.target_size(*image.size)
     if size != image.size:
         image = image.resize(size, resample=settings.resample)
     return np.asarray(image, dtype=np.uint8)
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """`image` as it is, or a 16-bit grayscale one scaled to 8 bits (0-65535 to 0-255, as every viewer
+    shows it), its EXIF orientation applied first (the scaled copy has none): PIL's own conversion
+    to RGB, which transformers' load_image makes, clips such values at 255, so that nearly every
+    pixel of a 16-bit image would be white."""
+    if image.mode not in WIDE_GRAYSCALE_MODES:
+        return image
+    values = np.asarray(ImageOps.exif_transpose(image)).astype(np.float64)
+    return Image.fromarray(np.rint(values / 257).clip(0, 255).astype(np.uint8))
 
 
 def build_image_cache(
