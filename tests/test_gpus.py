@@ -180,3 +180,68 @@ def test_the_demo_runs_gpu_jobs_side_by_side_each_on_its_own_gpu(tmp_path):
     assert (tmp_path / "predictions.jsonl").read_bytes() == (workdir / target).with_name(
         "predictions.jsonl"
     ).read_bytes()
+
+
+NOBODY = 65534
+
+
+def as_nobody():
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def claim_one(tmp_path, gpus: str = "0,1") -> subprocess.CompletedProcess:
+    """A job's shell claiming one GPU (JOB_SHELL without the wait), with its own TMPDIR and home."""
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": gpus, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "own")}
+    shell = 'gpus=$(python -m vlft.jobs.gpus 1 $$); eval "$gpus"; echo "$CUDA_VISIBLE_DEVICES"'
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to write files as another user")
+@pytest.mark.parametrize("made", ["a file", "a link"])
+def test_a_claims_file_another_user_made_first_neither_stops_nor_holds_a_users_jobs(tmp_path, made):
+    """Another user makes this user's claims file first (its name is predictable) and fills it with
+    claims for pid 1, which runs for ever: the user's jobs take their GPUs at once all the same, keep
+    their claims where only they can write, and say so in one line; no traceback."""
+    (tmp_path / "own").mkdir()
+    squatted = tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json"
+    forged = json.dumps({"0": process_identity(1), "1": process_identity(1)})
+    if made == "a file":
+        squatted.write_text(forged)
+        os.chown(squatted, NOBODY, NOBODY)
+        squatted.chmod(0o666)
+    else:
+        (tmp_path / "theirs.json").write_text(forged)
+        squatted.symlink_to(tmp_path / "theirs.json")
+    result = claim_one(tmp_path)
+    why = "belongs to uid 65534" if made == "a file" else "is not a regular file"
+    assert (result.returncode, result.stdout) == (0, "0\n"), result.stderr
+    assert result.stderr == f"{squatted} {why}: this user's GPU claims are kept in {tmp_path / 'own'} instead\n"
+    assert squatted.is_symlink() or json.loads(squatted.read_text()) == json.loads(forged)  # theirs, untouched
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run processes as another user")
+def test_another_users_claims_count_only_for_their_living_processes_and_never_make_a_job_wait(tmp_path):
+    """Two users' studies on one machine: another user's jobs' GPUs are avoided while others are free,
+    and shared (in one line) rather than waited for; claims in their file for processes not theirs
+    (pid 1) or gone hold nothing."""
+    (tmp_path / "own").mkdir()
+    theirs = tmp_path / f"vlft-gpu-claims-{NOBODY}-local.json"
+    their_job = subprocess.Popen(["sleep", "120"], preexec_fn=as_nobody)
+    ours = sleeper()
+    try:
+        theirs.write_text(json.dumps({"0": process_identity(1)}))  # pid 1 is root's, not theirs
+        os.chown(theirs, NOBODY, NOBODY)
+        assert claim_one(tmp_path).stdout == "0\n"
+        theirs.write_text(json.dumps({"0": process_identity(their_job.pid)}))
+        assert claim_one(tmp_path).stdout == "1\n"
+        # GPU 1 held by one of this user's own jobs, GPU 0 by theirs: shared, not waited for.
+        own = tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json"
+        own.write_text(json.dumps({"1": process_identity(ours.pid)}))
+        result = claim_one(tmp_path)
+        assert result.stdout == "0\n"
+        assert result.stderr == f"GPU 0 shared with uid {NOBODY}'s process {their_job.pid}: no other is free\n"
+    finally:
+        their_job.kill(), ours.kill()
