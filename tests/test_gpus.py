@@ -245,3 +245,39 @@ def test_another_users_claims_count_only_for_their_living_processes_and_never_ma
         assert result.stderr == f"GPU 0 shared with uid {NOBODY}'s process {their_job.pid}: no other is free\n"
     finally:
         their_job.kill(), ours.kill()
+
+
+def ignoring_stop_signals():
+    """As the training rule's shell leaves its job (`trap '' TERM USR1 INT`, for the trainer's own handlers)."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_job_waiting_for_a_gpu_stops_at_ctrl_c_or_sigterm_though_its_shell_ignores_them(tmp_path, stop):
+    """The training rule's shell ignores SIGINT and SIGTERM and its job inherits that: waiting for a
+    GPU, the job ignored the driver's Ctrl-C, and trained its whole stage once the GPU was free. It
+    now ends at once, in one line, by the signal it got."""
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
+    holder, job = sleeper(), sleeper()
+    try:
+        take_gpus(1, ["0"], holder.pid, tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json")
+        claim = subprocess.Popen(
+            [sys.executable, "-m", "vlft.jobs.gpus", "1", str(job.pid)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=ignoring_stop_signals,
+        )
+        assert claim.stderr.readline().startswith("waiting for 1 free GPU(s) of 0: held by processes")
+        claim.send_signal(stop)
+        out, err = claim.communicate(timeout=60)
+        said = {
+            signal.SIGINT: "gpus.py: stopped by SIGINT (Ctrl-C) before it finished\n",
+            signal.SIGTERM: "gpus.py: stopped by SIGTERM while it waited for a GPU\n",
+        }[stop]
+        assert (claim.returncode, out, err) == (-stop, "", said)
+    finally:
+        holder.kill(), job.kill()

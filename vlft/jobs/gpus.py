@@ -22,11 +22,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import stat
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # Seconds between looks at the claims while all GPUs are held (only by jobs outside Snakemake's
@@ -180,6 +182,28 @@ def take_gpus(count: int, pool: list[str], pid: int, path: Path) -> list[str]:
         time.sleep(POLL_S)
 
 
+class Terminated(Exception):
+    """SIGTERM (Snakemake stopping its jobs, scancel) while a job waits for a GPU."""
+
+
+@contextmanager
+def stoppable():
+    """Ctrl-C and SIGTERM end a job while it waits for a GPU, whatever its shell set: the training
+    rule's shell ignores them (for the trainer to handle once it runs), and a waiting job would
+    otherwise train its whole stage after its driver had been stopped. Its own dispositions after."""
+
+    def terminated(number, frame):
+        raise Terminated
+
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def claim(count: int, pid: int) -> str | None:
     """Claim `count` GPUs for process `pid` and make them this process's only ones (its
     CUDA_VISIBLE_DEVICES, which the processes it starts inherit); None where there is nothing to
@@ -188,14 +212,18 @@ def claim(count: int, pid: int) -> str | None:
     pool = visible_gpus()
     if count <= 0 or not pool:
         return None
+    from vlft.jobs.warm_start import end_by_signal, end_interrupted
+
     try:
-        claimed = ",".join(take_gpus(count, pool, pid, claims_file()))
+        with stoppable():
+            claimed = ",".join(take_gpus(count, pool, pid, claims_file()))
     except RuntimeError as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:  # Ctrl-C while the job waits for a GPU: one line, as a script's own
-        from vlft.jobs.warm_start import end_interrupted
-
         end_interrupted()
+    except Terminated:
+        print(f"{os.path.basename(sys.argv[0])}: stopped by SIGTERM while it waited for a GPU", file=sys.stderr)
+        end_by_signal(signal.SIGTERM)
     os.environ["CUDA_VISIBLE_DEVICES"] = claimed
     return claimed
 

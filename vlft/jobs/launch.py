@@ -74,6 +74,9 @@ def main(argv: list[str]) -> None:
     sys.argv = [workflow_script(argv[0]), *argv[1:]]  # the job is the script: its name in every line it says
     if count > 0:
         gpus.claim(count, os.getpid())
+        # Its time from here: a wait for a GPU another job held is none of its own (the forecast's
+        # refinement compares what a job took with its prediction).
+        os.environ[JOB_STARTED] = repr(time.time())
     warm_start.hand_off()  # returns where no warm process runs it
     flags = subprocess._args_from_interpreter_flags()
     os.execv(sys.executable, [sys.executable, *flags, *sys.argv])
