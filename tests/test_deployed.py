@@ -119,3 +119,27 @@ def test_a_tagged_release_runs_as_a_module_its_model_fetched_by_its_hub_id(tmp_p
     tagged = subprocess.run(git + ["show", "v1.0.0:scripts/train.py"], capture_output=True, text=True, check=True)
     assert (study / ".snakemake/vlft/scripts/train.py").read_text().rstrip() == tagged.stdout.rstrip()
     assert "Nothing to be done" in snakemake_with(env, study, "-n")
+
+
+def test_a_deployed_study_upgraded_to_a_later_tag_reruns_nothing(tmp_path, tiny_model_dir):
+    """A study deployed from a release tag, finished, then moved to the next tag, whose rules'
+    command lines and library code changed (as a release changes them to change how jobs run, not
+    what they compute): its plan has nothing to do. Without a profile of its own in the study's
+    directory, Snakemake's default triggers made it plan every job again ("Code has changed")."""
+    release = copy_workflow(tmp_path / "release")
+    git = ["git", "-C", str(release), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "release"], ["tag", "v1.0.0"]):
+        subprocess.run(git + command, check=True)
+    study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
+    a_module_of(study, f'gitfile("{release}", path="workflow/Snakefile", tag="v1.0.0")')
+    snakemake(study, "--cores", "2")
+    # The next release: every rule's command line and a job script changed, nothing they compute.
+    for rules in (release / "workflow/rules").glob("*.smk"):
+        rules.write_text(rules.read_text().replace("python -m vlft.jobs.launch", "python -B -m vlft.jobs.launch"))
+    train = release / "scripts/train.py"
+    train.write_text(train.read_text() + "\n# a comment of the next release\n")
+    for command in (["commit", "-qam", "next release"], ["tag", "v1.1.0"]):
+        subprocess.run(git + command, check=True)
+    a_module_of(study, f'gitfile("{release}", path="workflow/Snakefile", tag="v1.1.0")')
+    planned = snakemake(study, "-n")
+    assert "Nothing to be done" in planned.stdout + planned.stderr, planned.stdout + planned.stderr

@@ -19,6 +19,7 @@ from vlft.model_files import model_dir_problem
 from vlft.training.trackers import PACKAGES, missing_packages
 from vlft.plan import BASE_EXPERIMENT, build_plan, pixels_tag, retry_runtime
 from vlft.trained_once import shared_lines, trained_once
+from vlft.rerun_policy import apply_when_planned
 
 try:
     # Snakemake has read the files already, keeping the last of a key written twice: say so instead.
