@@ -54,6 +54,11 @@ def stage(config, experiment, index):
         ),
         (lambda c: c.pop("model"), "model: required, but the config does not set it"),
         (
+            lambda c: c.update(planning={"device": "H1OO"}),
+            "planning.device: 'H1OO' is no device the forecast knows (did you mean 'H100'?); it knows A100, B200, "
+            "cpu, H100, H200, L40S, MI300X, RTX 4090",
+        ),
+        (
             lambda c: stage(c, "exp2", 0).update(dataset="kvasir"),
             "experiments.exp2.stages[0].dataset: unknown dataset 'kvasir' (the config defines: screens, shapes)",
         ),
@@ -101,6 +106,7 @@ def stage(config, experiment, index):
         "wrong-type",
         "not-an-option",
         "missing-key",
+        "device-typo",
         "unknown-dataset",
         "unknown-split",
         "init-from-missing-stage",

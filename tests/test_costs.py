@@ -448,3 +448,22 @@ def test_a_dry_run_prints_each_jobs_predicted_time_the_total_and_what_a_partitio
         bounds = {max(1, math.ceil((int(predicted) + d) * 4 / 60)) for d in (-0.5, 0.5)}
         assert int(runtime) in bounds, (runtime, predicted)
     assert {int(r) for r, _ in asked} != {1}  # some job's prediction is past the floor
+
+
+@pytest.mark.parametrize("device,nearest", [("A100", "H100"), ("L40S", "H100"), ("B200", "H200"), ("MI300X", "H200")])
+def test_a_gpu_without_measurements_is_timed_from_the_nearest_measured_one_by_its_published_figures(device, nearest):
+    """A GPU vlft/devices.csv knows but the table has no row of: the nearest measured GPU's
+    coefficients, per-token work scaled by the two devices' bf16 throughputs, decode steps by their
+    memory bandwidths, a job's own fixed costs as measured; and the plan says so."""
+    from vlft.costs import device_specs
+
+    rate, measured = throughputs(device, 7.57e9), throughputs(nearest, 7.57e9)
+    specs = device_specs()
+    compute = float(specs[device]["bf16_tflops"]) / float(specs[nearest]["bf16_tflops"])
+    bandwidth = float(specs[device]["memory_tb_s"]) / float(specs[nearest]["memory_tb_s"])
+    assert rate.derived.startswith(f"no measurements on {device}: {nearest}'s, scaled by published bf16 throughput")
+    assert rate["train_tokens_per_s"] == pytest.approx(measured["train_tokens_per_s"] * compute)
+    assert rate["vision_s_per_image_token"] == pytest.approx(measured["vision_s_per_image_token"] / compute)
+    assert rate["decode_step_s"] == pytest.approx(measured["decode_step_s"] / bandwidth)
+    assert rate["train_fixed_s"] == measured["train_fixed_s"] and rate["eval_once_s"] == measured["eval_once_s"]
+    assert throughputs("TPU", 7.57e9) is None

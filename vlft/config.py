@@ -161,7 +161,26 @@ def resolve_config(config: dict) -> dict:
         raise ConfigError("model: set path (a local model directory) or hub_id (the model's Hugging Face Hub id)")
     # A model named by its Hub id is read through a link in the working directory (vlft.model_files).
     model.setdefault("path", f"models/{model.get('hub_id')}")
+    check_device(resolved["planning"].get("device"))
     return resolved
+
+
+def check_device(device: str | None) -> None:
+    """A `planning.device` the forecast can time jobs on (vlft.costs): measured, or scaled from a
+    measured one by its published figures; a name it does not know is one sentence naming those it does."""
+    from vlft.costs import known_devices
+
+    known = known_devices()
+    if device is None or device.lower() in (name.lower() for name in known):
+        return
+
+    def plain(name):  # as typed in a hurry: the letters O, I and l for digits, spaces and dashes left out
+        return name.lower().translate(str.maketrans("oil", "011", " -_"))
+
+    by_plain = {plain(name): name for name in known}
+    close = difflib.get_close_matches(plain(device), list(by_plain), n=1, cutoff=0.75)
+    hint = f" (did you mean '{by_plain[close[0]]}'?)" if close else ""
+    raise ConfigError(f"planning.device: '{device}' is no device the forecast knows{hint}; it knows {', '.join(known)}")
 
 
 def results_directory(config: dict, config_files: list) -> str:

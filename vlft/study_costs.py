@@ -198,7 +198,7 @@ class StudyCosts:
         elif self.rate is None:
             source = f"vlft/throughputs.csv has no row for {device}: nothing can be timed"
         else:
-            source = f"throughputs measured on {self.rate.model}"
+            source = self.rate.derived or f"throughputs measured on {self.rate.model}"
         lines = [f"Predicted time of the jobs that would run, on {device} ({why}; {source}):"]
         refinement = self.refinement
         for kind in ("train", "evaluate"):
