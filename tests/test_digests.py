@@ -83,6 +83,8 @@ def test_the_model_digest_follows_what_a_loader_reads(tmp_path, hashed):
     assert model_digests(model, DigestMemo(tmp_path / "digests.json")) == first and hashed == []
 
     (model / "README.md").write_text("a model card, edited")
+    (model / "extra.txt").write_bytes(b"")  # an empty file no loader reads, added
+    (model / "my notes").write_text("which run this was")
     (model / ".cache").mkdir()
     (model / ".cache/download.lock").write_text("a download tool's")
     assert model_digests(model, memo) == first

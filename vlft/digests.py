@@ -26,9 +26,24 @@ from pathlib import Path
 from vlft.data.records import outside_root
 from vlft.files import atomic_path, text_lines
 
-# Files of a checkpoint directory that no loader reads: its model card, licence and pictures, and
-# hidden ones (a download tool's .cache/, .gitattributes). Editing them reruns nothing.
-NOT_READ = ("*.md", "LICENSE*", "NOTICE*", "*.png", "*.jpg", "*.jpeg", "*.gif", "*.pdf")
+# The files of a checkpoint directory that transformers, tokenizers and peft read: weights and their
+# index, configs, tokenizers' files (BPE's vocabulary and merges, WordPiece's vocabulary, SentencePiece
+# and tiktoken models), the chat template, remote code. Nothing else counts (a model card, a licence,
+# pictures, a note of the user's, an empty file), nor hidden files (a download tool's .cache/,
+# .gitattributes): adding or editing them reruns nothing.
+READ = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.json",
+    "*.jinja",
+    "*.py",
+    "*.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.txt",
+)
 # The files the image processor is built from: all a pixel cache depends on.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
@@ -84,7 +99,7 @@ def model_files(model_dir: Path) -> list[Path]:
         relative = path.relative_to(model_dir)
         if any(part.startswith(".") for part in relative.parts) or not path.is_file():
             continue
-        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in NOT_READ):
+        if any(fnmatch.fnmatch(path.name, pattern) for pattern in READ):
             found.append(path)
     return found
 
