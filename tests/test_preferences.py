@@ -274,7 +274,7 @@ def test_the_kept_reference_is_the_starting_weights_and_a_resumed_stage_reads_it
     keys = [r["key"] for r in data.records]
     chosen = plain_logps(model, [data.samples[k] for k in keys], data.images, builder, tokenizer.pad_token_id)
     rejected = plain_logps(model, [data.rejected[k] for k in keys], data.images, builder, tokenizer.pad_token_id)
-    reference = json.loads(first)
+    reference = json.loads(first)["logps"]
     assert sorted(reference) == sorted(keys)
     got = torch.tensor([reference[k] for k in keys], dtype=FLOAT64)
     assert torch.allclose(got[:, 0], chosen.detach(), rtol=FLOAT64_RTOL, atol=0)
@@ -295,6 +295,33 @@ def test_the_kept_reference_is_the_starting_weights_and_a_resumed_stage_reads_it
     # Trained on its own pairs, the policy prefers the chosen answers by its last step.
     assert log[-1]["rewards/margins"] > 0 and log[-1]["rewards/accuracies"] > 0.5
     assert "held_out_pairs" not in summary  # no eval split given: nothing held out to judge
+
+
+@pytest.mark.parametrize("damage", ["a value edited", "cut short"])
+def test_a_kept_reference_that_was_altered_is_said_and_computed_again(trained_pairs, tmp_path, capsys, damage):
+    """The kept reference edited (a value changed, the file still valid JSON) or cut short: one line
+    naming it, and the stage computes it again, to the values it had, rather than train on it."""
+    root = trained_pairs
+    with pytest.raises(Preempted, match="after step 2"):
+        sft_then_dpo(root, tmp_path, stop=StopAfter(2), image_groups=True)
+    [kept] = (tmp_path / "dpo/ckpt").glob(f"*/{REFERENCE_FILE}")
+    first = json.loads(kept.read_text())
+    if damage == "a value edited":
+        altered = json.loads(kept.read_text())
+        key = next(iter(altered["logps"]))
+        altered["logps"][key][0] += 1.0
+        kept.write_text(json.dumps(altered))
+        problem = "its values differ from the checksum written with them"
+    else:
+        kept.write_text(kept.read_text()[:40])
+        problem = "cannot be read whole"
+    capsys.readouterr()
+    sft_then_dpo(root, tmp_path, image_groups=True)
+    assert f"{kept}: {problem}" in capsys.readouterr().out
+    again = json.loads(kept.read_text())
+    assert sorted(again["logps"]) == sorted(first["logps"])
+    for key, pair in first["logps"].items():
+        assert again["logps"][key] == pytest.approx(pair, rel=FLOAT64_RTOL), key
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -12,6 +12,7 @@ directory, so a resumed stage, or a retry after a time limit, reads them instead
 from __future__ import annotations
 
 import json
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,14 +34,35 @@ def reference_logps(
 ) -> dict[str, tuple[float, float]]:
     """By record key: the starting weights' log-probabilities of its chosen and rejected answers,
     read from `path` where a run computed them for these very records, else computed and kept there."""
-    if path.exists():
-        kept = json.loads(path.read_text())
+    if path.exists() and (kept := read_kept(path, group.is_main)) is not None:
         if set(kept) == {r["key"] for r in data.records}:
             return {key: tuple(pair) for key, pair in kept.items()}
     computed = pair_logps(model, data, image_groups, batcher, forward_context, device, dtype, group)
     if group.is_main:
-        write_json(path, computed)
+        write_json(path, {"logps": computed, "crc32": checksum(computed)})
     return computed
+
+
+def checksum(logps: dict) -> str:
+    """CRC-32 of the log-probabilities as JSON writes them (exact: floats round-trip)."""
+    return f"{zlib.crc32(json.dumps(logps, sort_keys=True).encode()):08x}"
+
+
+def read_kept(path: Path, say: bool) -> dict | None:
+    """The kept log-probabilities where the file is whole and matches the checksum written with them;
+    else None (they are computed again), said in one line: a value edited in the file would change
+    every step's loss and the final adapter, silently."""
+    try:
+        kept = json.loads(path.read_text())
+        logps, recorded = kept["logps"], kept["crc32"]
+        problem = None if checksum(logps) == recorded else "its values differ from the checksum written with them"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        problem = f"cannot be read whole ({type(error).__name__}: {error}), or is of an earlier version"
+    if problem is None:
+        return logps
+    if say:
+        print(f"{path}: {problem}: the reference is computed again", flush=True)
+    return None
 
 
 def pair_logps(
