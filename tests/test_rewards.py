@@ -6,6 +6,7 @@ for the trainer that holds the settings it reads)."""
 from __future__ import annotations
 
 import math
+import os
 import types
 from collections import defaultdict
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from vlft.data.clicks import Frame
-from vlft.errors import ConfigError, InputError
+from vlft.errors import ConfigError, InputError, TrainingError
 from vlft.training.methods import grpo_loss_sum, grpo_step_weight, grpo_token_losses, group_advantages
 from vlft.training.rewards import Answer, Rewards
 from conftest import FLOAT64_RTOL
@@ -68,10 +69,108 @@ def test_a_users_reward_is_imported_and_what_it_returns_checked(tmp_path, monkey
     assert scored["my_rewards:brevity"] == [0.25, 0.5]
     assert math.isnan(scored["my_rewards:partial"][1])
     assert scored["total"] == [1.5, 1.0]  # a reward that does not apply adds nothing
-    with pytest.raises(ValueError, match="reward 'my_rewards:short' returned 1 values for 2 answers"):
+    with pytest.raises(TrainingError, match="reward 'my_rewards:short' returned 1 values for 2 answers"):
         Rewards({"my_rewards:short": 1.0}, "final").score(answers)
-    with pytest.raises(ValueError, match="returned 'good' for record a: not a number"):
+    with pytest.raises(TrainingError, match="returned 'good' for record a: not a number"):
         Rewards({"my_rewards:words": 1.0}, "final").score(answers)
+
+
+MISBEHAVING = """
+import sys
+import numpy as np
+
+
+def raises(records, answers):
+    raise RuntimeError("the judge server is down")
+
+
+def exits(records, answers):
+    sys.exit(3)
+
+
+def one_float(records, answers):
+    return 0.5
+
+
+def infinite(records, answers):
+    return [float("inf") for a in answers]
+
+
+def nothing(records, answers):
+    return [None for a in answers]
+
+
+def numpy_array(records, answers):
+    return np.array([0.25, 0.75], dtype=np.float32)
+"""
+
+
+@pytest.mark.parametrize(
+    "function, said",
+    [
+        (
+            "raises",
+            "reward 'misbehaving:raises' raised RuntimeError: the judge server is down (on 2 answers, records a...)",
+        ),
+        ("exits", "reward 'misbehaving:exits' called sys.exit(3) (on 2 answers, records a...)"),
+        ("one_float", "reward 'misbehaving:one_float' returned 0.5, not one number an answer (a list of 2)"),
+        ("infinite", "reward 'misbehaving:infinite' returned inf for record a: not a number"),
+        (
+            "nothing",
+            "every reward (misbehaving:nothing) returned None for every answer of a rollout: there is nothing to learn from",
+        ),
+    ],
+)
+def test_a_users_reward_that_misbehaves_is_one_sentence_naming_it(tmp_path, monkeypatch, function, said):
+    (tmp_path / "misbehaving.py").write_text(MISBEHAVING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    answers = [Answer({"id": "a", "answer": "x"}, "four"), Answer({"id": "b", "answer": "x"}, "no")]
+    with pytest.raises(TrainingError) as stopped:
+        Rewards({f"misbehaving:{function}": 1.0}, "final").score(answers)
+    assert str(stopped.value) == said
+
+
+def test_a_users_reward_may_return_numpys_numbers_and_a_module_that_fails_on_import_is_one_sentence(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "misbehaving.py").write_text(MISBEHAVING)
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('no licence key')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    answers = [Answer({"id": "a", "answer": "x"}, "four"), Answer({"id": "b", "answer": "x"}, "no")]
+    assert Rewards({"misbehaving:numpy_array": 1.0}, "final").score(answers)["total"] == [0.25, 0.75]
+    with pytest.raises(ConfigError) as refused:
+        Rewards({"broken_rewards:f": 1.0}, "final")
+    assert str(refused.value) == (
+        "rewards.broken_rewards:f: module 'broken_rewards' failed as it was imported (RuntimeError: no licence key)"
+    )
+
+
+def test_a_users_reward_that_blocks_is_said_and_a_stop_signal_ends_the_wait(tmp_path, monkeypatch, capsys):
+    """A reward waiting on something that never answers: the job says so as it waits, and Ctrl-C
+    (or SLURM's SIGTERM) stops it at once, where the job used to wait for the reward for ever."""
+    import signal
+    import threading
+
+    from vlft.jobs.stopping import Preempted, StopRequest
+    from vlft.training import rewards
+
+    (tmp_path / "blocking.py").write_text("import time\n\ndef waits(records, answers):\n    time.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(rewards, "REPORT_EVERY_S", 1.0)
+    monkeypatch.setattr(StopRequest, "received", None)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    StopRequest()  # as the training job has one, from its start
+    try:
+        threading.Timer(2.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        answers = [Answer({"id": "a", "answer": "x"}, "four"), Answer({"id": "b", "answer": "x"}, "no")]
+        with pytest.raises(
+            Preempted, match=r"SIGINT received while reward 'blocking:waits' had run \d+ s on 2 answers"
+        ):
+            Rewards({"blocking:waits": 1.0}, "final").score(answers)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert "reward 'blocking:waits' has run 1 s on 2 answers and not returned yet" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,16 @@ def slurm_end_time() -> float | None:
         return None
 
 
+class Preempted(Exception):
+    """Raised after a stop request (a signal, the time limit near): where a step could finish, after
+    a checkpoint saved; the retry (or a rerun) resumes from the newest checkpoint."""
+
+
 class StopRequest:
     """Asked at every step boundary whether to stop there. Catches SIGTERM, SIGUSR1 and SIGINT from
     its creation on, so create it before anything slow: a signal while the model loads is kept."""
+
+    received: str | None = None  # the last stop signal any of them caught, for work inside a step
 
     def __init__(self, end_time: float | None = None, clock=time.time):
         self.end_time = end_time
@@ -50,7 +57,7 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        self.signal = StopRequest.received = signal.Signals(signum).name
 
     def reason(self) -> str | None:
         """Why the job must stop at this boundary, or None to go on. The time limit counts as close

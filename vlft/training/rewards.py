@@ -16,22 +16,32 @@ Built in, by the name a stage's `rewards` gives them:
 
 A user's own reward is named `module:function` (importable where the job runs) and called once
 for a rollout's answers as `function(records=[...], answers=[...])`, the records as the prepared
-split holds them; it returns one number an answer.
+split holds them; it returns one number an answer (None where it does not apply). One that raises,
+returns something else, or runs long is said in one sentence naming it: it runs beside the job's
+main thread, which says every REPORT_EVERY_S seconds that it has not returned, and a stop signal
+(Ctrl-C, SLURM's SIGTERM) ends the job at once, the stage resuming from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import numbers
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from vlft.data import clicks
 from vlft.data.answers import FINAL_ANSWER, AnswerFormat, final_answer, is_correct
-from vlft.errors import ConfigError, InputError
+from vlft.errors import ConfigError, InputError, TrainingError
+from vlft.jobs.stopping import Preempted, StopRequest
 
 # GUI-G²'s point reward: σ = alpha x the target box's width (height).
 GAUSSIAN_ALPHA = 0.5
+# How often the job says a user's reward has not returned yet, and looks for a stop signal meanwhile.
+REPORT_EVERY_S = 60.0
+WATCH_S = 0.5
 
 
 @dataclass
@@ -106,7 +116,13 @@ class Rewards:
             if name in BUILT_IN:
                 scored[name] = [function(answer, self.answer_format) for answer in answers]
             else:
-                scored[name] = checked(name, function([a.record for a in answers], [a.text for a in answers]), answers)
+                returned = watched(name, function, [a.record for a in answers], [a.text for a in answers])
+                scored[name] = checked(name, returned, answers)
+        if all(math.isnan(value) for name in self.functions for value in scored[name]):
+            raise TrainingError(
+                f"every reward ({', '.join(self.functions)}) returned None for every answer of a rollout: "
+                "there is nothing to learn from"
+            )
         # A reward that does not apply to an answer (None, NaN) adds nothing to it: TRL's nansum.
         scored["total"] = [
             sum(self.weights[name] * scored[name][i] for name in self.functions if not math.isnan(scored[name][i]))
@@ -128,19 +144,71 @@ def reward_function(name: str, answer_format: str, key: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"{key}: module '{module_name}' cannot be imported here ({err})") from None
+    except Exception as err:  # the module's own code failed as it was imported
+        raise ConfigError(
+            f"{key}: module '{module_name}' failed as it was imported ({type(err).__name__}: {err})"
+        ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ConfigError(f"{key}: module '{module_name}' has no function '{function_name}'")
     return lambda records, answers: function(records=records, answers=answers)
 
 
+def watched(name: str, function: Callable, records: list[dict], texts: list[str]):
+    """What a user's reward returns for a rollout's answers, called in a thread of its own while this
+    one watches: a reward that blocks (a server that never answers) is said every REPORT_EVERY_S
+    seconds, and a stop signal ends the job rather than wait for it. What it raises, a SystemExit
+    included, is one sentence naming it."""
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["values"] = function(records, texts)
+        except BaseException as err:  # SystemExit too: said as the reward's, not as the job's end
+            outcome["error"] = err
+
+    thread = threading.Thread(target=call, name=f"reward {name}", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    said = 0
+    while thread.is_alive():
+        thread.join(timeout=WATCH_S)
+        running = time.monotonic() - started
+        if thread.is_alive() and StopRequest.received:
+            raise Preempted(
+                f"{StopRequest.received} received while reward '{name}' had run {running:.0f} s on {len(texts)} answers "
+                "without returning: stopped in a step; the retry (or a rerun) resumes from the newest checkpoint"
+            )
+        if thread.is_alive() and running >= (said + 1) * REPORT_EVERY_S:
+            said += 1
+            print(f"reward '{name}' has run {running:.0f} s on {len(texts)} answers and not returned yet", flush=True)
+    if "error" in outcome:
+        err = outcome["error"]
+        if isinstance(err, KeyboardInterrupt):
+            raise err
+        what = (
+            f"called sys.exit({err.code!r})" if isinstance(err, SystemExit) else f"raised {type(err).__name__}: {err}"
+        )
+        raise TrainingError(
+            f"reward '{name}' {what} (on {len(texts)} answers, records {records[0]['id']}...)"
+        ) from None
+    return outcome["values"]
+
+
 def checked(name: str, values, answers: list[Answer]) -> list[float]:
-    """A user's rewards: one number an answer (None where it does not apply, as TRL allows), or one
-    sentence saying what came back instead."""
-    values = list(values) if values is not None else []
+    """A user's rewards: one number an answer (None or NaN where it does not apply, as TRL allows;
+    numpy's numbers and arrays too), or one sentence saying what came back instead."""
+    try:
+        values = list(values)
+    except TypeError:
+        raise TrainingError(
+            f"reward '{name}' returned {values!r}, not one number an answer (a list of {len(answers)})"
+        ) from None
     if len(values) != len(answers):
-        raise ValueError(f"reward '{name}' returned {len(values)} values for {len(answers)} answers")
+        raise TrainingError(f"reward '{name}' returned {len(values)} values for {len(answers)} answers")
     for value, answer in zip(values, answers):
-        if value is not None and (not isinstance(value, (int, float)) or math.isinf(value)):
-            raise ValueError(f"reward '{name}' returned {value!r} for record {answer.record['id']}: not a number")
+        if value is None:
+            continue
+        if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real) or math.isinf(float(value)):
+            raise TrainingError(f"reward '{name}' returned {value!r} for record {answer.record['id']}: not a number")
     return [math.nan if v is None else float(v) for v in values]

@@ -46,7 +46,7 @@ from vlft.caches.vision_cache import use_vision_cache
 from vlft.errors import ConfigError, TrainingError
 from vlft.job_settings import StageSettings
 from vlft.jobs import distributed
-from vlft.jobs.stopping import StopRequest
+from vlft.jobs.stopping import Preempted, StopRequest
 from vlft.modeling import (
     adapter_autocast,
     load_base_model,
@@ -79,10 +79,6 @@ from vlft.training.steps import image_of, plan_steps
 ANSWERING_KEYS = ("answer_format", "min_pixels", "max_pixels", "max_seq_len")
 
 __all__ = ["Preempted", "StageInputs", "train_stage", "compile_decoder_layers"]
-
-
-class Preempted(Exception):
-    """Raised after a stop request (a signal, the time limit near) and a saved checkpoint."""
 
 
 def train_stage(
