@@ -378,6 +378,11 @@ def chat_row(question="<image>What is shown?", answer="A polyp.", **fields):
         ("KTO, LLaMA-Factory's kto_tag", chat_row(images=["a.jpg"], kto_tag=False), "field 'kto_tag': a KTO row"),
         ("rejected_images alone", chat_row(images=["a.jpg"], rejected_images=["b.jpg"]), "about other images"),
         (
+            "rejected the same as chosen",
+            chat_row(images=["a.jpg"], rejected_response=" A polyp. "),
+            "field 'rejected': the same as the chosen answer: a preference pair needs two different answers",
+        ),
+        (
             "Qwen-VL's inline URL",
             {
                 "conversations": [
@@ -520,7 +525,7 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
                 "images": ["a.jpg"],
                 "rejected_images": ["b.jpg"],
             },
-            r"chat.jsonl:2: the rejected answer is about other images",
+            r"chat.jsonl:2: field 'rejected_images': the rejected answer is about other images",
         ),
         (
             {
@@ -1091,3 +1096,14 @@ def test_a_written_target_that_cannot_be_one_click_is_refused_saying_why(tmp_pat
     (tmp_path / "rows.json").write_text(json.dumps([chat_row("<image>Click OK.", answer, images=["a.jpg"])]))
     with pytest.raises(InputError, match=rf"rows.json:1: .*{said}"):
         import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out", answer_coordinates=coordinates)
+
+
+def test_a_pair_whose_rejected_images_name_its_own_image_is_imported(tmp_path):
+    """ms-swift writes `rejected_images` beside `images`; the same image there is the pair's one image
+    (it was refused as "about other images")."""
+    chat_fixtures(tmp_path)
+    rows = [chat_row(images=["a.jpg"], rejected_response="A cat.", rejected_images=["a.jpg"])]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out")
+    [record] = read_jsonl(next((tmp_path / "out").glob("*.jsonl")))
+    assert (record["image"], record["answer"], record["rejected"]) == ("a.jpg", "A polyp.", "A cat.")

@@ -181,6 +181,14 @@ class Conversation:
         distinct = list(dict.fromkeys(images))
         if len(distinct) > 1:
             raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
+        if "rejected_images" in row and _listed(row["rejected_images"]) != distinct:
+            # ms-swift's field: the same image again names the pair's one image; another would not.
+            raise InputError(
+                path,
+                "the rejected answer is about other images: a pair answers one question about one image",
+                number,
+                "rejected_images",
+            )
         first_shown = next((n for n, t in enumerate(texts) if IMAGE_MARKER in t), None)
         parts_first = next((n for n, imgs in enumerate(images_by_turn) if imgs), None)
         shown = [n for n in (first_shown, parts_first) if n is not None]
@@ -205,6 +213,10 @@ class Conversation:
             raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
         if rejected is not None and extra:
             raise InputError(path, "a grounding row with a rejected answer: pairs of clicks are not learned", number)
+        if rejected is not None and rejected == rounds[-1][1]:
+            raise InputError(
+                path, "the same as the chosen answer: a preference pair needs two different answers", number, "rejected"
+            )
         if rejected is not None and len(rounds) - 1 in not_learned:
             raise InputError(path, "a pair whose chosen answer is marked not to be learned (loss)", number)
         if len(not_learned) == len(rounds) and rejected is None:
@@ -216,7 +228,8 @@ def _rejected(row: dict, where) -> str | None:
     """A preference pair's rejected answer (ms-swift's `rejected_response`, LLaMA-Factory's
     `rejected` turn beside its `chosen` one), or None for a row of answers alone. What is no pair of
     answers to one question about one image is refused: a KTO row (one answer, `label` true or
-    false), a rejected answer about other images (`rejected_images`), pairs as whole conversations."""
+    false), pairs as whole conversations (and, where the row is read, a rejected answer about other
+    images, `rejected_images`, or one the same as the chosen answer)."""
     path, number = where
     label = row.get("label", row.get("kto_tag"))
     if isinstance(label, bool) or (isinstance(label, str) and label.strip().lower() in ("true", "false")):
@@ -226,10 +239,6 @@ def _rejected(row: dict, where) -> str | None:
             "chosen and a rejected answer to one question, and this row has one answer",
             number,
             "label" if "label" in row else "kto_tag",
-        )
-    if "rejected_images" in row:
-        raise InputError(
-            path, "the rejected answer is about other images: a pair answers one question about one image", number
         )
     if found := [f for f in WHOLE_CONVERSATION_PAIRS if f in row]:
         raise InputError(
@@ -245,6 +254,11 @@ def _rejected(row: dict, where) -> str | None:
             raise InputError(path, "a pair needs both a 'chosen' and a 'rejected' answer", number)
         return _answer_turn(row["rejected"], where, "rejected")
     return None
+
+
+def _listed(value) -> list:
+    """A row's image field as a list of its distinct entries (one path may be given bare)."""
+    return list(dict.fromkeys([value] if isinstance(value, str) else value if isinstance(value, list) else [value]))
 
 
 def _answer_turn(value, where, field: str) -> str:
