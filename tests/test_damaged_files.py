@@ -186,3 +186,19 @@ def test_an_output_being_written_is_no_damaged_output(tmp_path):
     assert writing.is_dir() and (writing / "shard-00000.safetensors").read_bytes() == b"partial" and adapter.is_dir()
     assert said == [f"{damaged}/index.json: damaged: missing; removed {damaged}, so that this run makes it again"]
     assert still_to_remake(to_remake) == [str(damaged)]
+
+
+def test_after_a_forced_stage_finds_the_adapter_it_starts_from_damaged_a_dry_run_lists_its_training(
+    demo_workdir, tmp_path
+):
+    """The finished demo, exp4's stage 1 adapter given other bytes of the same size, stage 2 forced
+    (`-f`): the job stops in one sentence that promises a dry run lists the job that trains stage 1
+    again, and the next dry run of the whole study does."""
+    workdir = tmp_path / "demo"
+    shutil.copytree(demo_workdir, workdir, symlinks=True)
+    damage_in_place(workdir / "results/train/exp4/stage1/adapter/adapter_model.safetensors")
+    result = snakemake(workdir, "-f", "results/train/exp4/stage2/adapter", "--cores", "2", check=False)
+    assert result.returncode != 0
+    log = (workdir / "results/logs/train/exp4/stage2.log").read_text()
+    assert "so that the next run trains the stage again (a dry run lists the job)" in log, log
+    assert "results/train/exp4/stage1/adapter" in planned_outputs(workdir)

@@ -169,3 +169,27 @@ def test_keep_best_keeps_the_best_arms_by_the_metric_and_says_why_the_rest_stopp
     assert lowest["kept"] == ["b", "a"] and lowest["stopped"] == {"c": "loss 1.2000, above the last kept arm's 0.9000"}
     with pytest.raises(InputError, match="a/metrics.json: has no mean_distance to compare the sweep.s arms by"):
         keep_best(metrics, 1, "mean_distance", where)
+
+
+def test_the_reports_command_line_is_the_same_whatever_the_number_of_arms(tmp_path):
+    """The report job named every evaluation, stage and sweep arm on its command line: at a few
+    hundred arms that outgrew what Linux takes in one argument (128 KiB), and the report never ran
+    after every arm had trained. Now it reads them from one file, so its command line is the same
+    for 2 arms and for 60, and what the file holds follows the plan."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = demo_config(workdir / "data")
+    make_demo_shapes(config)
+    config["model"]["path"] = "results/demo/tiny-qwen3-vl"
+    config["demo"]["datasets"].pop("shapes")
+    config["defaults"]["eval_splits"] = ["test"]
+    commands = {}
+    for arms in (2, 60):
+        swept = copy.deepcopy(CURRICULUM)
+        swept["stages"][1]["sweep"] = {"learning_rate": [1.0e-4 * (n + 1) for n in range(arms)]}
+        config["experiments"] = {"lr": swept}
+        (workdir / f"study{arms}.yaml").write_text(yaml.safe_dump(config))
+        dry = snakemake(workdir, "--configfile", f"study{arms}.yaml", "--cores", "1", "--dry-run", "-p")
+        [command] = [line for line in dry.stdout.splitlines() if "scripts/report.py" in line]
+        commands[arms] = command.replace(f"study{arms}", "study")
+        assert "rule report_inputs:" in dry.stdout
+    assert commands[2] == commands[60] and len(commands[60]) < 300, commands

@@ -8,6 +8,7 @@ vlft.caches.integrity's, when a job reads them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -24,6 +25,19 @@ MUST_NOT_BE_EMPTY = {
     "eval/*/*/*/metrics.json": ".",
     "eval/*/*/*/predictions.jsonl": ".",
 }
+
+
+# The list of removed outputs, under the working directory (where Snakemake keeps its records).
+TO_REMAKE = ".snakemake/vlft/to-remake.json"
+
+
+def remake_later(output: str | Path, to_remake: str | Path = TO_REMAKE) -> None:
+    """Add an output a job found damaged and removed to the list, so that the next plan makes it
+    again though every job after it is there (a job runs in the workflow's working directory)."""
+    Path(to_remake).parent.mkdir(parents=True, exist_ok=True)
+    with open(Path(to_remake).with_suffix(".lock"), "a") as lock:  # jobs side by side add to one list
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _write(to_remake, sorted(set(_read(to_remake)) | {str(output)}))
 
 
 def remove_empty_outputs(results: str | Path, to_remake: str | Path) -> list[str]:

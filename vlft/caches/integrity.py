@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from vlft.empty_outputs import remake_later
 from vlft.errors import InputError
 from vlft.files import remove_inside
 from vlft.trained_stage import TrainedStage
@@ -44,6 +45,7 @@ def damaged(output: Path, file: Path, what: str, rebuilt_by: str) -> InputError:
     """Remove a damaged output whole and say so: `file` in it is damaged, `rebuilt_by` redoes it."""
     output = Path(output)
     remove_inside(output, output.parent)
+    remake_later(output)
     return InputError(
         file, f"damaged: {what}; removed {output}, so that the next run {rebuilt_by} (a dry run lists the job)"
     )

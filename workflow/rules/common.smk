@@ -12,7 +12,8 @@ from snakemake.exceptions import WorkflowError
 from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_digests, split_digest
 from vlft.study_costs import StudyCosts, capacity_of
-from vlft.empty_outputs import remove_empty_outputs, still_to_remake
+from vlft.empty_outputs import TO_REMAKE, remove_empty_outputs, still_to_remake
+from vlft.files import write_json
 from vlft.errors import ConfigError, InputError
 from vlft.jobs.partition import Request, cpu_line, over_line, read_partition
 from vlft.model_files import model_dir_problem
@@ -45,7 +46,6 @@ except ConfigError as err:
 RESULTS = config["results"]
 # Outputs a stat shows unusable (an empty adapter, a cache without its index) are removed before
 # the plan is made, and `all` asks for them until they are made again (vlft.empty_outputs).
-TO_REMAKE = ".snakemake/vlft/to-remake.json"
 for sentence in remove_empty_outputs(RESULTS, TO_REMAKE):
     print(sentence, file=sys.stderr)
 MODEL = config["model"]["path"]
@@ -442,7 +442,7 @@ def get_report_image_roots(wildcards, input):
     examples' images lie (derived from the input: a moved dataset reruns no report)."""
     evaluations, _ = report_jobs()
     datasets = [PLAN.eval_settings(e, s, config["evaluation"])["dataset"] for e, s, _ in evaluations]
-    return " ".join(shlex.quote(config["datasets"][d]["image_root"]) for d in datasets)
+    return [config["datasets"][d]["image_root"] for d in datasets]
 
 
 def get_report_labels(wildcards):
@@ -450,26 +450,18 @@ def get_report_labels(wildcards):
     and the stage it started from."""
     evaluations, stages = report_jobs()
     return {
-        "evaluations": " ".join("/".join(job) for job in evaluations),
-        "stages": " ".join(s.id for s in stages),
-        "init_from": " ".join(s.init_from or "-" for s in stages),
+        "evaluations": ["/".join(job) for job in evaluations],
+        "stages": [s.id for s in stages],
+        "init_from": [s.init_from or "-" for s in stages],
     }
 
 
-def get_report_arguments(wildcards, input):
-    """The report script's arguments, its inputs and their labels (derived from the input: the
-    labels, a param of their own, are what a rerun compares). None of them while a keep_best
-    checkpoint is pending: Snakemake then knows the report's inputs only as the checkpoint's output,
-    and a dry run prints the job all the same."""
-    if "metrics" not in input.keys():
-        return ""
-    labels = get_report_labels(wildcards)
-    named = [(f"--{name.replace('_', '-')}", input[name]) for name in ("metrics", "predictions", "prepared")]
-    named += [(f"--{name}", input[name]) for name in ("summaries", "logs", "selections")]
-    arguments = [f"{flag} {' '.join(shlex.quote(path) for path in paths)}" for flag, paths in named]
-    arguments += [f"--image-roots {get_report_image_roots(wildcards, input)}"]
-    arguments += [f"--{name.replace('_', '-')} {labels[name]}" for name in ("evaluations", "stages", "init_from")]
-    return " ".join(arguments)
+def write_report_inputs(path, log, input, params) -> None:
+    """The report's inputs file (scripts/report.py --inputs): each list in the order of its labels."""
+    names = ("metrics", "predictions", "prepared", "summaries", "logs", "selections")
+    inputs = {name: list(input[name]) for name in names} | dict(params.labels)
+    write_json(path, inputs | {"image_roots": list(params.image_roots), "sweeps": json.loads(params.sweeps)})
+    Path(log).write_text(f"{len(inputs['metrics'])} evaluations and {len(inputs['summaries'])} stages\n")
 
 
 def outputs_to_remake():

@@ -1,8 +1,31 @@
+rule report_inputs:
+    # What the report is of, in a file: its inputs and their labels, and how it groups sweeps. Given
+    # on its command line they outgrew what Linux takes in one argument (128 KiB) at a few hundred
+    # sweep arms, so the report of such a study never ran. Written where Snakemake runs (a few lines
+    # of Python, no job of its own on a cluster).
+    input:
+        unpack(get_report_inputs),
+    output:
+        inputs=report_path("inputs.json"),
+    log:
+        f"{RESULTS}/logs/report_inputs.log",
+    localrule: True
+    params:
+        # What a rerun compares: the evaluations and stages the report is of, and its sweeps.
+        labels=get_report_labels,
+        sweeps=json.dumps(PLAN.sweeps, sort_keys=True),
+        # Where the examples' images lie: derived from the input, so a moved dataset reruns nothing.
+        image_roots=get_report_image_roots,
+    run:
+        write_report_inputs(output.inputs, log[0], input, params)
+
+
 rule report:
     # One self-contained HTML page with every experiment x stage beside the base model, plus CSV
     # tables and the page's plots as files; each is an item of `snakemake --report`.
     input:
         unpack(get_report_inputs),
+        inputs=report_path("inputs.json"),
     output:
         # index.html first: what a dry run names the job by.
         **report_outputs(),
@@ -11,15 +34,8 @@ rule report:
     resources:
         mem_mb=rule_memory("report", 2000),
         runtime=10,
-        # How the report groups the experiments, not what any job computed: a resource, so that a
-        # study without a sweep reruns nothing for it (a sweep's experiments are the report's inputs).
-        # In hex: a job's resources travel on the command lines SLURM's jobs start Snakemake with.
-        sweeps=json.dumps(PLAN.sweeps, sort_keys=True).encode().hex(),
     params:
-        # What a rerun compares: the evaluations and stages the report is of.
-        labels=get_report_labels,
-        arguments=get_report_arguments,
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python -m vlft.jobs.launch scripts/report.py {params.arguments} --sweeps {resources.sweeps} "
-        "--output-dir {params.output_dir:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch scripts/report.py --inputs {input.inputs:q} --output-dir {params.output_dir:q} "
+        "2>&1 | tee {log:q}"
