@@ -154,3 +154,23 @@ def test_an_image_with_other_bytes_reruns_its_split_and_what_follows(study):
     finally:
         image.write_bytes(original)
     assert planned(study) == set()
+
+
+def test_a_changed_model_file_is_named_by_the_next_plan_and_an_unread_one_reruns_nothing(study):
+    """A rerun's reason is the model's digest, which names no file: the plan says which of the model's
+    files changed since the last plan. A file no loader reads, added empty, changes nothing."""
+    template, notes = study / "models/tiny/chat_template.jinja", study / "models/tiny/notes.txt"
+    original = template.read_text()
+    try:
+        notes.write_bytes(b"")
+        assert planned(study) == set()
+        template.write_text(original.replace("<|im_start|>", "<|im_start|> ", 1))
+        plan = snakemake(study, "--dry-run", "--configfile", CONFIG)
+        assert (
+            "the model's files changed since the last plan (other content: chat_template.jinja): what read the "
+            "model runs again" in plan.stderr
+        ), plan.stderr
+    finally:
+        template.write_text(original)
+        notes.unlink(missing_ok=True)
+    assert planned(study) == set()

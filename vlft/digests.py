@@ -67,6 +67,8 @@ class DigestMemo:
         except (OSError, ValueError):  # none yet, or damaged: hash again
             self.known = {}
         self.changed = False
+        self.other_content: list[str] = []  # files whose content differs from what the last plan hashed
+        self.model_files: dict | None = None  # the model's files as the last plan and this one count them
 
     def digest(self, path: str | Path) -> str:
         stat = os.stat(path)
@@ -75,8 +77,10 @@ class DigestMemo:
         entry = self.known.get(key)
         if entry is None or entry[:-1] != seen:
             with open(path, "rb") as handle:
-                entry = seen + [hashlib.file_digest(handle, "sha256").hexdigest()]
-            self.known[key], self.changed = entry, True
+                fresh = seen + [hashlib.file_digest(handle, "sha256").hexdigest()]
+            if entry is not None and entry[-1] != fresh[-1]:
+                self.other_content.append(str(path))
+            entry, self.known[key], self.changed = fresh, fresh, True
         return entry[-1]
 
     def save(self) -> None:
@@ -106,14 +110,42 @@ def model_files(model_dir: Path) -> list[Path]:
 
 def model_digests(model_dir: str | Path, memo: DigestMemo) -> dict[str, str]:
     """{"whole": the checkpoint's weights, tokenizer, template, configs and code; "processor": its
-    image processor's settings alone}, as digests of content."""
+    image processor's settings alone}, as digests of content. The files it counts are kept in the
+    memo, so that what changed since the last plan can be named (`model_changes`)."""
     model_dir = Path(model_dir)
-    named = [(str(p.relative_to(model_dir)), memo.digest(p)) for p in model_files(model_dir)]
+    files = model_files(model_dir)
+    named = [(str(p.relative_to(model_dir)), memo.digest(p)) for p in files]
+    listed = memo.known.get(f"files:{model_dir.resolve()}")
+    memo.model_files = {"before": listed, "now": [name for name, _ in named], "dir": model_dir}
+    if listed != memo.model_files["now"]:
+        memo.known[f"files:{model_dir.resolve()}"], memo.changed = memo.model_files["now"], True
     memo.save()
     return {
         "whole": combined(named),
         "processor": combined((name, digest) for name, digest in named if name in PROCESSOR_FILES),
     }
+
+
+def model_changes(memo: DigestMemo) -> str | None:
+    """What changed in the model's files since the last plan that counted them (added, removed, other
+    content), in one line, or None: a rerun's reason is a digest, which names no file."""
+    files = getattr(memo, "model_files", None)
+    if not files or files["before"] is None:
+        return None
+    before, now = set(files["before"]), set(files["now"])
+    changed = [
+        str(Path(p).relative_to(files["dir"])) for p in memo.other_content if Path(p).is_relative_to(files["dir"])
+    ]
+    parts = [
+        f"{what}: {', '.join(sorted(names))}"
+        for what, names in (("added", now - before), ("removed", before - now), ("other content", changed))
+        if names
+    ]
+    return (
+        f"the model's files changed since the last plan ({'; '.join(parts)}): what read the model runs again"
+        if parts
+        else None
+    )
 
 
 def split_digest(records: str | Path, image_root: str | Path, memo: DigestMemo) -> str:

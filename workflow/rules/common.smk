@@ -10,7 +10,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from vlft.config import check_config_files, resolve_config, results_directory
-from vlft.digests import DigestMemo, model_digests, split_digest
+from vlft.digests import DigestMemo, model_changes, model_digests, split_digest
 from vlft.study_costs import StudyCosts, capacity_of
 from vlft.empty_outputs import TO_REMAKE, remove_empty_outputs, still_to_remake
 from vlft.files import write_json
@@ -60,6 +60,11 @@ MODEL_MADE_HERE = "model" in config.get("demo", {}) or "hub_id" in config["model
 # Digests of the model's and the datasets' content, kept between plans beside Snakemake's own
 # records of the jobs (vlft.digests): a plan writes nothing under the results.
 DIGESTS = DigestMemo(".snakemake/vlft/digests.json")
+# Which of the model's files changed since the last plan, said once: a rerun's reason names a digest.
+if not MODEL_MADE_HERE and Path(MODEL).is_dir():
+    model_digests(MODEL, DIGESTS)
+    if changes := model_changes(DIGESTS):
+        print(changes, file=sys.stderr)
 # Stages that would compute one adapter, trained once: stage id -> the stage trained for it, whose
 # outputs are its outputs (`stage_path`, `eval_path`). One that has outputs of its own keeps them.
 TRAINED_ONCE = trained_once(

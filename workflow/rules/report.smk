@@ -4,7 +4,8 @@ rule report_inputs:
     # sweep arms, so the report of such a study never ran. Written where Snakemake runs (a few lines
     # of Python, no job of its own on a cluster).
     input:
-        unpack(get_report_inputs),
+        # Their paths, not their content or times: the file lists them (the report reads them).
+        unpack(lambda wildcards: {name: ancient(paths) for name, paths in get_report_inputs(wildcards).items()}),
     output:
         inputs=report_path("inputs.json"),
     log:
