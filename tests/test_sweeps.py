@@ -66,15 +66,21 @@ def test_a_sweep_expands_into_experiments_named_by_their_values_and_checked_as_s
         plan_with(bad, tmp_path)
 
 
-def test_a_sweep_trains_its_shared_stage_once_and_the_report_plots_accuracy_against_its_values(tmp_path):
-    """Through Snakemake: the dry run plans stage1 once and a stage2 per value; the run's report has
-    the sweep's table and chart, each final stage on each split by its learning rate."""
+def workflow_with_demo_data(tmp_path):
+    """A copy of the workflow and a config of the demo's shapes data (made) and tiny model, evaluated on test."""
     workdir = copy_workflow(tmp_path / "wf")
     config = demo_config(workdir / "data")
     make_demo_shapes(config)
     config["model"]["path"] = "results/demo/tiny-qwen3-vl"
     config["demo"]["datasets"].pop("shapes")
     config["defaults"]["eval_splits"] = ["test"]
+    return workdir, config
+
+
+def test_a_sweep_trains_its_shared_stage_once_and_the_report_plots_accuracy_against_its_values(tmp_path):
+    """Through Snakemake: the dry run plans stage1 once and a stage2 per value; the run's report has
+    the sweep's table and chart, each final stage on each split by its learning rate."""
+    workdir, config = workflow_with_demo_data(tmp_path)
     config["experiments"] = {"lr": CURRICULUM}
     (workdir / "study.yaml").write_text(yaml.safe_dump(config))
     arms = ["lr.learning_rate-0.0001", "lr.learning_rate-0.002"]
@@ -176,12 +182,7 @@ def test_the_reports_command_line_is_the_same_whatever_the_number_of_arms(tmp_pa
     hundred arms that outgrew what Linux takes in one argument (128 KiB), and the report never ran
     after every arm had trained. Now it reads them from one file, so its command line is the same
     for 2 arms and for 60, and what the file holds follows the plan."""
-    workdir = copy_workflow(tmp_path / "wf")
-    config = demo_config(workdir / "data")
-    make_demo_shapes(config)
-    config["model"]["path"] = "results/demo/tiny-qwen3-vl"
-    config["demo"]["datasets"].pop("shapes")
-    config["defaults"]["eval_splits"] = ["test"]
+    workdir, config = workflow_with_demo_data(tmp_path)
     commands = {}
     for arms in (2, 60):
         swept = copy.deepcopy(CURRICULUM)
