@@ -147,7 +147,12 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_sentence_naming_it_and_lea
     assert_one_full_disk_sentence(result, checkpoint, full)
     # The run's log of its two steps stays (the rerun truncates it to the checkpoint it resumes); no
     # part of the checkpoint does.
-    assert left_in(result) == ["./checkpoints", f"./checkpoints/{run_dir}", f"./checkpoints/{run_dir}/log.jsonl"]
+    assert left_in(result) == [
+        "./checkpoints",
+        f"./checkpoints/{run_dir}",
+        f"./checkpoints/{run_dir}/.vlft-run-directory",
+        f"./checkpoints/{run_dir}/log.jsonl",
+    ]
     assert not (tmp_path / "stage/adapter").exists()
 
 

@@ -89,6 +89,7 @@ KVASIR_PLAN = {
     *(f"results/kvasir/prepared/{s}.jsonl" for s in KVASIR_SPLITS),
     *(f"results/kvasir/cache/images/{s}/3136-1336320" for s in KVASIR_SPLITS),
     "results/kvasir/cache/vision/kvasir/train/3136-1336320",
+    "results/kvasir/report/inputs.json",
     "results/kvasir/report/index.html",
     "rule:all",
 }

@@ -59,6 +59,7 @@ def test_a_changed_stage_reruns_with_what_starts_from_it_even_after_its_outputs_
         f"{R}/train/exp4/stage2/adapter",
         *evaluations("exp4", "stage1"),
         *evaluations("exp4", "stage2"),
+        f"{R}/report/inputs.json",  # it lists stage 1's outputs, which are missing
         f"{R}/report/index.html",
         "rule:all",
     }

@@ -53,6 +53,7 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
         "results/my/train/only/main/adapter",
         "results/my/eval/only/main/val/predictions.jsonl",
         "results/my/eval/base/base/val/predictions.jsonl",
+        "results/my/report/inputs.json",
         "results/my/report/index.html",
         "rule:all",
     }

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 from pathlib import Path
 
 from vlft.files import atomic_path, remove_inside
+from vlft.jobs.launch import WORKFLOW_DIR  # set for its jobs by the workflow's Snakefile
 
 # Each kind of output, by glob under the results directory, and the files it must hold, not empty
 # ("." for the output itself).
@@ -32,8 +34,11 @@ TO_REMAKE = ".snakemake/vlft/to-remake.json"
 
 
 def remake_later(output: str | Path, to_remake: str | Path = TO_REMAKE) -> None:
-    """Add an output a job found damaged and removed to the list, so that the next plan makes it
-    again though every job after it is there (a job runs in the workflow's working directory)."""
+    """Add an output a job of the workflow found damaged and removed to the list, so that the next
+    plan makes it again though every job after it is there. A job runs in the workflow's working
+    directory, where the list is; outside a workflow's job (a script by hand, a test) there is no list."""
+    if WORKFLOW_DIR not in os.environ:
+        return
     Path(to_remake).parent.mkdir(parents=True, exist_ok=True)
     with open(Path(to_remake).with_suffix(".lock"), "a") as lock:  # jobs side by side add to one list
         fcntl.flock(lock, fcntl.LOCK_EX)

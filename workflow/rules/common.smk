@@ -475,6 +475,8 @@ def outputs_to_remake():
     evaluations = {"/".join(job) for job in PLAN.evaluations()}
 
     def planned(path):
+        if not Path(path).is_relative_to(RESULTS):  # another study's (a results directory of its own)
+            return False
         parts = Path(path).relative_to(RESULTS).parts
         if parts[0] == "train":
             return f"{parts[1]}/{parts[2]}" in PLAN.stages
