@@ -1,6 +1,7 @@
 """Config errors: one sentence naming the key (or the model directory's missing file), before any job."""
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -321,3 +322,29 @@ def test_a_key_written_twice_is_one_sentence_naming_both_lines(workdir, duplicat
         f"Invalid config: config/twice.yaml: key '{lines}' is written twice in one mapping, at lines "
         f"{min(first, again)} and {max(first, again)}; YAML would keep only the second"
     ], (result.stdout + result.stderr)
+
+
+@pytest.mark.skipif(os.getuid() == 0 and not shutil.which("setpriv"), reason="as root, needs setpriv to give up its right to write anywhere")
+@pytest.mark.parametrize("ran_before", [True, False])
+def test_a_study_one_cannot_write_is_one_sentence_even_for_a_dry_run(tmp_path, ran_before):
+    """Another user's study (or one on a read-only file system): Snakemake writes its records there
+    even for a dry run, which ended in a 30-line traceback. Root writes anywhere, so as root the
+    run gives up that right (setpriv), as another user has none."""
+    study = copy_workflow(tmp_path / "theirs")
+    if ran_before:
+        snakemake(study, "--dry-run")
+    subprocess.run(["chmod", "-R", "a-w", str(study)], check=True)
+    as_another = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.getuid() == 0 else []
+    try:
+        result = subprocess.run(
+            [*as_another, sys.executable, "-m", "snakemake", "--dry-run"], cwd=study, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(study)], check=True)
+    said = result.stdout + result.stderr
+    assert result.returncode != 0
+    blocked = study / ".snakemake" if ran_before else study
+    assert (
+        f"Snakemake keeps this study's records and lock in {study / '.snakemake'}, and {blocked} is not writable by you" in said
+    ), said
+    assert "Traceback" not in said and "PermissionError" not in said

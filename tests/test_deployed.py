@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import vlft
+
 from conftest import copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
@@ -143,3 +145,24 @@ def test_a_deployed_study_upgraded_to_a_later_tag_reruns_nothing(tmp_path, tiny_
     a_module_of(study, f'gitfile("{release}", path="workflow/Snakefile", tag="v1.1.0")')
     planned = snakemake(study, "-n")
     assert "Nothing to be done" in planned.stdout + planned.stderr, planned.stdout + planned.stderr
+
+
+def test_a_workflow_and_an_installed_package_of_different_releases_say_so(tmp_path):
+    """A deployed study's workflow comes from a tag and its package from pip: of different releases,
+    a missing module or a changed call failed cryptically. The plan stops at once in one sentence
+    naming both releases, before any of the package's modules is imported."""
+    release = copy_workflow(tmp_path / "release")
+    init = release / "vlft/__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{vlft.__version__}"', '__version__ = "9.9.9"'))
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "study.yaml").write_text(yaml.safe_dump(STUDY))
+    a_module_of(study, f'"{release}/workflow/Snakefile"')
+    planned = snakemake(study, "-n", check=False)
+    said = planned.stdout + planned.stderr
+    assert planned.returncode != 0
+    assert (
+        f"This workflow is release 9.9.9 of vlft and the installed vlft package ({Path(vlft.__file__).parent}) "
+        f"is release {vlft.__version__}: install vlft from the same release as the workflow" in said
+    ), said
+    assert "Traceback" not in said and "No module named" not in said

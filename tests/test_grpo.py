@@ -9,6 +9,8 @@ import gc
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ from vlft.training.runs import StageInputs
 from vlft.training.train import Preempted, _out_of_memory_said
 from conftest import (
     FLOAT64_RTOL,
+    REPO,
     StopAfter,
     plan_of_stages,
     questions_on_shared_images,
@@ -115,6 +118,44 @@ def test_a_resumed_grpo_stage_draws_and_trains_what_an_uninterrupted_one_does(sc
     assert whole[-1]["kl"] > 0  # beta above 0: the KL to the starting weights, after it has moved
     a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
     b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train_in_a_process_of_its_own(root, out, stop_after: int | None = None, dtype: str = "float32") -> str:
+    """A stage trained as a job trains it: in a new process (stopped after step `stop_after`, as by
+    SIGTERM), in `dtype`."""
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from pathlib import Path\n"
+        "from conftest import StopAfter, tiny_stage_settings\n"
+        "from test_grpo import GRPO\n"
+        "from vlft.training.runs import StageInputs\n"
+        "from vlft.training.train import Preempted, train_stage\n"
+        f"root, out, stop = Path({str(root)!r}), Path({str(out)!r}), {stop_after!r}\n"
+        "inputs = StageInputs(str(root / 'model'), [str(root / 'prepared.jsonl')], [str(root / 'pixels')], None)\n"
+        "settings = tiny_stage_settings(**(GRPO | {'beta': 0.04, 'max_steps': 4}))\n"
+        "try:\n"
+        "    train_stage(inputs, settings, out / 'adapter', out / 'log.jsonl', out / 'summary.json', out / 'ckpt', 1000,\n"
+        f"                stop=StopAfter(stop) if stop else None, dtype=torch.{dtype})\n"
+        "except Preempted:\n"
+        "    pass\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True, timeout=600).stdout
+
+
+def test_a_grpo_stage_resumed_in_a_new_process_trains_to_an_uninterrupted_ones_adapter_bit_for_bit(screens, tmp_path):
+    """As a job stopped by SIGTERM, SIGINT or SIGKILL and run again resumes it: in a process of its
+    own, in float32, where a different order of adding up a gradient's parts shows in the last bits.
+    The prompts' forward is numbered above the answers' however young the process
+    (vlft.training.shared_prompts._numbered_apart): a stage resumed after step 2 had an adapter
+    up to a few float32 roundings off an uninterrupted one's."""
+    train_in_a_process_of_its_own(screens, tmp_path / "whole")
+    train_in_a_process_of_its_own(screens, tmp_path / "cut", stop_after=2)
+    assert "resuming from step 2 " in train_in_a_process_of_its_own(screens, tmp_path / "cut")
+    whole, resumed = (read_jsonl(tmp_path / run / "log.jsonl") for run in ("whole", "cut"))
+    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["kl"], r["grad_norm"]) for r in whole]
+    assert whole[-1]["grad_norm"] > 0 and whole[-1]["prompts_once"] == 1.0  # it learned, each prompt once a step
+    a, b = (load_file(tmp_path / run / "adapter/adapter_model.safetensors") for run in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -558,6 +599,8 @@ def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tm
 
 
 def test_a_forward_numbered_apart_runs_under_the_callers_grad_mode_and_autocast_and_raises_its_errors():
+    """A forward in a thread of its own, as its caller would run it; one that makes more autograd
+    nodes than it may is said."""
     from vlft.training.shared_prompts import _numbered_apart
 
     def state():
@@ -574,6 +617,12 @@ def test_a_forward_numbered_apart_runs_under_the_callers_grad_mode_and_autocast_
 
     with pytest.raises(ValueError, match="a bad answer"):
         _numbered_apart(fails, CPU)
+
+    # More nodes than the prompts are numbered above: an error, not a backward pass in another order.
+    weight = torch.ones(2, requires_grad=True)
+    assert _numbered_apart(lambda: (weight * 2).sum(), CPU, below=2).requires_grad
+    with pytest.raises(RuntimeError, match="the answers' forward made 3 autograd nodes, more than the 2 the prompts'"):
+        _numbered_apart(lambda: (weight * 2).exp().sum(), CPU, below=2)
 
 
 def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_flight_finish_first(screens):

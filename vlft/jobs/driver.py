@@ -10,6 +10,22 @@ from pathlib import Path
 from vlft.jobs.interrupt import stop_jobs_on_interrupt
 
 
+def unwritable_records(directory: str) -> str | None:
+    """Why Snakemake could not keep its records of the study run from `directory` (.snakemake/: its
+    lock, its file cache, which even a dry run rewrites, its records of outputs), or None: another
+    user's study, or one on a read-only file system, otherwise ends in Snakemake's traceback."""
+    records = Path(directory, ".snakemake")
+    needed = [records, *(p for p in records.iterdir() if p.is_dir()), records / "iocache/latest.pkl"] if records.is_dir() else [Path(directory)]
+    blocked = next((path for path in needed if path.exists() and not os.access(path, os.W_OK)), None)
+    if blocked is None:
+        return None
+    return (
+        f"Snakemake keeps this study's records and lock in {records}, and {blocked} is not writable by you "
+        f"(uid {os.getuid()}; it belongs to uid {blocked.stat().st_uid}): even a dry run writes there, so run "
+        f"the study as its owner, or copy it to a directory of your own (cp -a {directory} <yours>) and run it there."
+    )
+
+
 def set_up_driver(workflow, results: str) -> None:
     # SLURM's early warning before a time limit (`--signal=USR1@...`, see profiles/slurm) goes to
     # every process of the job, Snakemake's own included, and USR1's default action is to exit.

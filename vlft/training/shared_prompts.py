@@ -50,6 +50,11 @@ def prompts_once_unless(model, settings) -> str | None:
     return None
 
 
+# The most autograd nodes a step's answers' forward makes for each module of the language model
+# (the prompts' are numbered above them, `_numbered_apart`): the test models' made under two.
+ANSWERS_NODES_A_MODULE = 8
+
+
 @dataclass
 class KeptLayer:
     """One layer's keys and values of a prefill, as its attention computed them (normed, rotated):
@@ -107,6 +112,8 @@ class PromptPass:
         # layer) it had not compiled in 200 s.
         compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
         self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
+        # What the answers' forward numbers its nodes below (`_numbered_apart`).
+        self.answers_nodes = ANSWERS_NODES_A_MODULE * sum(1 for _ in self.text.modules())
         self.clear()
 
     def clear(self) -> None:
@@ -121,6 +128,7 @@ class PromptPass:
         the run puts the model's dtype's in their place for the decode steps."""
         self.clear()
         self.own = [p.data for p in self.trainable]
+        _numbered_from(self.answers_nodes)  # the prefills' nodes outnumber the answers' (`_numbered_apart`)
         yield
 
     def prefill(self, model, group: list, sampler) -> Prefilled:
@@ -206,12 +214,25 @@ class PromptPass:
                     **attention,
                 ).last_hidden_state[0]
 
-        return _numbered_apart(forward, device)
+        return _numbered_apart(forward, device, below=self.answers_nodes)
 
 
-def _numbered_apart(forward, device: torch.device):
+def _numbered_from(least: int) -> None:
+    """The calling thread's autograd counter (`_numbered_apart`) at `least` or above: nodes that
+    make nothing, once a process (a fraction of a second)."""
+    missing = least - torch._C._autograd._get_sequence_nr()
+    if missing > 0:
+        with torch.enable_grad():
+            counted = torch.zeros((), requires_grad=True)
+            for _ in range(missing):
+                counted.neg()
+
+
+def _numbered_apart(forward, device: torch.device, below: int | None = None):
     """`forward()` run in a thread of its own, under the caller's grad mode, autocast and device,
-    so that the backward pass interleaves its layers with the prompts' (it changes no result).
+    so that the backward pass interleaves its layers with the prompts' (it changes no result) and
+    takes the step's nodes in an order of the step's own, whatever the process did before it.
+    `below`: the most nodes it may make (more is an error: the order would not be the step's own).
 
     Autograd numbers the nodes a thread makes in the order it makes them (a counter of the
     thread's own), and its backward pass runs the ready node with the highest number first. Made
@@ -220,8 +241,14 @@ def _numbered_apart(forward, device: torch.device):
     kernels (a few tokens a layer: the device idle), before the first prompt layer (thousands of
     tokens: the device busy). Numbered from zero in a thread of their own, they come below: each
     prompt layer runs as soon as its answers' layer has given it its keys' gradients, and the host
-    launches the next answers' layer while the device works on it. A parameter's gradient adds the
-    same two parts (its answers' layer's, then its prompt layer's) either way."""
+    launches the next answers' layer while the device works on it.
+
+    They come below only where the main thread's counter, which grows with everything the process
+    did, is past them when the prompts are prefilled; early in a process it was not (a stage
+    resumed in a new process), the backward pass took some nodes in another order, and where a
+    node's gradient is the sum of three or more parts, another order rounds it differently: the
+    resumed stage trained to an adapter a few float32 roundings from an uninterrupted one's. So
+    every rollout first takes the main thread's counter to `below` (`_numbered_from`)."""
     grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled(device.type)
     autocast_dtype = torch.get_autocast_dtype(device.type)
     outcome: dict = {}
@@ -232,6 +259,7 @@ def _numbered_apart(forward, device: torch.device):
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad), torch.autocast(device.type, autocast_dtype, enabled=autocast):
                 outcome["value"] = forward()
+            outcome["nodes"] = torch._C._autograd._get_sequence_nr()
         except BaseException as error:  # raised again in the caller's thread
             outcome["error"] = error
 
@@ -240,6 +268,11 @@ def _numbered_apart(forward, device: torch.device):
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
+    if below is not None and outcome["nodes"] > below:
+        raise RuntimeError(
+            f"the answers' forward made {outcome['nodes']} autograd nodes, more than the {below} the prompts' "
+            "are numbered above (vlft.training.shared_prompts.ANSWERS_NODES_A_MODULE is too low for this model)"
+        )
     return outcome["value"]
 
 
