@@ -324,7 +324,10 @@ def test_a_key_written_twice_is_one_sentence_naming_both_lines(workdir, duplicat
     ], (result.stdout + result.stderr)
 
 
-@pytest.mark.skipif(os.getuid() == 0 and not shutil.which("setpriv"), reason="as root, needs setpriv to give up its right to write anywhere")
+@pytest.mark.skipif(
+    os.getuid() == 0 and not shutil.which("setpriv"),
+    reason="as root, needs setpriv to give up its right to write anywhere",
+)
 @pytest.mark.parametrize("ran_before", [True, False])
 def test_a_study_one_cannot_write_is_one_sentence_even_for_a_dry_run(tmp_path, ran_before):
     """Another user's study (or one on a read-only file system): Snakemake writes its records there
@@ -337,7 +340,11 @@ def test_a_study_one_cannot_write_is_one_sentence_even_for_a_dry_run(tmp_path, r
     as_another = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.getuid() == 0 else []
     try:
         result = subprocess.run(
-            [*as_another, sys.executable, "-m", "snakemake", "--dry-run"], cwd=study, capture_output=True, text=True, timeout=300
+            [*as_another, sys.executable, "-m", "snakemake", "--dry-run"],
+            cwd=study,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(study)], check=True)
@@ -345,6 +352,7 @@ def test_a_study_one_cannot_write_is_one_sentence_even_for_a_dry_run(tmp_path, r
     assert result.returncode != 0
     blocked = study / ".snakemake" if ran_before else study
     assert (
-        f"Snakemake keeps this study's records and lock in {study / '.snakemake'}, and {blocked} is not writable by you" in said
+        f"Snakemake keeps this study's records and lock in {study / '.snakemake'}, and {blocked} is not writable by you"
+        in said
     ), said
     assert "Traceback" not in said and "PermissionError" not in said

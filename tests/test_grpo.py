@@ -140,7 +140,9 @@ def train_in_a_process_of_its_own(root, out, stop_after: int | None = None, dtyp
         "except Preempted:\n"
         "    pass\n"
     )
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True, timeout=600).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True, timeout=600
+    ).stdout
 
 
 def test_a_grpo_stage_resumed_in_a_new_process_trains_to_an_uninterrupted_ones_adapter_bit_for_bit(screens, tmp_path):
@@ -153,7 +155,9 @@ def test_a_grpo_stage_resumed_in_a_new_process_trains_to_an_uninterrupted_ones_a
     train_in_a_process_of_its_own(screens, tmp_path / "cut", stop_after=2)
     assert "resuming from step 2 " in train_in_a_process_of_its_own(screens, tmp_path / "cut")
     whole, resumed = (read_jsonl(tmp_path / run / "log.jsonl") for run in ("whole", "cut"))
-    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["kl"], r["grad_norm"]) for r in whole]
+    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in resumed] == [
+        (r["loss"], r["kl"], r["grad_norm"]) for r in whole
+    ]
     assert whole[-1]["grad_norm"] > 0 and whole[-1]["prompts_once"] == 1.0  # it learned, each prompt once a step
     a, b = (load_file(tmp_path / run / "adapter/adapter_model.safetensors") for run in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,11 @@ def unwritable_records(directory: str) -> str | None:
     lock, its file cache, which even a dry run rewrites, its records of outputs), or None: another
     user's study, or one on a read-only file system, otherwise ends in Snakemake's traceback."""
     records = Path(directory, ".snakemake")
-    needed = [records, *(p for p in records.iterdir() if p.is_dir()), records / "iocache/latest.pkl"] if records.is_dir() else [Path(directory)]
+    needed = (
+        [records, *(p for p in records.iterdir() if p.is_dir()), records / "iocache/latest.pkl"]
+        if records.is_dir()
+        else [Path(directory)]
+    )
     blocked = next((path for path in needed if path.exists() and not os.access(path, os.W_OK)), None)
     if blocked is None:
         return None
