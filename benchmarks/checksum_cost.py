@@ -1,4 +1,4 @@
-"""What checking the caches' checksums costs (vlft.caches.integrity): the CRC-32 of one image's cached tensor,
+"""What checking the caches' checksums costs (vlft.integrity): the CRC-32 of one image's cached tensor,
 as a reader checks it the first time it reads it, for the 8B's Kvasir-sized entries (sha256 beside it,
 for the choice), and that time as a share of the jobs at the speeds measured in benchmarks/README.md:
 of one CPU core in training (the loader thread, beside the GPU), of the wall time in evaluation
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from vlft.caches.integrity import tensor_checksum
+from vlft.integrity import tensor_checksum
 
 # One Kvasir image at the researchers' resolution: about 1,300 tokens, 2x2 patches of 16x16 each.
 TOKENS = 1300

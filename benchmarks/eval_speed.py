@@ -40,7 +40,8 @@ if "--code" in sys.argv:
 from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload  # noqa: E402
 from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
 from vlft.files import read_jsonl  # noqa: E402
-from vlft.generation.kv_cache import SlotCache, language_model  # noqa: E402
+from vlft.generation.kv_cache import SlotCache  # noqa: E402
+from vlft.modeling import language_model  # noqa: E402
 from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
 from vlft.data.prompts import PromptBuilder  # noqa: E402
 from vlft.data.records import prepare_split  # noqa: E402

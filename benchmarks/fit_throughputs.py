@@ -22,7 +22,8 @@ import numpy as np
 import yaml
 
 from vlft.config import resolve_config, results_directory
-from vlft.costs import Throughputs, eval_seconds, train_seconds
+from vlft.costs import eval_seconds, train_seconds
+from vlft.devices import Throughputs
 from vlft.digests import DigestMemo
 from vlft.plan import build_plan
 from vlft.study_costs import StudyCosts

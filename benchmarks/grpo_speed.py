@@ -133,7 +133,7 @@ def phase_patches() -> list[tuple[object, str, str]]:
     """Where a GRPO step's phases begin and end: what its rollout reads, prefills, decodes and
     scores, and its update's forward, backward, clipping and optimizer step."""
     import vlft.generation.runner
-    import vlft.training.rewards
+    import vlft.data.rewards
     import vlft.training.shared_prompts
 
     return [
@@ -141,7 +141,7 @@ def phase_patches() -> list[tuple[object, str, str]]:
         (vlft.generation.engine, "prefill", "prefill without gradients"),
         (vlft.training.shared_prompts.PromptPass, "prefill", "prefill with gradients"),
         (vlft.generation.runner.DecodeStep, "__call__", "decode steps"),
-        (vlft.training.rewards.Rewards, "score", "rewards"),
+        (vlft.data.rewards.Rewards, "score", "rewards"),
         (vlft.training.shared_prompts.PromptPass, "answer_logps", "answers' forward after kept prompts"),
         (vlft.training.grpo, "pack_groups", "rows laid out for a pass without gradients"),
         (vlft.training.grpo, "to_device", "rows put on the device for a pass without gradients"),

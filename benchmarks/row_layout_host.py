@@ -1,5 +1,5 @@
 """The host's time to lay out one packed row of a GRPO update: Kvasir-like images, each with its
-questions' G sampled answers (vlft.training.packing.pack_groups), on the CPU with the tiny Qwen3-VL
+questions' G sampled answers (vlft.forward.packing.pack_groups), on the CPU with the tiny Qwen3-VL
 and images of about 1,100 tokens each. No GPU: this is the host work a prompts-twice GRPO step does
 at the step, after its rollout (an SFT step lays its rows out a step ahead, in a thread).
 
@@ -31,8 +31,8 @@ from vlft.data.records import prepare_split  # noqa: E402
 from vlft.data.stage_data import load_stage_data  # noqa: E402
 from vlft.demo.tiny_model import make_tiny_model  # noqa: E402
 from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index  # noqa: E402
-from vlft.training.image_groups import ImageGroup  # noqa: E402
-from vlft.training.packing import pack_groups  # noqa: E402
+from vlft.forward.image_groups import ImageGroup  # noqa: E402
+from vlft.forward.packing import pack_groups  # noqa: E402
 
 
 def main() -> None:

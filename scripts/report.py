@@ -6,7 +6,9 @@ from pathlib import Path
 
 from vlft.jobs.cli import run
 from vlft.errors import InputError
-from vlft.report import Evaluation, TrainedStage, write_report
+from vlft.report.page import write_report
+from vlft.report.study import Evaluation, StageResult
+from vlft.trained_stage import TrainedStage
 
 # The lists of the inputs file (the workflow's report_inputs rule), each in the order of its labels.
 PER_EVALUATION = ("metrics", "predictions", "prepared", "image_roots", "evaluations")
@@ -36,7 +38,11 @@ def main():
         for metrics, predictions, prepared, image_root, label in zip(*(inputs[n] for n in PER_EVALUATION))
     ]
     stages = [
-        TrainedStage(*label.split("/"), summary, log, "" if start == "-" else start)
+        StageResult.read(
+            label,
+            TrainedStage(Path(summary).with_name("adapter"), Path(log), Path(summary)),
+            "" if start == "-" else start,
+        )
         for summary, log, label, start in zip(*(inputs[n] for n in PER_STAGE))
     ]
     write_report(

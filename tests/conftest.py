@@ -129,7 +129,7 @@ def tiny_stage_settings(**overrides) -> dict:
     """A tiny model's stage settings as the train rule hands them over: the schema's defaults, the
     pixel bounds of tiny_family_data, rank 8, and `overrides`."""
     from vlft.config import stage_defaults
-    from vlft.plan import RUN_ONLY_KEYS
+    from vlft.stage_params import RUN_ONLY_KEYS
 
     settings = stage_defaults() | {
         "init_from": None,

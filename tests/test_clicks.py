@@ -229,7 +229,9 @@ def test_the_report_draws_the_target_box_and_the_answered_point_on_the_thumbnail
     import base64
     import io
 
-    from vlft.report import Evaluation, examples_html, thumbnail_jpeg
+    from vlft.report.page import examples_html
+    from vlft.report.study import Evaluation
+    from vlft.thumbnails import thumbnail_jpeg
 
     Image.new("RGB", (400, 200), (255, 255, 255)).save(tmp_path / "screen.png")
     # The thumbnail is 160 x 80: every original pixel coordinate is scaled by 0.4.

@@ -22,16 +22,15 @@ from vlft.costs import (
     TEMPLATE_TOKENS,
     Refinement,
     SplitCounts,
-    Throughputs,
     attempts_needed,
     count_split,
     eval_seconds,
     image_tokens,
     runtime_minutes,
-    throughputs,
     train_seconds,
     wall_seconds,
 )
+from vlft.devices import Throughputs, throughputs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -455,7 +454,7 @@ def test_a_gpu_without_measurements_is_timed_from_the_nearest_measured_one_by_it
     """A GPU vlft/devices.csv knows but the table has no row of: the nearest measured GPU's
     coefficients, per-token work scaled by the two devices' bf16 throughputs, decode steps by their
     memory bandwidths, a job's own fixed costs as measured; and the plan says so."""
-    from vlft.costs import device_specs
+    from vlft.devices import device_specs
 
     rate, measured = throughputs(device, 7.57e9), throughputs(nearest, 7.57e9)
     specs = device_specs()

@@ -68,7 +68,7 @@ def test_a_damaged_cache_index_is_one_sentence_and_the_cache_is_removed_for_its_
 
 def test_an_intact_cache_reads_back_what_was_written(small_stage):
     from vlft.caches.image_cache import ImageCache
-    from vlft.caches.integrity import tensor_checksum
+    from vlft.integrity import tensor_checksum
 
     reader = ImageCache(small_stage[0].caches[0])
     for image, entry in reader.entries.items():

@@ -331,7 +331,7 @@ def test_vllm_serves_an_exported_stage(demo_workdir):
 def test_the_run_says_where_its_results_are_first_and_who_won_and_where_the_report_is_last(demo_workdir):
     import pandas as pd
 
-    from vlft.report import winners
+    from vlft.report.study import winners
 
     said = (demo_workdir.parent / "terminal.txt").read_text().strip().splitlines()
     assert "Results of this study: results/" in said

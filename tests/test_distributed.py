@@ -119,7 +119,7 @@ def test_two_processes_take_the_steps_one_process_takes(small_stage, layout, tmp
 
 
 # Steps of two images: each process takes one whole. Steps of one image: whole groups would leave
-# one process idle, so the image is cut in two, each half with the prefix (vlft.training.image_groups).
+# one process idle, so the image is cut in two, each half with the prefix (vlft.forward.image_groups).
 # A cut changes the layout, not only the order of a sum across processes: the first steps agree to
 # float64 rounding, and from the third AdamW amplifies that rounding (tests/test_image_groups.py's
 # loss-curve test says how) to up to 1e-6.

@@ -13,14 +13,14 @@ import pytest
 import torch
 import yaml
 
-from vlft.training.batching import collate, to_device, token_budget_batches
+from vlft.forward.batching import collate, to_device, token_budget_batches
 from vlft.demo.shapes import make_dataset
 from vlft.errors import ConfigError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
-from vlft.training.loss import answer_loss_sum, linear_cross_entropy_sum
+from vlft.forward.loss import answer_loss_sum, linear_cross_entropy_sum
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, unwrapped, with_new_adapter
-from vlft.training.packing import pack, packed_attention, packed_batches, use_packed_attention
+from vlft.forward.packing import pack, packed_attention, packed_batches, use_packed_attention
 from vlft.data.prompts import PromptBuilder
 from vlft.training.train import compile_decoder_layers
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
@@ -307,7 +307,7 @@ def test_packed_batches_fill_rows_under_the_budget_and_keep_every_sample():
 def test_packed_attention_attends_within_each_sample_only(device, shared_prefix):
     """Against SDPA with an explicit mask over the row, forward and backward; 8 query heads share
     2 key/value heads, as in Qwen-VL. On a GPU in bf16 this is the variable-length flash kernel.
-    With a shared prefix (an image group, vlft.training.image_groups): a 6-token prefix laid out with the
+    With a shared prefix (an image group, vlft.forward.image_groups): a 6-token prefix laid out with the
     first of three samples, the other two after it attending to the prefix and causally to
     themselves, then a sample alone."""
     torch.manual_seed(0)
@@ -422,9 +422,9 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     """A grouped step: every image's prefix (template header and image) once, its questions after
     it, in packed rows with the fused loss, the largest group cut across rows by the token budget;
     against every sample computed separately on the plain path, in float64 with lora_dropout 0."""
-    from vlft.training.image_groups import ImageGroup, group_rows
+    from vlft.forward.image_groups import ImageGroup, group_rows
     from vlft.training.steps import groups_in_order, image_of
-    from vlft.training.packing import pack_groups
+    from vlft.forward.packing import pack_groups
 
     root = grouped_family_setup
     pixels = ImageCache(root / "pixels")
@@ -495,8 +495,8 @@ def test_a_packed_row_computes_each_prompts_positions_once_and_gives_every_sampl
     from dataclasses import replace
 
     from vlft.data.prompts import Sample
-    from vlft.training.image_groups import ImageGroup
-    from vlft.training.packing import pack_groups
+    from vlft.forward.image_groups import ImageGroup
+    from vlft.forward.packing import pack_groups
 
     root = grouped_family_setup
     samples, images, builder, _ = samples_and_images(root, ImageCache(root / "pixels"))

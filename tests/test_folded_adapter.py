@@ -19,7 +19,7 @@ from vlft.generation.kv_cache import KV_BLOCK, SlotCache
 from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
 from vlft.generation.sampling import Sampling
 from vlft.modeling import load_base_model, unwrapped, with_new_adapter
-from vlft.training.packing import use_packed_attention
+from vlft.forward.packing import use_packed_attention
 from conftest import assert_close_normwise, tiny_family_data
 from test_generation import greedy_steps_logits, stage_data
 

@@ -10,19 +10,19 @@ import math
 import pytest
 import torch
 
-from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
+from vlft.forward.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.config import stage_defaults
 from vlft.demo.shapes import make_dataset
 from vlft.demo.tiny_model import FAMILIES
 from vlft.files import read_jsonl, write_jsonl
 from vlft.generation.evaluate import prompt_request, shared_prefixes
-from vlft.training.image_groups import ImageGroup
+from vlft.forward.image_groups import ImageGroup
 from vlft.generation.engine import answer_requests
 from vlft.generation.kv_cache import KV_BLOCK, SlotCache, live_blocks, refresh_live_blocks
 from vlft.generation.runner import DECODE_ATTENTION, DecodeStep, prefill
 from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_new_adapter
-from vlft.training.packing import use_packed_attention
+from vlft.forward.packing import use_packed_attention
 from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import load_stage_data
 from vlft.training.train import StageInputs, compile_decoder_layers, train_stage

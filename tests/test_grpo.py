@@ -25,15 +25,15 @@ from vlft.files import read_jsonl
 from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training import token_budget
-from vlft.training.batching import to_device
+from vlft.forward.batching import to_device
 import vlft.training.grpo as grpo_module
 from vlft.generation import folded_adapter
 from vlft.generation.engine import Engine
 from vlft.training.grpo import KEPT_PROMPTS, GroupRelativePolicyOptimization, _keys_of, answer_seed
-from vlft.training.loss import answer_token_logps
-from vlft.training.packing import pack, pack_groups, use_packed_attention
+from vlft.forward.loss import answer_token_logps
+from vlft.forward.packing import pack, pack_groups, use_packed_attention
 from vlft.modeling import rope_index
-from vlft.training.rewards import Rewards
+from vlft.data.rewards import Rewards
 from vlft.training.runs import StageInputs
 from vlft.training.train import Preempted, _out_of_memory_said
 from conftest import (

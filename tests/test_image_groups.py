@@ -14,7 +14,7 @@ from vlft.demo.shapes import make_dataset
 from vlft.errors import InputError
 from vlft.files import read_jsonl
 from vlft.caches.image_cache import ImageCache
-from vlft.training.image_groups import ImageGroup, common_prefix, group_rows, share_groups, shared_prefix_length
+from vlft.forward.image_groups import ImageGroup, common_prefix, group_rows, share_groups, shared_prefix_length
 from vlft.job_settings import StageSettings
 from vlft.training.steps import groups_in_order, image_of, plan_steps
 from vlft.jobs.distributed import share_by_tokens

@@ -185,7 +185,7 @@ def test_the_grpo_benchmarks_matched_sft_step_learns_as_many_tokens_as_its_grpo_
     from vlft.caches.image_cache import PixelSettings, build_image_cache
     from vlft.data.prompts import PromptBuilder, Sample
     from vlft.data.stage_data import load_stage_data
-    from vlft.training.image_groups import ImageGroup
+    from vlft.forward.image_groups import ImageGroup
     from vlft.training.steps import groups_in_order, image_of
 
     images, per_image, generations, longest = 2, 3, 4, 12

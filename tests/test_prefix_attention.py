@@ -1,5 +1,5 @@
 """Answers' attention over their kept prompts in two parts, a shared prefix read once and each
-answer's own keys, merged by log-sum-exp (vlft.training.prefix_attention), against the plain
+answer's own keys, merged by log-sum-exp (vlft.forward.prefix_attention), against the plain
 attention over each answer's keys laid out whole: outputs and gradients, forward and backward."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import FLOAT64_RTOL, assert_close_normwise
-from vlft.training.image_groups import RowLayout
-from vlft.training.packing import packed_attention
-from vlft.training.prefix_attention import FlashKernels, ReferenceKernels, kernels_for
+from vlft.forward.image_groups import RowLayout
+from vlft.forward.packing import packed_attention
+from vlft.forward.prefix_attention import FlashKernels, ReferenceKernels, kernels_for
 from vlft.training.shared_prompts import _after_prompts, _gathered
 
 # Kept prompts as a prefill lays them out (positions among all prompt keys): two answers' prompts

@@ -4,7 +4,8 @@ import io
 
 import pandas as pd
 
-from vlft.report import category_chart, inert_for_spreadsheets
+from vlft.report.charts import category_chart
+from vlft.report.tables import inert_for_spreadsheets
 
 
 def categories_of(names: list[str]) -> pd.DataFrame:

@@ -93,7 +93,9 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
 
     from PIL import Image
 
-    from vlft.report import Evaluation, TrainedStage, write_report
+    from vlft.report.page import write_report
+    from vlft.report.study import Evaluation, StageResult
+    from vlft.trained_stage import TrainedStage
 
     Image.new("RGB", (300, 200), (200, 30, 30)).save(tmp_path / "red.png")
     answer = '<script>document.title = "owned"</script>\x00 <b>red</b>'
@@ -141,7 +143,7 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
     ]
     write_report(
         evaluations,
-        [TrainedStage("exp1", "main", str(tmp_path / "summary.json"), str(tmp_path / "log.jsonl"))],
+        [StageResult.read("exp1/main", TrainedStage.at(tmp_path))],
         tmp_path / "report",
     )
 

@@ -16,7 +16,7 @@ import torch
 from vlft.data.clicks import Frame
 from vlft.errors import ConfigError, InputError, TrainingError
 from vlft.training.methods import grpo_loss_sum, grpo_step_weight, grpo_token_losses, group_advantages
-from vlft.training.rewards import Answer, Rewards
+from vlft.data.rewards import Answer, Rewards
 from conftest import FLOAT64_RTOL
 
 # A 1000 x 500 screenshot seen on Qwen3-VL's 0-1000 grid; the target box 100 x 50 px around (300, 200).
@@ -152,7 +152,7 @@ def test_a_users_reward_that_blocks_is_said_and_a_stop_signal_ends_the_wait(tmp_
     import threading
 
     from vlft.jobs.stopping import Preempted, StopRequest
-    from vlft.training import rewards
+    from vlft.data import rewards
 
     (tmp_path / "blocking.py").write_text("import time\n\ndef waits(records, answers):\n    time.sleep(3600)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

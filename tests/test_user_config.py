@@ -13,7 +13,7 @@ import yaml
 
 from conftest import copy_workflow, planned_outputs, snakemake
 from vlft.config import load_schema
-from vlft.plan import LEFT_OUT_WHEN_OFF, LEFT_OUT_WITH, METHOD_KEYS, RUN_ONLY_KEYS
+from vlft.stage_params import LEFT_OUT_WHEN_OFF, LEFT_OUT_WITH, METHOD_KEYS, RUN_ONLY_KEYS
 
 MINIMAL = """\
 model: {path: my/model}
@@ -65,8 +65,8 @@ def test_a_minimal_user_config_plans_its_own_jobs_with_the_documented_defaults(t
     # that the demo sets otherwise (the demo has 2e-3, 4 epochs, 256 tokens, micro-batches of 16).
     stage_schema = load_schema()["$defs"]["stage_settings"]["properties"]
     documented = {key: prop["default"] for key, prop in stage_schema.items() if "default" in prop}
-    # Options added after studies ran are left out while off (vlft.plan.LEFT_OUT_WHEN_OFF), and a
-    # training method's own settings where a stage uses another (vlft.plan.METHOD_KEYS): the job
+    # Options added after studies ran are left out while off (vlft.stage_params.LEFT_OUT_WHEN_OFF), and a
+    # training method's own settings where a stage uses another (vlft.stage_params.METHOD_KEYS): the job
     # reads them as off, and adding them reruns no finished stage.
     left_out = (*RUN_ONLY_KEYS, *LEFT_OUT_WHEN_OFF, *LEFT_OUT_WITH, *(k for keys in METHOD_KEYS.values() for k in keys))
     assert train == {

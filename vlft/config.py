@@ -168,7 +168,7 @@ def resolve_config(config: dict) -> dict:
 def check_device(device: str | None) -> None:
     """A `planning.device` the forecast can time jobs on (vlft.costs): measured, or scaled from a
     measured one by its published figures; a name it does not know is one sentence naming those it does."""
-    from vlft.costs import known_devices
+    from vlft.devices import known_devices
 
     known = known_devices()
     if device is None or device.lower() in (name.lower() for name in known):

@@ -4,7 +4,7 @@ are removed before Snakemake plans, and kept in a list until they are made again
 `all` asks for them, because Snakemake makes a missing output again only where a job that needs it
 runs, and the jobs after it are all there. So the plan (a dry run's too) lists the jobs that make
 them again and what follows. What only reading shows (other bytes of the same size) is
-vlft.caches.integrity's, when a job reads them."""
+vlft.integrity's, when a job reads them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A training job's settings, resolved once at its entry point into one typed object.
 
 The plan hands a training job its stage's settings as its params, leaving out the options that are
-off (vlft.plan.LEFT_OUT_WHEN_OFF), so that adding an option reruns nothing a study has trained. The
+off (vlft.stage_params.LEFT_OUT_WHEN_OFF), so that adding an option reruns nothing a study has trained. The
 job takes them back in here, once: every key the schema documents, the params' values where they
 give one, the schema's defaults elsewhere (vlft.config.stage_defaults). Nothing downstream reads a
 setting with a default of its own. What a job's identity rests on (its checkpoints' directory, its
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from vlft.config import METHOD_DEFAULTS, stage_defaults
 from vlft.errors import ConfigError
-from vlft.plan import RUN_ONLY_KEYS
+from vlft.stage_params import RUN_ONLY_KEYS
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StageSettings:
     compile: bool
     image_groups: bool
     method: str  # sft, dpo or grpo (vlft.training.methods)
-    beta: float | None  # None only where the method is sft (vlft.plan.METHOD_DEFAULTS)
+    beta: float | None  # None only where the method is sft (vlft.config.METHOD_DEFAULTS)
     loss_type: str | None
     label_smoothing: float
     rpo_alpha: float | None

@@ -15,7 +15,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from vlft.errors import DeviceError, InputError
-from vlft.caches.integrity import verify_adapter
+from vlft.integrity import verify_adapter
 from vlft.model_files import require_model_dir
 
 
@@ -188,3 +188,12 @@ def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
     return torch.autocast(device.type, dtype=dtype)
+
+
+def language_model(model):
+    """The decoder stack of a Qwen-VL model (its embeddings, layers and final norm)."""
+    return model.model.language_model
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

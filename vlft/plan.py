@@ -9,7 +9,6 @@ params trigger reruns a stage when, and only when, its own settings change.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,27 +18,16 @@ from vlft.model_files import checkpoint_pixels, hub_processor_dir, model_dir_pro
 from vlft.data.answers import AnswerFormat
 from vlft.data.records import selection_problem
 from vlft.sweeps import arm_selections, expand_sweeps
-
-# Keys that decide how a job runs, not what it computes: never part of a job's params.
-RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
-
-# Options added after studies already ran, left out of a stage's parameters while off, so that
-# adding them reruns nothing a study has already trained. The training job takes them back from the
-# schema's defaults, once, at its entry (vlft.job_settings).
-LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None, "method": "sft"}
-# Options that mean something only while another is on: left out with it.
-LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
-# Each training method's own settings: left out of a stage's params unless it uses that method.
-GRPO_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon")
-GRPO_KEYS += ("epsilon_high", "scale_rewards", "rewards", "num_iterations")
-METHOD_KEYS = {
-    "dpo": ("beta", "loss_type", "label_smoothing", "rpo_alpha"),
-    "grpo": ("beta", "loss_type") + GRPO_KEYS,
-}
-LOSS_TYPES = {"dpo": ("sigmoid",), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
-
-# Settings that must match between a stage and the stage it starts from (the adapter's shape).
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
+from vlft.stage_params import (
+    LEFT_OUT_WHEN_OFF,
+    LEFT_OUT_WITH,
+    LORA_KEYS,
+    LOSS_TYPES,
+    METHOD_KEYS,
+    RUN_ONLY_KEYS,
+    schedule_problem,
+    warmup_steps,
+)
 
 BASE_EXPERIMENT = "base"
 BASE_STAGE = "base"
@@ -224,7 +212,7 @@ def build_plan(config: dict) -> Plan:
 
 def _check_rewards(settings: dict, key: str) -> None:
     """A grpo stage's rewards, and what sampling needs, before any job is queued."""
-    from vlft.training.rewards import Rewards
+    from vlft.data.rewards import Rewards
 
     if not settings["packing"]:
         raise ConfigError(
@@ -302,26 +290,6 @@ def _check_runtimes(config: dict, plan: "Plan") -> None:
             raise ConfigError(
                 f"{key}: {minutes} minutes, more than max_runtime ({ceiling}), the most a job may ask for"
             )
-
-
-def warmup_steps(settings: dict, n_steps: int) -> int:
-    """Steps of linear warmup from learning rate 0 (the first step's rate) up to `learning_rate`."""
-    if settings["lr_schedule"] == "constant":
-        return 0
-    return math.ceil(settings["warmup_ratio"] * n_steps)
-
-
-def schedule_problem(settings: dict, n_steps: int) -> str | None:
-    """Why a stage of `n_steps` steps would not train as its schedule intends, or None: a schedule
-    all in warmup never reaches its learning rate, and one step of warmup is one step at rate 0."""
-    warmup = warmup_steps(settings, n_steps)
-    if warmup < n_steps:
-        return None
-    return (
-        f"all {n_steps} of its steps are warmup (warmup_ratio {settings['warmup_ratio']} of {n_steps} is "
-        f"{warmup} step(s), the first at learning rate 0), so it never trains at learning_rate; "
-        "give it more steps, or warmup_ratio: 0"
-    )
 
 
 def _check_schedule(settings: dict, key: str) -> None:

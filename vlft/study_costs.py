@@ -18,14 +18,13 @@ from vlft.costs import (
     Refinement,
     SplitCounts,
     attempts_needed,
-    devices,
     eval_seconds,
     runtime_minutes,
-    throughputs,
     train_seconds,
     vision_cache_seconds,
     wall_seconds,
 )
+from vlft.devices import devices, throughputs
 from vlft.digests import DigestMemo, split_digest
 from vlft.jobs.cli import took_seconds
 from vlft.model_files import hub_files_dir

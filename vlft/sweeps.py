@@ -13,7 +13,7 @@ gives experiments `lr.learning_rate-0.0001`, `lr.learning_rate-0.0003` and `lr.l
 each with stage2's learning rate set. What their stages share is computed once: their stage1s are
 the same stage, trained once (vlft.trained_once), as are the caches and the base model's
 evaluations, which every experiment shares anyway. The report groups a sweep's experiments and
-plots each split's accuracy against the swept values (vlft.report).
+plots each split's accuracy against the swept values (vlft.report.page).
 """
 
 from __future__ import annotations

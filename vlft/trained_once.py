@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from vlft.data.records import selected_by, raw_objects
-from vlft.plan import LEFT_OUT_WITH, Plan, Stage
+from vlft.plan import Plan, Stage
+from vlft.stage_params import LEFT_OUT_WITH
 
 # What a stage's job trains from but that changes nothing trained: where it is evaluated after.
 NOT_TRAINED = ("eval_splits",)

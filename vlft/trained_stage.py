@@ -4,7 +4,7 @@
 checksums). A finished run keeps the same layout in its run directory until it is published.
 
 Written by vlft.training.runs; read by the stage that starts from it (init_from), evaluation,
-predict.py, export and the checksum check (vlft.caches.integrity)."""
+predict.py, export and the checksum check (vlft.integrity)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ asks about, and the cache's kind.
 
 An image is identified by its resolved path (symbolic links followed): the records of a split that
 ask several questions about one image file point to one entry, so an image is decoded, resized,
-stored and run through the vision tower once however many questions it has (vlft.training.image_groups).
+stored and run through the vision tower once however many questions it has (vlft.forward.image_groups).
 
 A cache is complete when its index exists: builders write into a temporary directory
 (vlft.files.atomic_path), end through `finish_cache`, which writes the index last, and the directory
 is renamed into place. Readers open a directory as the kind its index names. The index holds each
-image's CRC-32 and each shard's size; a reader checks them as it reads (vlft.caches.integrity).
+image's CRC-32 and each shard's size; a reader checks them as it reads (vlft.integrity).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vlft.errors import InputError
-from vlft.caches.integrity import damaged, tensor_checksum
+from vlft.integrity import damaged, tensor_checksum
 
 INDEX = "index.json"
 # 2: the index names the cache's kind; 3: one entry per image, records point to it; 4: checksums

@@ -6,8 +6,8 @@ long ones. Here instead:
 
 - the KV cache has `slots` rows, each as long as the longest prompt plus answer, allocated once;
 - prompts are prefilled packed end to end, without padding, by the model's own forward (vision
-  tower and all, through vlft.training.packing's attention), consecutive prompts on one image with its
-  prefix once (vlft.training.image_groups), and each one's keys and values are copied into a free row;
+  tower and all, through vlft.forward.packing's attention), consecutive prompts on one image with its
+  prefix once (vlft.forward.image_groups), and each one's keys and values are copied into a free row;
 - each decode step runs the language model's own layers on one token of every row, each row
   attending to its own length and at its own text position (past the image's M-RoPE positions);
   on a GPU it is compiled and replayed as a CUDA graph, its attention a flex_attention kernel
@@ -37,13 +37,14 @@ from typing import Callable, Iterable
 
 import torch
 
-from vlft.generation.kv_cache import SlotCache, language_model
+from vlft.generation.kv_cache import SlotCache
 from vlft.generation.requests import Request
 from vlft.generation.runner import PACKED_ROW_TOKENS, DecodeStep, layer_calls, prefill
 from vlft.generation.sampling import Sampling, sampler_for
 from vlft.generation.scheduler import Row, Scheduler
+from vlft.modeling import language_model
 from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, own_length, seat_plan
-from vlft.training.packing import packed_attention_while
+from vlft.forward.packing import packed_attention_while
 
 
 def answer_requests(

@@ -17,7 +17,7 @@ from vlft.data import clicks
 from vlft.jobs import distributed
 from vlft.jobs.progress import progress_line
 from vlft.data.answers import AnswerFormat, final_answer, is_correct
-from vlft.training.batching import NOT_MODEL_INPUTS, collate, to_device
+from vlft.forward.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation.engine import answer_requests
 from vlft.generation.shared_prefixes import Cascade, cascade_for
@@ -253,7 +253,7 @@ def prompt_request(
     """One sample's prompt as vlft.generation.engine answers it (a Request): its model inputs on the
     device and its M-RoPE positions; `scored`, the reference answer after the prompt too, with
     the targets of its loss. `inputs`: its host inputs, read already (`prompt_inputs`); `placed`:
-    the images on the device already (vlft.training.batching.to_device)."""
+    the images on the device already (vlft.forward.batching.to_device)."""
     inputs = inputs or prompt_inputs(sample, data, builder, pad_id, model, scored)
     inputs = to_device(inputs, device, dtype, placed)
     positions = inputs.pop("position_ids")

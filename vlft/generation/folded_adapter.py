@@ -34,8 +34,7 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
 
-from vlft.generation.kv_cache import language_model
-from vlft.modeling import unwrapped
+from vlft.modeling import language_model, unwrapped
 
 # Of the GPU's memory, the most the folded copy may take.
 FOLDED_SHARE = 1 / 8

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from vlft.modeling import head_dim, language_model
+
 
 class SlotCache:
     """Keys and values of `slots` sequences, each up to `length` tokens, for every layer.
@@ -168,12 +170,3 @@ def write_positions(keys: list[torch.Tensor], values: list[torch.Tensor], source
         layer_keys[slot, :, to] = written.keys[0].index_select(1, at).transpose(0, 1)
         layer_values[slot, :, to] = written.values[0].index_select(1, at).transpose(0, 1)
     return lengths
-
-
-def language_model(model):
-    """The decoder stack of a Qwen-VL model (its embeddings, layers and final norm)."""
-    return model.model.language_model
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -15,7 +15,7 @@ from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.data.importers.common import json_rows, required_text
 from vlft.data.records import check_image, prepare_split
-from vlft.report import thumbnail_jpeg
+from vlft.thumbnails import thumbnail_jpeg
 from vlft.trained_stage import TrainedStage
 
 # Asked questions have no reference: the evaluation path needs one, and its judgement is dropped.

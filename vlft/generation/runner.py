@@ -14,13 +14,13 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
-from vlft.generation.kv_cache import SlotCache, language_model, live_blocks, refresh_live_blocks
+from vlft.generation.kv_cache import SlotCache, live_blocks, refresh_live_blocks
 from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
-from vlft.modeling import unwrapped
-from vlft.training.image_groups import RowLayout, common_prefix
-from vlft.training.loss import linear_cross_entropy_sums
+from vlft.modeling import language_model, unwrapped
+from vlft.forward.image_groups import RowLayout, common_prefix
+from vlft.forward.loss import linear_cross_entropy_sums
 
 DECODE_ATTENTION = "vlft_slot_decode"
 
@@ -244,7 +244,7 @@ PACKED_ROW_TOKENS = 16384
 
 def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     """The requests of `group` in one forward, packed end to end with no padding: consecutive ones
-    on one image share its prefix, laid out once (vlft.training.image_groups), each attending to the prefix
+    on one image share its prefix, laid out once (vlft.forward.image_groups), each attending to the prefix
     and to itself alone. A request that asks again the prompt of the one before it (a reward stage's
     G answers to one question) is computed once with it: its first token is drawn from the same last
     hidden state and its cache is copied from the same positions. A scored request's reference
@@ -287,7 +287,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
                 owners.append(torch.full_like(request.loss_targets, len(lasts) - 1))
     device = pieces["input_ids"][0].device
     # Each image's prefix read once where gradients flow back through it (a reward stage's prefill);
-    # an evaluation's, without them, gathers it for each request (vlft.training.image_groups).
+    # an evaluation's, without them, gathers it for each request (vlft.forward.image_groups).
     inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled())
     attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     outer = unwrapped(model)

@@ -31,15 +31,14 @@ from transformers import AttentionInterface
 
 from vlft.generation.kv_cache import (
     KV_BLOCK,
-    head_dim,
-    language_model,
     live_blocks,
     prompt_positions,
     refresh_live_blocks,
     write_positions,
 )
 from vlft.generation.requests import Request
-from vlft.training.image_groups import common_prefix
+from vlft.forward.image_groups import common_prefix
+from vlft.modeling import head_dim, language_model
 
 CASCADE_ATTENTION = "vlft_cascade_decode"
 

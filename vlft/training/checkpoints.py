@@ -23,7 +23,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vlft.caches.integrity import file_checksum
+from vlft.integrity import file_checksum
 from vlft.files import atomic_path, remove_inside
 
 COMPLETE = "state.json"  # written last inside the checkpoint; its presence marks it complete

@@ -4,7 +4,7 @@ question's prompt and image computed once for its answers.
 At every step, before its update, the adapter as it stands samples `num_generations` answers to
 each of the step's questions (vlft.generation.engine with vlft.generation.sampling's seeded draws:
 a question's answers share its prompt's prefill). The answers are scored by the stage's rewards
-(vlft.training.rewards), each answer's advantage is its reward against its group's
+(vlft.data.rewards), each answer's advantage is its reward against its group's
 (`group_advantages`), and the step learns them under PPO's clipped objective (`grpo_token_losses`,
 `grpo_loss_sum`, `grpo_step_weight`, in vlft.training.methods, each tested against TRL's). A
 question's answers are one image group: its prompt laid out once, each answer at the positions it
@@ -54,14 +54,14 @@ from vlft.generation.evaluate import prompt_inputs, prompt_request
 from vlft.generation.sampling import Sampling
 from vlft.generation.shared_prefixes import cascade_for
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
-from vlft.training.batching import host_to_device, to_device
+from vlft.forward.batching import host_to_device, to_device
 from vlft.jobs import distributed
-from vlft.training.image_groups import ImageGroup, common_prefix, share_groups
-from vlft.training.loss import answer_token_logps
-from vlft.training.packing import pack_groups
+from vlft.forward.image_groups import ImageGroup, common_prefix, share_groups
+from vlft.forward.loss import answer_token_logps
+from vlft.forward.packing import pack_groups
 from vlft.training.reference import has_dropout
 from vlft.training.methods import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
-from vlft.training.rewards import Answer, Rewards
+from vlft.data.rewards import Answer, Rewards
 from vlft.training.shared_prompts import PromptPass
 from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
@@ -204,7 +204,7 @@ class GroupRelativePolicyOptimization:
     def _shares(self, step: Step) -> list[list[tuple[str, ...]]]:
         """Each process's questions of the step, in rank order (one share for one process): the
         step's groups as its update lays them out, each answer at its longest, shared out as the
-        batcher shares a step (vlft.training.image_groups.share_groups: balanced by tokens, a group
+        batcher shares a step (vlft.forward.image_groups.share_groups: balanced by tokens, a group
         longer than a fair share cut between its questions, never between a question's answers). A
         process draws its share's answers, and where its rollout keeps the prompts' forward, learns
         them; the same on every process (it depends on the step alone)."""

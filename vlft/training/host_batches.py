@@ -9,7 +9,7 @@ a stage without image groups has groups of one), this says how they become model
   in the step's order (what micro_batch has always meant), image groups first fit by decreasing
   length;
 - padding (packing off; image groups need packing): samples of similar length under the budget
-  (vlft.training.batching.token_budget_batches), or micro_batch of them at a time.
+  (vlft.forward.batching.token_budget_batches), or micro_batch of them at a time.
 
 Whole groups go to a process and to a row, cut only where one exceeds the budget (each part keeps
 the prefix): an image's questions are computed with their image once wherever they land.
@@ -22,9 +22,9 @@ from typing import Callable, Iterator
 
 from vlft.jobs import distributed
 from vlft.data.prompts import PromptBuilder
-from vlft.training.batching import collate, token_budget_batches
-from vlft.training.image_groups import ImageGroup, group_rows, share_groups
-from vlft.training.packing import pack_groups
+from vlft.forward.batching import collate, token_budget_batches
+from vlft.forward.image_groups import ImageGroup, group_rows, share_groups
+from vlft.forward.packing import pack_groups
 
 
 @dataclass

@@ -4,7 +4,7 @@ The training loop (vlft.training.train) knows nothing of which method runs. Chec
 data parallelism, image groups, token budgets, evaluation during training, curves and publishing
 are the loop's; a method is asked three things:
 
-- `step_groups(step)`: the step's samples, as image groups (vlft.training.image_groups), from the
+- `step_groups(step)`: the step's samples, as image groups (vlft.forward.image_groups), from the
   step plan's groups of record keys (vlft.training.steps). A group's samples share their prompt
   prefix and are computed with it once.
 - `step_weight(groups)`: what the step's summed loss is divided by (for supervised fine-tuning, the
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from vlft.data.stage_data import StageData
-from vlft.training.image_groups import ImageGroup
-from vlft.training.loss import answer_logps, answer_loss_sum
+from vlft.forward.image_groups import ImageGroup
+from vlft.forward.loss import answer_logps, answer_loss_sum
 from vlft.training.steps import Step
 
 

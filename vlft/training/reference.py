@@ -21,8 +21,8 @@ import torch
 from vlft.data.stage_data import StageData
 from vlft.files import write_json
 from vlft.jobs import distributed
-from vlft.training.batching import prefetched, to_device
-from vlft.training.loss import answer_logps
+from vlft.forward.batching import prefetched, to_device
+from vlft.forward.loss import answer_logps
 from vlft.training.methods import pair_group
 from vlft.training.steps import groups_in_order, image_of
 

@@ -15,11 +15,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlft.caches.integrity import adapter_checksums, verify_adapter
+from vlft.integrity import adapter_checksums, verify_adapter
 from vlft.caches.shards import INDEX
 from vlft.errors import InputError
 from vlft.files import atomic_path, remove_inside, write_json
-from vlft.plan import LEFT_OUT_WITH
+from vlft.stage_params import LEFT_OUT_WITH
 from vlft.trained_stage import TrainedStage
 from vlft.training import checkpoints, step_evals
 

@@ -8,8 +8,8 @@ autocast, with gradients, through a compiled decoder layer on a GPU), and each l
 values are kept (`PromptPass.prefill`, the engine's prefill). The decode steps read those keys and
 values, detached, from the engine's cache. The update then computes only the answers' tokens
 (`PromptPass.answer_logps`): each attends to its prompt's kept keys and values and causally to
-itself (vlft.training.packing.packed_attention's `packed_prompt_keys`; the prefix its prompt shares
-with the answers beside it is read once for all of them, vlft.training.prefix_attention), and its
+itself (vlft.forward.packing.packed_attention's `packed_prompt_keys`; the prefix its prompt shares
+with the answers beside it is read once for all of them, vlft.forward.prefix_attention), and its
 first token is scored from its prompt's last hidden state. One backward pass goes through both forwards.
 
 The log-probabilities and gradients are those of the full forward over prompt and answer
@@ -30,11 +30,11 @@ from functools import partial
 
 import torch
 
-from vlft.generation.kv_cache import language_model, prompt_positions
+from vlft.generation.kv_cache import prompt_positions
 from vlft.generation.runner import Prefilled, layer_calls, prefill
-from vlft.modeling import adapter_autocast, unwrapped
-from vlft.training.batching import host_to_device
-from vlft.training.loss import token_logps
+from vlft.modeling import adapter_autocast, language_model, unwrapped
+from vlft.forward.batching import host_to_device
+from vlft.forward.loss import token_logps
 from vlft.training.step_evals import swapped_data
 
 
@@ -292,7 +292,7 @@ def _gathered(prompts: list[torch.Tensor], lengths: list[int], kept: int) -> dic
 
 
 def _after_prompts(prompts: list[torch.Tensor], shared: list[int], lengths: list[int]) -> dict:
-    """Each answer's keys in two parts (vlft.training.prefix_attention): the prefix it shares with
+    """Each answer's keys in two parts (vlft.forward.prefix_attention): the prefix it shares with
     the answers beside it (their prompt, or their image's prefix), read once for all of them, and
     its own keys, the rest of its prompt and then its own tokens."""
     prefixes, prefix_queries, own_prompt, own_index, own_lengths = [], [], [], [], []

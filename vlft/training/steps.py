@@ -1,7 +1,7 @@
 """The step plan: every optimizer step of a stage, as the groups of record keys it trains on, in order.
 
 One planner for every stage. A group is the records that share a prompt prefix and are laid out
-with it once (vlft.training.image_groups): with `image_groups` all of a stage's questions on one
+with it once (vlft.forward.image_groups): with `image_groups` all of a stage's questions on one
 image, otherwise each record alone (a group of one). Each epoch takes the groups in the stage's
 order: shuffled with the seed (`random`), or where their first record falls in the records' own
 order (`given`, or sorted `by_field`: a group goes where its easiest question would). A step takes

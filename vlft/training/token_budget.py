@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 
 from vlft.errors import ConfigError
-from vlft.training.batching import to_device
+from vlft.forward.batching import to_device
 from vlft.training.host_batches import HostBatcher
-from vlft.training.image_groups import ImageGroup
+from vlft.forward.image_groups import ImageGroup
 
 SAFETY = 0.9  # of the GPU's memory: the allocator's fragmentation and the kernels' workspaces
 STEP = 256  # matmuls over a multiple of 256 tokens stay on the tensor cores' fast kernels

@@ -58,17 +58,17 @@ from vlft.modeling import (
     with_adapter,
     with_new_adapter,
 )
-from vlft.plan import schedule_problem, warmup_steps
+from vlft.stage_params import schedule_problem, warmup_steps
 from vlft.training import step_evals, token_budget
-from vlft.training.batching import prefetched, to_device
+from vlft.forward.batching import prefetched, to_device
 from vlft.training.host_batches import HostBatcher
 from vlft.training.methods import PreferenceOptimization, SupervisedFineTuning, TrainingMethod
 from vlft.training.held_out_pairs import HeldOutPairs
 from vlft.training.reference import REFERENCE_FILE, reference_logps
 from vlft.training.grpo import GroupRelativePolicyOptimization
-from vlft.training.rewards import Rewards
+from vlft.data.rewards import Rewards
 from vlft.training.shared_prompts import prompts_once_unless
-from vlft.training.packing import use_packed_attention
+from vlft.forward.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
 from vlft.training.curves import Curves

@@ -3,7 +3,7 @@
 Every prompt starts with the template's header and then the image; the question follows. For the
 questions on one image that prefix is the same token for token, and under causal attention its
 hidden states do not depend on anything after it. So a group is laid out as the prefix once and
-each question's own tokens after it (vlft.training.packing.pack_groups): each question attends to the whole
+each question's own tokens after it (vlft.forward.packing.pack_groups): each question attends to the whole
 prefix and causally to itself, never to another question, at the M-RoPE positions it has alone. Its
 logits, loss and gradients are then the ones it gets alone: the backward pass sums the questions'
 gradients into the one prefix, as separate copies would sum them into the weights (summation order
@@ -100,8 +100,8 @@ class RowLayout:
         return cls(segments, key_spans, prefixes)
 
     def attention_inputs(self, prefix_once: bool = True) -> dict:
-        """What vlft.training.packing.packed_attention takes for this row (on the host): the segments'
-        bounds; with shared prefixes, attention in two parts (vlft.training.prefix_attention): each
+        """What vlft.forward.packing.packed_attention takes for this row (on the host): the segments'
+        bounds; with shared prefixes, attention in two parts (vlft.forward.prefix_attention): each
         group's prefix a segment of its own, read once by the queries of all its samples' own
         tokens, which attend causally to their own segments besides. Without `prefix_once`, each
         sample's keys gathered whole (its group's prefix, then its own tokens): where no backward
@@ -166,7 +166,7 @@ def within_budget(group: ImageGroup, max_tokens: int | None, max_samples: int | 
 def group_rows(groups: list[ImageGroup], max_tokens: int | None, max_samples: int | None) -> list[list[ImageGroup]]:
     """A step's groups in rows of at most `max_tokens` tokens (and `max_samples` samples): groups
     cut to fit, then first fit by decreasing length (a part longer than the budget gets a row of its
-    own). Samples alone (vlft.training.packing.packed_batches) are groups of one."""
+    own). Samples alone (vlft.forward.packing.packed_batches) are groups of one."""
     parts = [part for group in groups for part in within_budget(group, max_tokens, max_samples)]
     rows: list[list[ImageGroup]] = []
     room: list[tuple[float, float]] = []

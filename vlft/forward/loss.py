@@ -15,7 +15,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from vlft.training.batching import NOT_MODEL_INPUTS
+from vlft.forward.batching import NOT_MODEL_INPUTS
 from vlft.modeling import unwrapped
 
 
@@ -76,7 +76,7 @@ def linear_cross_entropy_sums(
 
 
 def answer_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the answer tokens of a batch (vlft.training.batching.to_device's
+    """Summed next-token cross-entropy over the answer tokens of a batch (vlft.forward.batching.to_device's
     output), and how many there were.
 
     `model` is a Qwen-VL ForConditionalGeneration, or a PEFT model around one: its backbone gives the

@@ -7,7 +7,7 @@ only real tokens. What keeps the samples apart:
 - positions: each sample's M-RoPE positions are its own, computed as if it were alone (`pack`);
 - attention: causal within each sample and never across, from the samples' boundaries
   (`cu_seqlens`, as flash-attention's variable-length kernels take them), in `packed_attention`;
-  with image groups (vlft.training.image_groups) the samples on one image share its prefix, laid out once;
+  with image groups (vlft.forward.image_groups) the samples on one image share its prefix, laid out once;
 - the loss: only answer tokens are scored, and the last token of one sample predicts nothing.
 
 So a packed micro-batch gives each sample the loss and gradients it gets alone or padded.
@@ -23,11 +23,10 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from vlft.generation.kv_cache import language_model
-from vlft.training.batching import collate, pinned
-from vlft.training.image_groups import ImageGroup, RowLayout, group_rows
-from vlft.training.prefix_attention import Parts, prefix_then_own
-from vlft.modeling import unwrapped
+from vlft.forward.batching import collate, pinned
+from vlft.forward.image_groups import ImageGroup, RowLayout, group_rows
+from vlft.forward.prefix_attention import Parts, prefix_then_own
+from vlft.modeling import language_model, unwrapped
 from vlft.data.prompts import PromptBuilder, Sample
 
 try:
@@ -46,7 +45,7 @@ PACKED_ATTENTION = "vlft_packed"
 
 def packed_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     """A step's samples in as few rows of at most `max_tokens` tokens as first-fit by decreasing
-    length finds (a sample longer than the budget gets a row of its own): vlft.training.image_groups'
+    length finds (a sample longer than the budget gets a row of its own): vlft.forward.image_groups'
     rows, every sample a group of one."""
     rows = group_rows([ImageGroup([s], 0) for s in samples], max_tokens, None)
     return [[group.samples[0] for group in row] for row in rows]
@@ -66,9 +65,9 @@ def pack_groups(
     held: dict | None = None,
 ) -> dict:
     """One packed row on the host: each group's first sample whole, then its other samples without
-    the prefix they share (vlft.training.image_groups). Every sample is collated alone first, so its
+    the prefix they share (vlft.forward.image_groups). Every sample is collated alone first, so its
     positions are its own; what each sample attends to is the row's layout (RowLayout). `held`:
-    images read already, by their source, not read again (vlft.training.batching.collate)."""
+    images read already, by their source, not read again (vlft.forward.batching.collate)."""
     layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in groups])
     segments = iter(layout.segments)
     positions = PromptPositions(rope_index)
@@ -78,7 +77,7 @@ def pack_groups(
         for n, sample in enumerate(group.samples):
             drop = group.shared if n else 0  # the prefix, laid out with the group's first sample
             # A batch of one has no padding, so the pad id is never written. Collated without the
-            # prefix (never an answer token: vlft.training.image_groups.shared_prefix_length): an
+            # prefix (never an answer token: vlft.forward.image_groups.shared_prefix_length): an
             # image's 1,000-3,000 prompt tokens are not made into tensors again for each answer.
             whole = partial(collate, [sample], images, builder, pad_id=0, read_images=False)
             own = collate([without_prefix(sample, drop)], images, builder, pad_id=0, read_images=n == 0, held=held)
@@ -209,7 +208,7 @@ def packed_attention(
     fp16, one variable-length flash kernel call; elsewhere (the CPU, float32) SDPA per segment.
     """
     if packed_cu_seqlens is None or query.shape[0] != 1:
-        raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.training.packing.pack)")
+        raise ValueError("packed attention takes one packed row and its packed_cu_seqlens (vlft.forward.packing.pack)")
     if packed_prefix_index is not None:
         in_row = packed_prompt_keys is None  # an image group's row: its own segments' keys are its own
         prefixes = Parts(
@@ -267,7 +266,7 @@ def _attention_per_segment(query, key, value, cu_q, cu_k, scaling):
 
 def prefix_and_own_attention(query, key, value, prompts, prefix_index, own, parts: Parts, scaling):
     """Queries' attention over shared prefixes, each read once for all the queries on it, and their
-    own keys (vlft.training.prefix_attention). With `prompts` (answers after kept prompts): the kept
+    own keys (vlft.forward.prefix_attention). With `prompts` (answers after kept prompts): the kept
     prompts' keys and values; `prefix_index`: the prefixes' positions among them; `own`: the
     positions of each answer's own prompt tokens past its prefix, and each answer's own keys among
     those, then this row's. Without (an image group's row): the prefixes' positions in the row, and

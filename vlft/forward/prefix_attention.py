@@ -22,7 +22,7 @@ tests/test_prefix_attention.py checks it in float64 against the gathered keys' a
 On a GPU the kernels are torch's variable-length flash attention (forward and backward); on a CPU
 the same formulas in plain torch ops (`ReferenceKernels`), which the tests and the demo run.
 
-An image group's packed row (vlft.training.image_groups) is the same shape of attention: each
+An image group's packed row (vlft.forward.image_groups) is the same shape of attention: each
 question after the group's prefix attends to all of it and causally to itself. There the prefix
 part's queries are some of the row's (`Parts.prefix_rows`: each group's questions, not its prefix
 itself), and the own part is every row token over its own segment's keys, the prefix being a
