@@ -247,7 +247,6 @@ def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_an
     step's loss is computed by the adapter the steps before trained); with image groups (two
     questions on each image) too. A step whose prompts exceed the token budget computes them twice,
     as before. Each step's gradients are the next test's."""
-    import vlft.training.train as train_module
 
     grouped = dict(answer_format="final", rewards={"test_grpo:answer_length_reward": 1.0}, image_groups=True)
     runs = {}
@@ -270,7 +269,7 @@ def test_a_stage_computing_each_prompt_once_a_step_draws_what_two_passes_draw_an
         summary = json.loads((tmp_path / name / "once/summary.json").read_text())
         assert summary["steps_prompts_twice"] == (len(once) if over else 0)
         with monkeypatch.context() as patched:
-            patched.setattr(train_module, "prompts_once_unless", lambda *args: "as before")
+            patched.setattr(grpo_module, "prompts_once_unless", lambda *args: "as before")
             twice = train(root, tmp_path / name / "twice", **settings)
         assert "computed twice a step (as before)" in capsys.readouterr().out
         assert all("prompts_once" not in r for r in twice)  # the stage never could

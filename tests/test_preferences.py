@@ -23,7 +23,8 @@ from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_adapter, with_new_adapter
 from vlft.forward.batching import collate, to_device
 from vlft.forward.image_groups import group_rows
-from vlft.training.methods import PreferenceOptimization, dpo_losses, pair_group
+from vlft.training.dpo import PreferenceOptimization
+from vlft.training.objectives import dpo_losses
 from vlft.forward.packing import pack_groups, use_packed_attention
 from vlft.training.reference import REFERENCE_FILE, without_dropout, has_dropout
 from vlft.training.runs import StageInputs

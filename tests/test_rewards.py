@@ -15,7 +15,7 @@ import torch
 
 from vlft.data.clicks import Frame
 from vlft.errors import ConfigError, InputError, TrainingError
-from vlft.training.methods import grpo_loss_sum, grpo_step_weight, grpo_token_losses, group_advantages
+from vlft.training.objectives import grpo_loss_sum, grpo_step_weight, grpo_token_losses, group_advantages
 from vlft.data.rewards import Answer, Rewards
 from conftest import FLOAT64_RTOL
 

@@ -215,3 +215,9 @@ def cut_evenly(group: ImageGroup, parts: int) -> list[ImageGroup]:
         pieces[-1] += unit
         done += tokens
     return [ImageGroup.of(piece, group.unit) for piece in pieces]
+
+
+def pair_group(data, keys: list[str]) -> ImageGroup:
+    """The preference pairs of `keys` (the records of one image group, or one record) as one image
+    group: chosen, rejected, chosen, rejected, ..."""
+    return ImageGroup.of([s for key in keys for s in (data.samples[key], data.rejected[key])], unit=2)

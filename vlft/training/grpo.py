@@ -60,9 +60,10 @@ from vlft.forward.image_groups import ImageGroup, common_prefix, share_groups
 from vlft.forward.loss import answer_token_logps
 from vlft.forward.packing import pack_groups
 from vlft.training.reference import has_dropout
-from vlft.training.methods import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
+from vlft.training.objectives import group_advantages, grpo_loss_sum, grpo_step_weight, grpo_token_losses
 from vlft.data.rewards import Answer, Rewards
-from vlft.training.shared_prompts import PromptPass
+from vlft.training.methods import Method, MethodInputs, SupervisedFineTuning
+from vlft.training.shared_prompts import PromptPass, prompts_once_unless
 from vlft.training.step_evals import adapter_in_model_dtype, swapped_data
 from vlft.training.steps import Step
 from vlft.training import token_budget
@@ -105,7 +106,7 @@ def image_markers(config) -> tuple[int, ...]:
     return tuple(sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None}))
 
 
-class GroupRelativePolicyOptimization:
+class GroupRelativePolicyOptimization(Method):
     name = "grpo"
     METRICS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean")
     on_policy = True
@@ -175,6 +176,43 @@ class GroupRelativePolicyOptimization:
         self.release = RolloutRelease()
         self.told_budget = False  # a step whose prompts did not fit max_batch_tokens told of (once a stage)
         self.read_ahead: dict[tuple[str, ...], Future] = {}  # by the keys read
+
+    @classmethod
+    def build(cls, made: MethodInputs) -> "GroupRelativePolicyOptimization":
+        settings = made.settings
+        rewards = Rewards(settings.rewards, settings.answer_format)
+        twice = prompts_once_unless(made.model, settings)
+        if made.group.is_main:
+            print(f"grpo: each prompt computed {f'twice a step ({twice})' if twice else 'once a step'}", flush=True)
+        return cls(
+            made.data,
+            settings,
+            rewards,
+            made.builder,
+            made.tokenizer,
+            made.model,
+            made.device,
+            made.dtype,
+            prompts_once=twice is None,
+            group=made.group,
+        )
+
+    def measured_as(self) -> SupervisedFineTuning:
+        """A token of the update costs what an SFT token does (a forward and backward of a packed
+        row, the loss's own work aside): `max_batch_tokens: auto` measures it on the records' answers."""
+        return SupervisedFineTuning(self.data)
+
+    def bytes_beside(self, steps: list[Step]) -> int:
+        """On a GPU, the rollouts' kept engine held beside the update (`rollout_bytes`)."""
+        return self.rollout_bytes(steps) if self.device.type == "cuda" else 0
+
+    def budget_chosen(self, chosen: dict, steps: list[Step]) -> dict:
+        return self.prompts_once_or_folded(chosen, steps)
+
+    def held_beside(self) -> str:
+        if self.engine is None:
+            return ""
+        return f" beside the rollout engine's {self.engine.bytes / 2**30:.1f} GiB (its KV cache and folded adapter)"
 
     # The loop asks for a step's groups lazily, after the step before has updated the adapter.
     def step_batches(self, step: Step, index: int, batcher, upcoming: Step | None = None) -> tuple[list, list]:

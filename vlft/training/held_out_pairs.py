@@ -17,7 +17,7 @@ import torch
 
 from vlft.data.stage_data import StageData, load_stage_data
 from vlft.files import read_jsonl
-from vlft.training.methods import dpo_losses
+from vlft.training.objectives import dpo_losses
 from vlft.training.reference import pair_logps, reference_logps
 
 HELD_OUT_REFERENCE_FILE = "reference_logps_held_out.json"

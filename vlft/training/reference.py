@@ -23,7 +23,7 @@ from vlft.files import write_json
 from vlft.jobs import distributed
 from vlft.forward.batching import prefetched, to_device
 from vlft.forward.loss import answer_logps
-from vlft.training.methods import pair_group
+from vlft.forward.image_groups import pair_group
 from vlft.training.steps import groups_in_order, image_of
 
 REFERENCE_FILE = "reference_logps.json"

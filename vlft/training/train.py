@@ -62,12 +62,8 @@ from vlft.stage_params import schedule_problem, warmup_steps
 from vlft.training import step_evals, token_budget
 from vlft.forward.batching import prefetched, to_device
 from vlft.training.host_batches import HostBatcher
-from vlft.training.methods import PreferenceOptimization, SupervisedFineTuning, TrainingMethod
-from vlft.training.held_out_pairs import HeldOutPairs
-from vlft.training.reference import REFERENCE_FILE, reference_logps
-from vlft.training.grpo import GroupRelativePolicyOptimization
-from vlft.data.rewards import Rewards
-from vlft.training.shared_prompts import prompts_once_unless
+from vlft.training.method_registry import METHODS
+from vlft.training.methods import MethodInputs, TrainingMethod
 from vlft.forward.packing import use_packed_attention
 from vlft.trained_stage import TrainedStage
 from vlft.training.runs import RunDirectory, StageInputs, run_key, training_fingerprint
@@ -167,15 +163,14 @@ def _out_of_memory_said(budget, chosen: dict | None, method, device, step: int):
     try:
         yield
     except torch.OutOfMemoryError as error:
-        engine = getattr(method, "engine", None)  # a reward stage's rollouts' (vlft.training.grpo)
-        beside = f" beside the rollout engine's {engine.bytes / 2**30:.1f} GiB (its KV cache and folded adapter)"
+        beside = method.held_beside()  # a reward stage's rollout engine (vlft.training.grpo)
         gpu = f"GPU's {token_budget.memory_limit(device) / 2**30:.1f} GiB" if device.type == "cuda" else "memory"
         held = f"max_batch_tokens: {budget}{' (chosen by auto)' if chosen else ''}" if budget else "no max_batch_tokens"
         advice = (
             "a smaller number" if chosen else "max_batch_tokens: auto, which measures this GPU, or a smaller number"
         )
         raise ConfigError(
-            f"this stage's step {step + 1} ran out of the {gpu} with {held}{beside if engine else ''}: "
+            f"this stage's step {step + 1} ran out of the {gpu} with {held}{beside}: "
             f"give {advice}, or activation_checkpointing: true"
         ) from error
 
@@ -298,7 +293,7 @@ def _setup_data(prepared: list[str], caches: list[str], settings: StageSettings,
         answer_format=settings.answer_format,
         max_seq_len=settings.max_seq_len,
         convention=clicks.convention_for(settings.answer_format, model_config),
-        pairs=settings.method == "dpo",
+        pairs=METHODS[settings.method].pairs,
     )
 
 
@@ -357,32 +352,11 @@ def _setup_optimizer(model, settings: StageSettings, n_steps: int, n_records: in
 def _setup_method(
     settings: StageSettings, inputs: StageInputs, data: StageData, model, tokenizer, builder, run, device, dtype, group
 ):
-    """The stage's training method (vlft.training.methods), with what it computes once before the
-    first step: for dpo, the reference log-probabilities (vlft.training.reference) of the training
-    pairs and of the eval split's held-out pairs (vlft.training.held_out_pairs)."""
-    if settings.method == "sft":
-        return SupervisedFineTuning(data)
-    if settings.method == "grpo":
-        rewards = Rewards(settings.rewards, settings.answer_format)
-        twice = prompts_once_unless(model, settings)
-        if group.is_main:
-            print(f"grpo: each prompt computed {f'twice a step ({twice})' if twice else 'once a step'}", flush=True)
-        return GroupRelativePolicyOptimization(
-            data, settings, rewards, builder, tokenizer, model, device, dtype, prompts_once=twice is None, group=group
-        )
-
-    def batcher_of(pairs: StageData):
-        batcher = _host_batcher(settings, tokenizer, builder, pairs, model, device, group)
-        return replace(batcher, budget=settings.max_batch_tokens)
-
-    forward = (adapter_autocast(model, device, dtype), device, dtype, group)
-    path, started = Path(run.path) / REFERENCE_FILE, time.perf_counter()
-    reference = reference_logps(model, data, settings.image_groups, batcher_of(data), path, *forward)
-    reference_s = time.perf_counter() - started
-    held_out = HeldOutPairs.of_split(
-        inputs.eval_prepared, inputs.eval_cache, settings, builder, model, batcher_of, forward, run.path
-    )
-    return PreferenceOptimization(data, settings, reference, held_out, reference_s)
+    """The stage's training method (vlft.training.methods), built with what it computes once before
+    the first step."""
+    batcher_of = partial(_host_batcher, settings, tokenizer, builder, model=model, device=device, group=group)
+    made = MethodInputs(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, batcher_of)
+    return METHODS[settings.method].build(made)
 
 
 def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, model, device, group) -> HostBatcher:
@@ -408,12 +382,8 @@ def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData,
     if budget != "auto":
         return replace(batcher, budget=budget), None
     samples = [data.samples[record["key"]] for record in data.records]
-    measured_with, beside = trainer.method, 0
-    if settings.method == "grpo" and trainer.device.type == "cuda":
-        # A token of a reward stage's update costs what an SFT token does (a forward and backward of
-        # a packed row, the loss's own work aside): measured on the records' answers, with the
-        # rollouts' kept engine held beside the update.
-        measured_with, beside = SupervisedFineTuning(data), trainer.method.rollout_bytes(steps)
+    # What a token of the update costs, measured with what the method holds beside it on the GPU.
+    measured_with, beside = trainer.method.measured_as(), trainer.method.bytes_beside(steps)
     chosen = token_budget.auto_budget(
         trainer.model,
         samples,
@@ -426,7 +396,7 @@ def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData,
         beside,
     )
     if beside:  # a reward stage's: with or without its folded adapter, whichever holds its prompts once
-        chosen = trainer.method.prompts_once_or_folded(chosen, steps)
+        chosen = trainer.method.budget_chosen(chosen, steps)
     budget, group = chosen["max_batch_tokens"], trainer.group
     if group.size > 1:
         budget = min((b for b in distributed.gathered(budget) if b), default=None)
