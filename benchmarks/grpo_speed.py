@@ -58,7 +58,7 @@ import vlft.generation.runner  # noqa: E402
 import vlft.training.grpo  # noqa: E402
 import vlft.training.train  # noqa: E402
 from vlft.files import read_jsonl, write_jsonl  # noqa: E402
-from vlft.training.grpo import TIMING  # noqa: E402
+from vlft.training.rollout import TIMING  # noqa: E402
 
 
 def questions(

@@ -36,7 +36,7 @@ from vlft.caches.image_cache import PixelSettings, build_image_cache
 from vlft.modeling import load_image_processor
 from vlft.plan import build_plan
 from vlft.data.records import prepare_split
-from vlft.training.grpo import GroupRelativePolicyOptimization as GRPO_CLASS
+from vlft.training.rollouts import Rollouts as ROLLOUTS_CLASS
 from vlft.training.train import StageInputs
 
 
@@ -164,9 +164,9 @@ def note_draws(path) -> None:
     """Each rollout's questions that this process's GRPO stages draw answers to, a line each in
     `path`, and the questions whose answers each pass without gradients goes over (the reference's,
     the rollout's log-probabilities), in `path` with "passed" for "drawn"."""
-    from vlft.training.grpo import GroupRelativePolicyOptimization as GRPO
+    from vlft.training.rollouts import Rollouts
 
-    sample, passes = GRPO._sample, GRPO._logps
+    sample, passes = Rollouts._sample, Rollouts._logps
 
     def noted(self, keys, *args, **kwargs):
         with open(path, "a") as out:
@@ -178,7 +178,7 @@ def note_draws(path) -> None:
             out.write(json.dumps([key for keys in share for key in keys]) + "\n")
         return passes(self, samples, share, *args, **kwargs)
 
-    GRPO._sample, GRPO._logps = noted, passed
+    Rollouts._sample, Rollouts._logps = noted, passed
 
 
 # Two images a step, one image a step (cut between its questions), and two images a step learned
@@ -214,7 +214,7 @@ def test_two_processes_draw_a_share_each_of_the_grpo_steps_and_take_the_steps_on
     }
     with monkeypatch.context() as patched:
         for name in ("_sample", "_logps"):  # put back after the one process's run
-            patched.setattr(GRPO_CLASS, name, getattr(GRPO_CLASS, name))
+            patched.setattr(ROLLOUTS_CLASS, name, getattr(ROLLOUTS_CLASS, name))
         note_draws(tmp_path / "drawn-one.jsonl")
         assert_two_processes_take_one_process_steps(
             inputs, settings | grpo | step, tmp_path, CUT_LAYOUT_RTOL, target=_train_noting_draws

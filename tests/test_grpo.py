@@ -26,10 +26,13 @@ from vlft.job_settings import StageSettings
 from vlft.modeling import load_base_model, load_tokenizer, with_new_adapter
 from vlft.training import token_budget
 from vlft.forward.batching import to_device
+import vlft.training.answering as answering_module
 import vlft.training.grpo as grpo_module
+import vlft.training.rollouts as rollouts_module
 from vlft.generation import folded_adapter
 from vlft.generation.engine import Engine
-from vlft.training.grpo import KEPT_PROMPTS, GroupRelativePolicyOptimization, _keys_of, answer_seed
+from vlft.training.grpo import GroupRelativePolicyOptimization
+from vlft.training.rollout import answer_seed, keys_of
 from vlft.forward.loss import answer_token_logps
 from vlft.forward.packing import pack, pack_groups, use_packed_attention
 from vlft.modeling import rope_index
@@ -196,10 +199,10 @@ def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_w
     a GPU each question's prompt is kept once for its answers: the same draws, losses and adapter
     as a fresh engine a rollout holding each answer's own copy of its prompt, bit for bit (float64)."""
     made = []
-    monkeypatch.setattr(grpo_module, "Engine", lambda *args: made.append(Engine(*args)) or made[-1])
+    monkeypatch.setattr(rollouts_module, "Engine", lambda *args: made.append(Engine(*args)) or made[-1])
     kept = train(screens, tmp_path / "kept")
     assert len(made) == 1 and made[0].cascade is None  # one engine for the 3 rollouts
-    monkeypatch.setattr(grpo_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(rollouts_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
     shared = train(screens, tmp_path / "shared")
     assert len(made) == 2 and made[1].cascade.seats == GRPO["num_generations"]
     monkeypatch.setattr(Engine, "fits", lambda self, *args: False)
@@ -326,12 +329,12 @@ def test_a_rollouts_questions_on_one_image_read_it_and_put_it_on_the_device_once
     thread) and on the device, whether the reader read it a step ahead or the rollout reads it."""
     on = MethodOn(shared_images, "final", loss_type="dapo")
     keys = [r["key"] for r in on.data.records[:4]]
-    read = on.method._read_prompts(keys)
+    read = on.method.rollouts._read_prompts(keys)
     host = [read[key]["images"][0][1] for key in keys]
     assert host[0] is host[1] and host[2] is host[3] and host[0] is not host[2]
     assert not torch.equal(host[0], host[2])
     images = []
-    engine = on.method._engine([(key, n) for key in keys for n in range(on.method.generations)])
+    engine = on.method.rollouts._engine([(key, n) for key in keys for n in range(on.method.generations)])
     answer = engine.answer
 
     def answer_noted(requests, *args, **kwargs):
@@ -340,9 +343,9 @@ def test_a_rollouts_questions_on_one_image_read_it_and_put_it_on_the_device_once
         return answer(iter(requests), *args, **kwargs)
 
     engine.answer = answer_noted
-    for read_ahead in ({tuple(keys): on.method.reader.submit(lambda: read)}, {}):
-        on.method.read_ahead = read_ahead
-        on.method._sample(keys, 0)
+    for read_ahead in ({tuple(keys): on.method.rollouts.reader.submit(lambda: read)}, {}):
+        on.method.rollouts.read_ahead = read_ahead
+        on.method.rollouts._sample(keys, 0)
     for pixels in images:  # a question's 4 answers, then the next question's
         first, second = pixels[0], pixels[8]
         assert all(p is first for p in pixels[:8]) and all(p is second for p in pixels[8:])
@@ -380,7 +383,7 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     assert all(g.shared > 0 for g in groups)
     # TRL's _compute_loss with old = current (num_iterations 1) and beta 0.
     advantages = on.step_equals_trls(groups, loss_type, old=None, kept=kept)
-    assert (on.method.prompt_pass is not None) == kept
+    assert (on.method.rollouts.prompt_pass is not None) == kept
     # Each question's advantages are its answers' rewards against their group's mean: they sum to 0.
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
@@ -392,7 +395,7 @@ def test_the_backward_pass_takes_each_prompt_layer_right_after_its_answers_layer
     answers' layer; not every answers' layer first (vlft.training.shared_prompts._numbered_apart)."""
     on = MethodOn(screens, "click", loss_type="dapo", prompts_once=True)
     groups = on.method.step_groups([[r["key"]] for r in on.data.records[:2]], 0, keep_prompts=True)
-    assert groups and on.method.prompt_pass.prefills
+    assert groups and on.method.rollouts.prompt_pass.prefills
     order = []
 
     class Noted(torch.autograd.Function):
@@ -417,11 +420,11 @@ def test_the_backward_pass_takes_each_prompt_layer_right_after_its_answers_layer
     layers = on.model.base_model.model.model.language_model.layers
     hooks = [layer.register_forward_hook(noted(i), with_kwargs=True) for i, layer in enumerate(layers)]
     # A prompt layer's backward begins where its kept keys' gradient is taken in.
-    for prefilled in on.method.prompt_pass.prefills:
+    for prefilled in on.method.rollouts.prompt_pass.prefills:
         for i, kept in enumerate(prefilled.cache.layers):
             kept.keys.register_hook(lambda grad, i=i: order.append(("prompts", i)))
     try:
-        on.method.loss_sums(on.model, KEPT_PROMPTS)[0].backward()
+        on.method.loss_sums(on.model, on.method.rollout.kept)[0].backward()
     finally:
         for hook in hooks:
             hook.remove()
@@ -459,14 +462,15 @@ def test_a_rollouts_passes_without_gradients_go_a_row_at_a_time_in_the_updates_r
         rows.append(sorted(batch["sample_ids"]))
         return answer_token_logps(model, batch)
 
-    monkeypatch.setattr(grpo_module, "answer_token_logps", noted)
+    monkeypatch.setattr(rollouts_module, "answer_token_logps", noted)
     keys = [r["key"] for r in on.data.records[:4]]
     groups = on.method.step_groups([keys[:2], keys[2:]], 0)
     images = [sorted(s.record_id for s in group.samples) for group in groups]
     assert [len(ids) for ids in images] == [8, 8] and rows == images + images  # the reference's pass, the rollout's
     samples = [s for g in groups for s in g.samples]
     for sample, alone in zip(samples, on.separate_logps(samples)):
-        _, reference, drawn = on.method.rollout[sample.record_id]  # the starting weights are the current ones
+        # The starting weights are the current ones.
+        reference, drawn = on.method.rollout.references[sample.record_id], on.method.rollout.drawn[sample.record_id]
         assert torch.allclose(reference, alone, rtol=FLOAT64_RTOL, atol=0), sample.record_id
         assert torch.allclose(drawn, alone, rtol=FLOAT64_RTOL, atol=0), sample.record_id
 
@@ -522,7 +526,7 @@ class MethodOn:
         step's advantages."""
         method, model = self.method, self.model
         weight = method.step_weight(groups)
-        batch = KEPT_PROMPTS
+        batch = method.rollout.kept
         if not kept:
             batch = to_device(pack_groups(groups, self.data.images, self.builder, rope_index(model)), CPU, FLOAT64)
         loss = method.loss_sums(model, batch)[0] / weight
@@ -536,7 +540,7 @@ class MethodOn:
         for i, logps in enumerate(token_logps):
             per_token[i, : len(logps)], mask[i, : len(logps)] = logps, 1
             per_token_old[i, : len(logps)] = (old[i] if old is not None else logps).detach()
-        advantages = torch.tensor([method.rollout[s.record_id][0] for s in samples], dtype=FLOAT64)
+        advantages = torch.tensor([method.rollout.advantages[s.record_id] for s in samples], dtype=FLOAT64)
 
         def trl_loss(advantages):
             ratio = torch.exp(per_token - per_token_old)
@@ -638,12 +642,12 @@ def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_fl
     on = MethodOn(screens, "click", loss_type="dapo")
     keys = [r["key"] for r in on.data.records[:2]]
     asked = [(key, n) for key in keys for n in range(on.method.generations)]
-    engine = on.method._engine(asked)
+    engine = on.method.rollouts._engine(asked)
     seen = []
     answer = engine.answer
 
     def answer_checked(*args, **kwargs):
-        seen.append(all(read.done() for read in on.method.read_ahead.values()))
+        seen.append(all(read.done() for read in on.method.rollouts.read_ahead.values()))
         released.set()  # a read that waits for the run to begin ends now
         engine.step.graphs = None  # a CPU's engine again: nothing to capture
         return answer(*args, **kwargs)
@@ -652,8 +656,8 @@ def test_a_rollout_whose_engine_is_yet_to_capture_its_graph_lets_the_reads_in_fl
     for graphs, read_s in (({}, 0.2), (None, 60)):  # yet to capture, then none to capture
         released = threading.Event()
         engine.step.graphs = graphs
-        on.method.read_ahead = {("another step",): on.method.reader.submit(released.wait, read_s)}
-        on.method._sample(keys, 0)
+        on.method.rollouts.read_ahead = {("another step",): on.method.rollouts.reader.submit(released.wait, read_s)}
+        on.method.rollouts._sample(keys, 0)
     assert seen == [True, False]
 
 
@@ -669,7 +673,7 @@ def test_a_rollout_collects_where_it_left_garbage_and_not_again_for_memory_a_col
             allocated[0] -= garbage["bytes"]
             garbage["bytes"] = 0
 
-    release = grpo_module.RolloutRelease(allocated=lambda: allocated[0])
+    release = answering_module.RolloutRelease(allocated=lambda: allocated[0])
     mib = 1 << 20
     automatic = gc.isenabled()
     gc.disable()  # only the release's own collections
@@ -698,7 +702,7 @@ def test_a_rollout_collects_where_it_left_garbage_and_not_again_for_memory_a_col
         if automatic:
             gc.enable()
 
-    cpu = grpo_module.RolloutRelease(allocated=None) if not torch.cuda.is_available() else None
+    cpu = answering_module.RolloutRelease(allocated=None) if not torch.cuda.is_available() else None
     if cpu is not None:  # nothing to read: both generations every rollout
         gc.callbacks.append(collections)
         try:
@@ -718,14 +722,14 @@ def test_the_rollout_engine_is_counted_before_it_is_made_as_it_then_holds(shared
     KV cache and its folded adapter, byte for byte; a smaller rollout's engine holds less."""
     monkeypatch.setattr(folded_adapter, "FOLD_DEVICES", ("cuda", "cpu"))
     if shared:
-        monkeypatch.setattr(grpo_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(rollouts_module, "SHARED_PROMPT_DEVICES", ("cuda", "cpu"))
     on = MethodOn(shared_images, "final", loss_type="dapo")
     keys = [r["key"] for r in on.data.records[:4]]
     small, large = [[keys[0]]], [keys[:2], keys[2:4]]  # a question; two images' two questions each
-    counted = on.method.rollout_bytes([small, large, small])
+    counted = on.method.rollouts.rollout_bytes([small, large, small])
     held = []
     for step in (small, large):  # the engine made for the small rollout is made anew for the large
-        engine = on.method._engine([(k, n) for k in _keys_of(step) for n in range(GRPO["num_generations"])])
+        engine = on.method.rollouts._engine([(k, n) for k in keys_of(step) for n in range(GRPO["num_generations"])])
         assert (engine.cache.prefixes is not None) == shared and engine.step.folded is not None
         held.append(engine.bytes)
     assert held[1] == counted > held[0]
@@ -753,7 +757,7 @@ def test_a_step_out_of_memory_is_one_sentence_naming_the_budget_and_the_engine_b
     shared_images, budget, chosen, said
 ):
     on = MethodOn(shared_images, "final", loss_type="dapo")
-    on.method._engine([(r["key"], n) for r in on.data.records[:2] for n in range(GRPO["num_generations"])])
+    on.method.rollouts._engine([(r["key"], n) for r in on.data.records[:2] for n in range(GRPO["num_generations"])])
     with pytest.raises(ConfigError, match="^this stage's step 6 ran out of the memory " + said):
         with _out_of_memory_said(budget, chosen, on.method, CPU, 5):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 372.00 MiB.")
@@ -782,7 +786,7 @@ def test_auto_leaves_the_adapter_unfolded_where_that_is_what_holds_every_steps_p
     on = MethodOn(shared_images, "final", prompts_once=True)
     keys = [r["key"] for r in on.data.records[:4]]
     steps = [[keys[:2]], [keys[2:4]], [keys[:1]]]
-    needs = max(on.method._prompt_tokens(step) for step in steps)
+    needs = max(on.method.rollouts._prompt_tokens(step) for step in steps)
     folded = folded_adapter.FoldedAdapter.bytes_for_rollouts(on.model, None)
     per_token, limit = folded / 100, 2**30
     held = limit * token_budget.SAFETY - (needs + room) * per_token
@@ -795,8 +799,8 @@ def test_auto_leaves_the_adapter_unfolded_where_that_is_what_holds_every_steps_p
         "rollout_engine_gib": folded / 2**30,
     }
     assert (chosen["max_batch_tokens"] >= needs) == (room == 0)
-    taken = on.method.prompts_once_or_folded(chosen, steps)
-    engine = on.method._engine([(k, n) for k in keys[:2] for n in range(GRPO["num_generations"])])
+    taken = on.method.rollouts.prompts_once_or_folded(chosen, steps)
+    engine = on.method.rollouts._engine([(k, n) for k in keys[:2] for n in range(GRPO["num_generations"])])
     assert (engine.step.folded is not None) == folds
     if folds:
         assert taken == chosen
@@ -819,13 +823,13 @@ def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_g
     keys = [r["key"] for r in on.data.records[:4]]
     step = [keys[:2], keys[2:]]
     copied, read = [], []  # per row of a pass: the images it found on the device already; images read
-    to_device = grpo_module.to_device
+    to_device = rollouts_module.to_device
 
     def to_device_noted(batch, device, dtype, placed=None):
         copied.append(len(placed or {}))
         return to_device(batch, device, dtype, placed)
 
-    monkeypatch.setattr(grpo_module, "to_device", to_device_noted)
+    monkeypatch.setattr(rollouts_module, "to_device", to_device_noted)
     cache = on.data.images[keys[0]][0]
     tensor = type(cache).tensor
 
@@ -835,10 +839,12 @@ def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_g
 
     monkeypatch.setattr(type(cache), "tensor", tensor_noted)
     groups = on.method.step_groups(step, 0, keep_prompts=True)
-    reused = {i: entry[1] for i, entry in on.method.rollout.items()}
-    assert copied == [2] and on.method.images_placed == {}  # one row, its two images; let go after
+    reused = dict(on.method.rollout.references)
+    assert copied == [2] and on.method.rollouts.images_placed == {}  # one row, its two images; let go after
     assert len(read) == 2  # each image read once, by the rollout; the reference pass read none again
     samples = {key: [s for g in groups for s in g.samples if s.record_id.startswith(f"{key}#")] for key in keys}
-    again = on.method._logps(samples, step, on.method.start)  # nothing placed now: each image read and copied
+    again = on.method.rollouts._logps(
+        samples, step, on.method.start, on.method.rows
+    )  # nothing placed now: each image read and copied
     assert copied == [2, 0] and len(read) == 4 and again.keys() == reused.keys()
     assert all(torch.equal(again[i], reused[i]) for i in reused)
