@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_demo_upstream
-from vlft.jobs import warm_start
+from vlft.jobs import warm_process, warm_start
 
 JOB = """
 import sys
@@ -226,10 +226,10 @@ torch.compile = recorder("torch.compile", lambda model=None: model)
 if sys.argv[1] == "without-bitsandbytes":
     sys.modules["bitsandbytes"] = None  # as if not installed: its import fails, find_spec finds none
 
-from vlft.jobs import warm_start  # noqa: E402
+from vlft.jobs import warm_process  # noqa: E402
 import importlib  # noqa: E402
 
-modules = warm_start.preloaded_modules()
+modules = warm_process.preloaded_modules()
 for name in modules:
     importlib.import_module(name)
 print(json.dumps({"modules": modules, "calls": calls}))
@@ -249,7 +249,7 @@ def test_importing_what_a_warm_process_preloads_starts_nothing_of_cuda(extras):
     imported = json.loads(result.stdout.splitlines()[-1])
     assert imported["calls"] == []
     if extras == "without-bitsandbytes":  # the whole list then, PEFT and what imports it included
-        assert set(warm_start.PRELOAD_WITH_PEFT) <= set(imported["modules"])
+        assert set(warm_process.PRELOAD_WITH_PEFT) <= set(imported["modules"])
 
 
 def test_a_warm_process_serves_only_jobs_of_its_environment_and_code(tmp_path, monkeypatch):
