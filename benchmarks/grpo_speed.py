@@ -55,7 +55,9 @@ from vlft.data.records import prepare_split  # noqa: E402
 import vlft.generation.engine  # noqa: E402
 import vlft.generation.folded_adapter  # noqa: E402
 import vlft.generation.runner  # noqa: E402
+import vlft.training.answering  # noqa: E402
 import vlft.training.grpo  # noqa: E402
+import vlft.training.rollouts  # noqa: E402
 import vlft.training.train  # noqa: E402
 from vlft.files import read_jsonl, write_jsonl  # noqa: E402
 from vlft.training.rollout import TIMING  # noqa: E402
@@ -158,11 +160,11 @@ def profile_patches() -> list[tuple[object, str, str]]:
     import vlft.training.shared_prompts
     import vlft.training.step_log
 
-    grpo = vlft.training.grpo.GroupRelativePolicyOptimization
+    grpo, rollouts = vlft.training.grpo.GroupRelativePolicyOptimization, vlft.training.rollouts.Rollouts
     return [
         (grpo, "step_batches", "the step's rollout: its setting up"),
-        (grpo, "_roll_out", "the rollout: its answers judged"),
-        (grpo, "_logps", "a pass without gradients: its setting up"),
+        (rollouts, "draw", "the rollout: its answers judged"),
+        (rollouts, "_logps", "a pass without gradients: its setting up"),
         (vlft.generation.engine.Engine, "answer", "the engine's run: its setting up"),
         (vlft.generation.engine.Generation, "start", "a prefill: its rows set up"),
         (vlft.generation.engine.Generation, "decode", "a decode step: its bookkeeping"),
@@ -445,7 +447,7 @@ TWICE = "grpo, each prompt computed twice a step (the rollout's prefill, then th
 REPEATED = "grpo, each answer's prompt prefilled for it (as before 2026-11-28)"
 UNFOLDED = "grpo, the decode steps on the adapter as it is (as before the folded adapter)"
 ASKS_AGAIN = vlft.generation.runner.asks_again
-PROMPTS_ONCE_UNLESS = vlft.training.train.prompts_once_unless
+PROMPTS_ONCE_UNLESS = vlft.training.grpo.prompts_once_unless
 ROLLOUTS: list[dict[int, list[int]]] = []  # each rollout's answers by request key, as drawn
 
 
@@ -662,7 +664,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     vlft.generation.engine.Engine.answer = answer_timed  # the benchmark's own timing of the engine
-    vlft.training.grpo.gc = TimedGc()
+    vlft.training.answering.gc = TimedGc()
     if args.phases:
         time_phases()
         globals()["ENGINE_PHASES"] = True
@@ -726,9 +728,9 @@ def main() -> None:
         # As before the engine was kept: a fresh one each rollout, each answer with its own copy of its prompt.
         fresh = name == FRESH
         vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
-        vlft.training.grpo.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
+        vlft.training.rollouts.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
         twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
-        vlft.training.train.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
+        vlft.training.grpo.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
         vlft.generation.runner.asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
         vlft.generation.folded_adapter.FOLD_DEVICES = () if name == UNFOLDED else ("cuda",)
         ROLLOUTS.clear()
