@@ -259,3 +259,34 @@ def test_a_job_waiting_for_a_gpu_stops_at_ctrl_c_or_sigterm_though_its_shell_ign
         assert (claim.returncode, out, err) == (-stop, "", said)
     finally:
         holder.kill(), job.kill()
+
+
+def test_a_jobs_time_starts_once_it_has_its_gpu_not_while_it_waits(tmp_path):
+    """The time a job's log ends with (and the forecast's refinement compares with its prediction)
+    counts from when it has its GPUs: a wait for another job's GPU is none of its own (a stage that
+    waited 7 minutes said `took 433 s, predicted 20 s`)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time\nfrom vlft.jobs.cli import job_started\nprint(f'{time.time() - job_started():.3f}')\n"
+    )
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path), "VLFT_WARM_START": "0"}
+    holder = sleeper()
+    try:
+        take_gpus(1, ["0"], holder.pid, tmp_path / f"vlft-gpu-claims-{os.getuid()}-local.json")
+        job = subprocess.Popen(
+            [sys.executable, "-m", "vlft.jobs.launch", "--gpus", "1", str(script)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert job.stderr.readline().startswith("waiting for 1 free GPU(s) of 0: held by processes")
+        waited = 3.0
+        threading.Timer(waited, holder.kill).start()
+        out, _ = job.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert job.returncode == 0
+    # The script's own start (an interpreter and vlft.jobs.cli's import) is its time: well under the wait.
+    assert float(out) < waited, out
