@@ -9,25 +9,21 @@ bandwidth bound, and where a step's GPU time goes.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eval_speed import copy_bandwidth, step_weight_bytes  # noqa: E402
-from train_speed import build_model, print_kernel_time  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.generation.kv_cache import SlotCache  # noqa: E402
-from vlft.generation.runner import DecodeStep  # noqa: E402
-from vlft.generation.sampling import Sampling, sampler_for  # noqa: E402
+from eval_speed import copy_bandwidth, step_weight_bytes
+from train_speed import build_model, print_kernel_time
+from vlft.demo.tiny_model import make_tokenizer
+from vlft.generation.kv_cache import SlotCache
+from vlft.generation.runner import DecodeStep
+from vlft.generation.sampling import Sampling, sampler_for
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
@@ -47,7 +43,11 @@ def main():
     parser.add_argument("--temperature", type=float, help="sampled tokens (with --top-p, --top-k): also timed")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     samplings = [None] + ([Sampling(args.temperature, args.top_p, args.top_k)] if args.temperature else [])
     bandwidth = copy_bandwidth()
     model = build_model(args.arch, make_tokenizer(), "cuda").eval()

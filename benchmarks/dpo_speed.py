@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import (  # noqa: E402
+from train_speed import (
     build_caches,
     build_model,
     commit_of,
@@ -34,8 +30,8 @@ from train_speed import (  # noqa: E402
     our_settings,
     run_ours,
 )
-from vlft.data.records import prepare_split  # noqa: E402
-from vlft.files import read_jsonl, write_jsonl  # noqa: E402
+from vlft.data.records import prepare_split
+from vlft.files import read_jsonl, write_jsonl
 
 STEP_IMAGES = 16
 
@@ -60,7 +56,7 @@ def pairs_and_answers(work: Path, images: int, tokenizer) -> tuple[Path, Path]:
     return work / "pairs", work / "answers"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-dpo-bench"))
@@ -70,7 +66,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=12288)
     parser.add_argument("--commit")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
     tokenizer = make_tokenizer()

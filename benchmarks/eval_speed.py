@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -30,21 +29,16 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-# `--code DIR`: measure the vlft package in DIR (the project at an earlier commit, from `git archive
-# <commit> vlft | tar -x -C DIR`) instead of this checkout's, on the same workload and script.
-if "--code" in sys.argv:
-    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.files import read_jsonl  # noqa: E402
-from vlft.generation.kv_cache import SlotCache  # noqa: E402
-from vlft.modeling import language_model  # noqa: E402
-from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.data.prompts import PromptBuilder  # noqa: E402
-from vlft.data.records import prepare_split  # noqa: E402
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, commit_of, image_processor_for, make_workload
+import vlft
+from vlft.demo.tiny_model import make_tokenizer
+from vlft.files import read_jsonl
+from vlft.generation.kv_cache import SlotCache
+from vlft.modeling import language_model
+from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.data.prompts import PromptBuilder
+from vlft.data.records import prepare_split
 
 REFERENCE_BATCH = 32
 
@@ -181,7 +175,7 @@ def run_ours(
         out / "metrics.json",
         answer_lengths=lengths,
         stats=stats,
-        # Only where asked: code from before image sharing (--code) has no such argument.
+        # Only where asked: code from before image sharing has no such argument.
         **({} if share_images else {"share_images": False}),
     )
     # Its compiled step and CUDA graphs hold the job's model and cache: dropped before the next run.
@@ -344,7 +338,7 @@ def bench_arch(arch: str, args, tokenizer, bandwidth: float) -> dict:
     return result
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="+", default=["qwen3-vl-8b", "qwen3-vl-2b"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-eval-bench"))
@@ -370,9 +364,12 @@ def main():
         help="also run ours with each row reading its own copy of its image's prefix (no cascade decoding)",
     )
     parser.add_argument("--without-first", action="store_true", help="that run first (it meets the caches cold)")
-    parser.add_argument("--code", type=Path, help="measure the vlft package in this directory (an earlier commit's)")
     parser.add_argument("--label", default="", help="added to the result file's name")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     tokenizer = make_tokenizer()
     bandwidth = copy_bandwidth()
@@ -385,8 +382,8 @@ def main():
     device = torch.cuda.get_device_name()
     results |= {"device": device, "date": datetime.date.today().isoformat(), "commit": commit}
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.code:
-        results["code"] = f"vlft from {args.code}, at the commit --commit names"
+    # Which vlft ran: the installed package, or an earlier commit's tree on PYTHONPATH (before_after.sh).
+    results["code"] = str(Path(vlft.__file__).parent)
     label = f"-{args.label}" if args.label else ""
     name = f"eval-{'_'.join(args.arch)}{label}-{device.replace(' ', '_')}-{results['date']}.json"
     (args.out / name).write_text(json.dumps(results, indent=2))

@@ -38,10 +38,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO))
 
-from train_speed import (  # noqa: E402
+from train_speed import (
     MAX_PIXELS,
     MIN_PIXELS,
     SAMPLES_PER_STEP,
@@ -51,9 +49,9 @@ from train_speed import (  # noqa: E402
     make_workload,
     our_settings,
 )
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.data.records import prepare_split  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer
+from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.data.records import prepare_split
 
 
 def prepare(work: Path, arch: str, images: int, questions_per_image: int) -> Path:
@@ -190,7 +188,7 @@ def same_predictions(work: Path, processes: int) -> float:
     return sum(a == b for a, b in zip(one, many)) / len(one)
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="GPU counts to run, 1 first")
@@ -211,7 +209,11 @@ def main():
         "--pixels", action="store_true", help="train from the pixel cache, the vision tower run every step"
     )
     parser.add_argument("--commit", help="the commit the code is at, where the checkout has no git history")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     began = time.time()
     work = args.work / args.arch
     work.mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_scaling import train_job  # noqa: E402
-from grpo_speed import questions  # noqa: E402
-from train_speed import build_caches, build_model, commit_of, image_processor_for, our_settings  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from gpu_scaling import train_job
+from grpo_speed import questions
+from train_speed import build_caches, build_model, commit_of, image_processor_for, our_settings
+from vlft.demo.tiny_model import make_tokenizer
 
 
 def run(code: Path, work: Path, model_dir: Path, prompts: Path, settings: dict, processes: int, label: str) -> dict:
@@ -57,7 +55,7 @@ def budget_of(given: str):
     return given if given == "auto" else int(given)
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
@@ -74,7 +72,11 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-grpo-gpus"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()
     images = args.prompts * args.steps // args.questions_per_image

@@ -36,10 +36,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import (  # noqa: E402
+from train_speed import (
     build_caches,
     build_model,
     commit_of,
@@ -50,17 +48,17 @@ from train_speed import (  # noqa: E402
     our_settings,
     run_ours,
 )
-from peers import qwen_numbered_tokenizer, save_full_processor  # noqa: E402
-from vlft.data.records import prepare_split  # noqa: E402
-import vlft.generation.engine  # noqa: E402
-import vlft.generation.folded_adapter  # noqa: E402
-import vlft.generation.runner  # noqa: E402
-import vlft.training.answering  # noqa: E402
-import vlft.training.grpo  # noqa: E402
-import vlft.training.rollouts  # noqa: E402
-import vlft.training.train  # noqa: E402
-from vlft.files import read_jsonl, write_jsonl  # noqa: E402
-from vlft.training.rollout import TIMING  # noqa: E402
+from peers import qwen_numbered_tokenizer, save_full_processor
+from vlft.data.records import prepare_split
+import vlft.generation.engine
+import vlft.generation.folded_adapter
+import vlft.generation.runner
+import vlft.training.answering
+import vlft.training.grpo
+import vlft.training.rollouts
+import vlft.training.train
+from vlft.files import read_jsonl, write_jsonl
+from vlft.training.rollout import TIMING
 
 
 def questions(
@@ -598,7 +596,7 @@ def run_swift(args, model_dir: Path, prompts: Path, tokenizer) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-grpo-bench"))
@@ -661,8 +659,12 @@ def main() -> None:
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
-    args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args()
+
+
+def set_up_instruments(args: argparse.Namespace) -> None:
+    """The benchmark's own timing of the engine and collections, and what --phases, --profile and
+    --answers-host ask for."""
     vlft.generation.engine.Engine.answer = answer_timed  # the benchmark's own timing of the engine
     vlft.training.answering.gc = TimedGc()
     if args.phases:
@@ -673,6 +675,10 @@ def main() -> None:
     if args.answers_host:
         profile_answers_host(args.answers_host)
 
+
+def prepare(args: argparse.Namespace):
+    """The tokenizer, the model saved as a checkpoint, and the three workloads' caches: the questions
+    (GRPO's), their answers as SFT records, and answers as long as GRPO samples (SFT matched)."""
     # ms-swift's Qwen3-VL template writes the image by Qwen's own special-token ids: for it, the
     # benchmark's tokenizer with its special tokens at those ids (peers.py does the same).
     tokenizer = qwen_numbered_tokenizer() if args.swift_site else make_tokenizer()
@@ -695,7 +701,11 @@ def main() -> None:
         build_caches(directory, image_processor, model)
     del model
     torch.cuda.empty_cache()
+    return tokenizer, model_dir, prompts, answers, matched
 
+
+def planned_runs(args: argparse.Namespace, prompts: Path, answers: Path, matched: Path) -> tuple[dict, str]:
+    """Each run by name: its workload and settings, in the order they run; and the name of GRPO's own."""
     sft, grpo = stage_settings(args)
     runs = {
         f"sft, image groups, {args.generations} answers an image": (
@@ -720,81 +730,90 @@ def main() -> None:
         runs[UNFOLDED] = (prompts, grpo)
     for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
         runs[f"{ours}, run {repeat}"] = (prompts, grpo)
-    results, drawn = {}, {}
-    for name, (directory, settings) in runs.items():
-        started = time.time()
-        ENGINE_CALLS.clear()
-        COLLECTIONS.clear()
-        # As before the engine was kept: a fresh one each rollout, each answer with its own copy of its prompt.
-        fresh = name == FRESH
-        vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
-        vlft.training.rollouts.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
-        twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
-        vlft.training.grpo.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
-        vlft.generation.runner.asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
-        vlft.generation.folded_adapter.FOLD_DEVICES = () if name == UNFOLDED else ("cuda",)
-        ROLLOUTS.clear()
-        STEP_PHASES[:] = [{}]
-        allocator = allocator_counts()
-        run = run_ours(
-            model_dir,
-            directory / "prepared.jsonl",
-            directory / "vision",
-            args.steps,
-            args.warmup,
-            settings,
-            args.work / f"run{len(results)}",
-        )
-        drawn[name] = list(ROLLOUTS)
-        seconds = sum(run["step_s"])
-        results[name] = {
-            "s_per_step": seconds / len(run["step_s"]),
-            "answers_per_s": sum(run["samples"]) / seconds,
-            "peak_gib": run["peak_gib"],
-            "steps_measured": len(run["step_s"]),
-            "step_s": [round(t, 4) for t in run["step_s"]],
-            # The tokens of the samples a step learns, each counted whole (its prompt too): the
-            # matched SFT run's and GRPO's are the same where their answers are as long.
-            "sample_tokens_a_step": statistics.fmean(run["tokens"]),
-            "job_s": time.time() - started,
-            # The caching allocator's cudaMalloc and cudaFree calls and its retries (a free of its
-            # cached blocks, then the allocation again) over the run: an allocator short of memory.
-            "allocator": {k: v - allocator[k] for k, v in allocator_counts().items()},
+    return runs, ours
+
+
+def measure_run(
+    args: argparse.Namespace, model_dir: Path, name: str, directory: Path, settings: dict, index: int
+) -> tuple[dict, list]:
+    """One run of the benchmark's: its steps' speed, memory and parts, and the answers it drew. The
+    runs that stand for earlier code (FRESH, KEPT_UNSHARED, TWICE, REPEATED, UNFOLDED) patch the
+    parts that code lacked."""
+    started = time.time()
+    ENGINE_CALLS.clear()
+    COLLECTIONS.clear()
+    # As before the engine was kept: a fresh one each rollout, each answer with its own copy of its prompt.
+    fresh = name == FRESH
+    vlft.generation.engine.Engine.fits = (lambda self, *a: False) if fresh else FITS
+    vlft.training.rollouts.SHARED_PROMPT_DEVICES = () if name in (FRESH, KEPT_UNSHARED) else ("cuda",)
+    twice = name in (FRESH, KEPT_UNSHARED, TWICE)  # as GRPO ran before its prompts were computed once
+    vlft.training.grpo.prompts_once_unless = (lambda *a: "the benchmark's") if twice else PROMPTS_ONCE_UNLESS
+    vlft.generation.runner.asks_again = (lambda *a: False) if name == REPEATED else ASKS_AGAIN
+    vlft.generation.folded_adapter.FOLD_DEVICES = () if name == UNFOLDED else ("cuda",)
+    ROLLOUTS.clear()
+    STEP_PHASES[:] = [{}]
+    allocator = allocator_counts()
+    run = run_ours(
+        model_dir,
+        directory / "prepared.jsonl",
+        directory / "vision",
+        args.steps,
+        args.warmup,
+        settings,
+        args.work / f"run{index}",
+    )
+    drawn = list(ROLLOUTS)
+    seconds = sum(run["step_s"])
+    result = {
+        "s_per_step": seconds / len(run["step_s"]),
+        "answers_per_s": sum(run["samples"]) / seconds,
+        "peak_gib": run["peak_gib"],
+        "steps_measured": len(run["step_s"]),
+        "step_s": [round(t, 4) for t in run["step_s"]],
+        # The tokens of the samples a step learns, each counted whole (its prompt too): the
+        # matched SFT run's and GRPO's are the same where their answers are as long.
+        "sample_tokens_a_step": statistics.fmean(run["tokens"]),
+        "job_s": time.time() - started,
+        # The caching allocator's cudaMalloc and cudaFree calls and its retries (a free of its
+        # cached blocks, then the allocation again) over the run: an allocator short of memory.
+        "allocator": {k: v - allocator[k] for k, v in allocator_counts().items()},
+    }
+    if settings.get("method") == "grpo":
+        # Each part's seconds a step (its own log's timing_s fields; the update is the rest),
+        # and the engine's phases a rollout (the device synchronized around each phase).
+        parts = {k: sum(r[k] for r in run["log"]) / len(run["log"]) for k in TIMING}
+        parts["update"] = result["s_per_step"] - sum(parts.values())
+        result["parts_s"] = parts
+        # Over all the run's rollouts (one a step), the first's included.
+        result["collections"] = {
+            "full_ones": sum(g == 2 for g, *_ in COLLECTIONS),
+            "young_ones": sum(g != 2 for g, *_ in COLLECTIONS),
+            "s_a_rollout": sum(t for _, t, *_ in COLLECTIONS) / args.steps,
+            "mib_before_freed": [[round(b / 2**20), round((b - a) / 2**20)] for _, _, b, a in COLLECTIONS],
         }
-        if settings.get("method") == "grpo":
-            # Each part's seconds a step (its own log's timing_s fields; the update is the rest),
-            # and the engine's phases a rollout (the device synchronized around each phase).
-            parts = {k: sum(r[k] for r in run["log"]) / len(run["log"]) for k in TIMING}
-            parts["update"] = results[name]["s_per_step"] - sum(parts.values())
-            results[name]["parts_s"] = parts
-            # Over all the run's rollouts (one a step), the first's included.
-            results[name]["collections"] = {
-                "full_ones": sum(g == 2 for g, *_ in COLLECTIONS),
-                "young_ones": sum(g != 2 for g, *_ in COLLECTIONS),
-                "s_a_rollout": sum(t for _, t, *_ in COLLECTIONS) / args.steps,
-                "mib_before_freed": [[round(b / 2**20), round((b - a) / 2**20)] for _, _, b, a in COLLECTIONS],
-            }
-            if args.phases:  # each phase's mean seconds a step, over the steps after the warm-up
-                measured = STEP_PHASES[args.warmup : args.steps]
-                names = sorted({k for phases in measured for k in phases})
-                results[name]["phases_s"] = {k: sum(p.get(k, 0.0) for p in measured) / len(measured) for k in names}
-                results[name]["phases_s_each_step"] = [{k: round(v, 4) for k, v in p.items()} for p in STEP_PHASES]
-                results[name]["engine_s_each_rollout"] = [
-                    {k: round(v, 4) for k, v in c.items() if "_s" in k} for c in ENGINE_CALLS
-                ]
-            results[name]["engine_s"] = {
-                k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
-                for k in sorted({k for c in ENGINE_CALLS for k in c})
-            }
-        # The run's model and optimizer may sit in reference cycles (compiled layers, PEFT): free
-        # them before the next run loads its own.
-        del run
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(name, json.dumps(results[name]), flush=True)
-    sft, sft_matched, grpo_run = [
-        results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, REPEATED, UNFOLDED)
-    ][:3]
+        if args.phases:  # each phase's mean seconds a step, over the steps after the warm-up
+            measured = STEP_PHASES[args.warmup : args.steps]
+            names = sorted({k for phases in measured for k in phases})
+            result["phases_s"] = {k: sum(p.get(k, 0.0) for p in measured) / len(measured) for k in names}
+            result["phases_s_each_step"] = [{k: round(v, 4) for k, v in p.items()} for p in STEP_PHASES]
+            result["engine_s_each_rollout"] = [
+                {k: round(v, 4) for k, v in c.items() if "_s" in k} for c in ENGINE_CALLS
+            ]
+        result["engine_s"] = {
+            k: sum(c.get(k, 0) for c in ENGINE_CALLS[args.warmup :]) / len(ENGINE_CALLS[args.warmup :])
+            for k in sorted({k for c in ENGINE_CALLS for k in c})
+        }
+    # The run's model and optimizer may sit in reference cycles (compiled layers, PEFT): free
+    # them before the next run loads its own.
+    del run
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(name, json.dumps(result), flush=True)
+    return result, drawn
+
+
+def compare_draws(args: argparse.Namespace, results: dict, drawn: dict, ours: str) -> None:
+    """How many of GRPO's answers each earlier way of computing them drew alike."""
     if args.also_fresh_engines:  # the same draws? (the kept graph: exactly; shared prompts: bf16's own order of sums)
         for name in (KEPT_UNSHARED, ours):
             results[name]["answers_against_fresh_engines"] = agreement(drawn[name], drawn[FRESH])
@@ -804,6 +823,10 @@ def main() -> None:
         results[ours]["answers_against_prompts_repeated"] = agreement(drawn[ours], drawn[REPEATED])
     if args.also_unfolded:  # the adapter's matmuls or its folded copies: bf16's own rounding
         results[ours]["answers_against_unfolded"] = agreement(drawn[ours], drawn[UNFOLDED])
+
+
+def against_peers(args: argparse.Namespace, results: dict, grpo_run: dict, model_dir: Path, prompts: Path, tokenizer):
+    """TRL's and ms-swift's GRPO on the same workload, where their sites are given, and ours against them."""
     if args.trl_site:
         results["trl"] = run_trl(args, model_dir, prompts)
         ours_rate = grpo_run["answers_per_s"]
@@ -816,6 +839,13 @@ def main() -> None:
         if results["ms-swift"].get("answers_per_s"):
             results["ms-swift"]["ours_over_swift"] = grpo_run["answers_per_s"] / results["ms-swift"]["answers_per_s"]
         print("ms-swift", json.dumps(results["ms-swift"]), flush=True)
+
+
+def summary(args: argparse.Namespace, results: dict, runs: dict) -> dict:
+    """The result file: every run, and GRPO's step against the SFT steps over the same images."""
+    sft, sft_matched, grpo_run = [
+        results[name] for name in runs if name not in (FRESH, KEPT_UNSHARED, TWICE, REPEATED, UNFOLDED)
+    ][:3]
     for name, run in results.items():
         if name.startswith("grpo"):
             run["over_sft_step"] = run["s_per_step"] / sft["s_per_step"]
@@ -827,7 +857,7 @@ def main() -> None:
         "commit": commit_of(args.commit),
         "command": " ".join(sys.argv),
         "prompts": args.prompts,
-        "questions_per_image": per_image,
+        "questions_per_image": args.questions_per_image,
         "beta": args.beta,
         "generations": args.generations,
         "max_completion_length": args.max_completion_length,
@@ -842,6 +872,22 @@ def main() -> None:
         steady = statistics.fmean(run["s_per_step"] for run in repeats)
         report["grpo_s_per_step_steady"] = steady
         report["grpo_over_sft_step_matched_steady"] = steady / sft_matched["s_per_step"]
+    return report
+
+
+def main() -> None:
+    args = parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    set_up_instruments(args)
+    tokenizer, model_dir, prompts, answers, matched = prepare(args)
+    runs, ours = planned_runs(args, prompts, answers, matched)
+    results, drawn = {}, {}
+    for index, (name, (directory, settings)) in enumerate(runs.items()):
+        results[name], drawn[name] = measure_run(args, model_dir, name, directory, settings, index)
+    compare_draws(args, results, drawn, ours)
+    grpo_run = results[ours]
+    against_peers(args, results, grpo_run, model_dir, prompts, tokenizer)
+    report = summary(args, results, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"grpo_speed_{args.arch}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -25,7 +25,7 @@ from pathlib import Path
 TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--questions", required=True, help="raw JSONL: image (relative to --images), question")
@@ -38,7 +38,11 @@ def main() -> None:
     # H100's memory in the loss's forward (2026-11-26).
     parser.add_argument("--gradient-checkpointing", type=int, choices=[0, 1], default=1)
     parser.add_argument("--result", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     import datasets
     import torch

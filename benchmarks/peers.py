@@ -46,11 +46,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO))
 
-from dpo_speed import paired  # noqa: E402
-from train_speed import (  # noqa: E402
+from dpo_speed import paired
+from train_speed import (
     MAX_PIXELS,
     MIN_PIXELS,
     SAMPLES_PER_STEP,
@@ -360,7 +358,7 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
     parser.add_argument("--method", choices=("sft", "dpo"), default="sft", help="dpo: each side's DPO on pairs")
@@ -385,7 +383,11 @@ def main() -> None:
     parser.add_argument("--no-ours", action="store_true")
     parser.add_argument("--no-pixels", action="store_true", help="leave out our run from the pixel cache")
     parser.add_argument("--commit")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     import torch
 

@@ -21,21 +21,19 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import questions_on_shared_images  # noqa: E402
-from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.data.prompts import PromptBuilder, Sample  # noqa: E402
-from vlft.data.records import prepare_split  # noqa: E402
-from vlft.data.stage_data import load_stage_data  # noqa: E402
-from vlft.demo.tiny_model import make_tiny_model  # noqa: E402
-from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index  # noqa: E402
-from vlft.forward.image_groups import ImageGroup  # noqa: E402
-from vlft.forward.packing import pack_groups  # noqa: E402
+from vlft.demo.shapes import questions_on_shared_images
+from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.data.prompts import PromptBuilder, Sample
+from vlft.data.records import prepare_split
+from vlft.data.stage_data import load_stage_data
+from vlft.demo.tiny_model import make_tiny_model
+from vlft.modeling import load_base_model, load_image_processor, load_tokenizer, rope_index
+from vlft.forward.image_groups import ImageGroup
+from vlft.forward.packing import pack_groups
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-row-layout"))
     parser.add_argument("--images", type=int, default=4)
@@ -45,7 +43,11 @@ def main() -> None:
     parser.add_argument("--image-tokens", type=int, default=1100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     root = args.work
     if not (root / "pixels").exists():

@@ -13,21 +13,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import build_model, print_kernel_time  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.generation.kv_cache import KV_BLOCK, SlotCache, refresh_live_blocks  # noqa: E402
-from vlft.generation.runner import DecodeStep  # noqa: E402
-from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, own_length  # noqa: E402
+from train_speed import build_model, print_kernel_time
+from vlft.demo.tiny_model import make_tokenizer
+from vlft.generation.kv_cache import KV_BLOCK, SlotCache, refresh_live_blocks
+from vlft.generation.runner import DecodeStep
+from vlft.generation.shared_prefixes import Cascade, SharedPrefixes, own_length
 
 
 def rounded(length: int) -> int:
@@ -135,7 +131,7 @@ def attention_check(rows: int = 64, group: int = 8, prefix: int = 1300, answered
     return float((got - want).abs().max() / want.abs().max())
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[128])
@@ -150,7 +146,11 @@ def main():
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     model = build_model(args.arch, make_tokenizer(), "cuda").eval()
     print(f"{args.arch}: groups of {args.group} rows after {args.prefix} shared tokens, room for {args.answer_room}")
     results = {"arch": args.arch, "group": args.group, "prefix": args.prefix, "steps": [], "fit": []}

@@ -37,16 +37,14 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # eval_speed.py --code puts other code first
-    sys.path.insert(0, str(REPO))
 
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
-from vlft.caches.image_cache import PixelSettings, build_image_cache  # noqa: E402
-from vlft.modeling import lora_config  # noqa: E402
-from vlft.config import stage_defaults  # noqa: E402
-from vlft.errors import ConfigError  # noqa: E402
-from vlft.data.prompts import PromptBuilder  # noqa: E402
-from vlft.data.records import prepare_split  # noqa: E402
+from vlft.demo.tiny_model import make_tokenizer
+from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.modeling import lora_config
+from vlft.config import stage_defaults
+from vlft.errors import ConfigError
+from vlft.data.prompts import PromptBuilder
+from vlft.data.records import prepare_split
 
 SIZES = [(720, 576), (1024, 768), (1280, 720), (1280, 1024), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 1036 * 1288  # the largest image ends near 1,300 image tokens
@@ -395,7 +393,7 @@ def summarize(run: dict, flops_per_token: float, peak_tflops: float) -> dict:
     }
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, help="a config in benchmarks/configs/, e.g. qwen3-vl-8b")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlft-bench"))
@@ -447,102 +445,87 @@ def main():
         action="store_true",
         help="also run ours with activation_checkpointing (each layer recomputed in the backward pass)",
     )
-    args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    if args.memory_gib:
-        torch.cuda.set_per_process_memory_fraction(
-            args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
-        )
-    work = args.work / args.arch
-    work.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args()
 
-    tokenizer = make_tokenizer()
+
+def workload_records(args, work: Path, tokenizer) -> list[dict]:
+    """The benchmark's records, prepared as a stage reads them, each naming its image file too (the
+    reference decodes the image files themselves)."""
+    from vlft.files import read_jsonl
+
     raw = make_workload(
         work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
     )
     prepare_split(raw, work / "images", work / "prepared.jsonl")
-    from vlft.files import read_jsonl
+    return [dict(r, image_file=str(work / "images" / r["image"])) for r in read_jsonl(work / "prepared.jsonl")]
 
-    records = read_jsonl(work / "prepared.jsonl")
-    # The reference decodes the image files themselves.
-    records = [dict(r, image_file=str(work / "images" / r["image"])) for r in records]
-    peak = matmul_peak_tflops()
 
-    model = build_model(args.arch, tokenizer, "cuda")
-    language_params, vision_params = parameter_counts(model)
-    flops_per_token = 4 * language_params  # LoRA on a frozen base: forward + input gradients; see README
-    image_processor = image_processor_for(model)
-    builder = PromptBuilder(tokenizer, model.config.image_token_id)
-    results = {}
+def our_runs(args) -> list[tuple[str, int | str, dict]]:
+    """Each of our runs: its name, token budget and the stage options it sets."""
+    budgets = args.max_batch_tokens
+    runs = [] if args.no_plain else [(f"ours@{b}", b, dict(packing=True)) for b in budgets]
+    if args.grouped:
+        runs += [(f"ours grouped@{b}", b, dict(packing=False)) for b in budgets]
+    if args.image_groups:
+        runs += [(f"ours images@{b}", b, dict(image_groups=True)) for b in budgets]
+    if args.activation_checkpointing:
+        runs += [(f"ours recompute@{b}", b, dict(packing=True, activation_checkpointing=True)) for b in budgets]
+    if args.qlora:
+        runs += [
+            (f"ours 4-bit recompute@{b}", b, dict(quantization_bit=4, activation_checkpointing=True)) for b in budgets
+        ]
+    return runs
 
-    if args.skip != "reference":
-        ref, model = run_reference(
-            model, records, image_processor, builder, tokenizer.pad_token_id, args.steps, args.warmup, work
-        )
-        results["reference"] = summarize(ref, flops_per_token, peak)
+
+def save_as_checkpoint(work: Path, model, tokenizer, image_processor) -> tuple[Path, dict]:
+    """The model saved where a job reads a checkpoint, and its caches built: the cache seconds."""
+    model_dir = work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    image_processor.save_pretrained(model_dir)
+    pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
+    return model_dir, {"pixel_cache_s": pixel_cache_s, "vision_cache_s": vision_cache_s}
+
+
+def measure_ours(args, work: Path, model_dir: Path, cache_seconds: dict, flops_per_token: float, peak: float) -> dict:
+    """Our runs on the saved checkpoint and its caches, as a job reads them."""
+    import gc
+
+    settings, results = our_settings(args.steps), {}
+    for name, budget, options in our_runs(args):
+        try:
+            ours = run_ours(
+                model_dir,
+                work / "prepared.jsonl",
+                work / "vision",
+                args.steps,
+                args.warmup,
+                dict(settings, max_batch_tokens=budget, **options),
+                work / name.replace(" ", "-"),
+                args.profile,
+            )
+            results[name] = summarize(ours, flops_per_token, peak) | cache_seconds
+            if options.get("image_groups"):
+                # Its tokens/s counts each question's whole prompt, the shared image in it too,
+                # though the image is computed once: no utilization can be read from it.
+                results[name]["mfu"] = float("nan")
+        except torch.OutOfMemoryError as error:
+            results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+        except ConfigError as error:  # auto found no budget that fits
+            results[name] = {"error": str(error)}
+        torch._dynamo.reset()  # drop this run's compiled graphs with its model
+        gc.collect()
         torch.cuda.empty_cache()
+    return results
 
-    if args.skip != "ours":
-        # The project's path reads a model directory, as a job would: save this one there.
-        model_dir = work / "model"
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        image_processor.save_pretrained(model_dir)
-        pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
-        del model
-        torch.cuda.empty_cache()
-        settings = our_settings(args.steps)
-        runs = [] if args.no_plain else [(f"ours@{b}", b, dict(packing=True)) for b in args.max_batch_tokens]
-        if args.grouped:
-            runs += [(f"ours grouped@{budget}", budget, dict(packing=False)) for budget in args.max_batch_tokens]
-        if args.image_groups:
-            runs += [(f"ours images@{budget}", budget, dict(image_groups=True)) for budget in args.max_batch_tokens]
-        if args.activation_checkpointing:
-            runs += [
-                (f"ours recompute@{budget}", budget, dict(packing=True, activation_checkpointing=True))
-                for budget in args.max_batch_tokens
-            ]
-        if args.qlora:
-            runs += [
-                (f"ours 4-bit recompute@{b}", b, dict(quantization_bit=4, activation_checkpointing=True))
-                for b in args.max_batch_tokens
-            ]
-        for name, budget, options in runs:
-            try:
-                ours = run_ours(
-                    model_dir,
-                    work / "prepared.jsonl",
-                    work / "vision",
-                    args.steps,
-                    args.warmup,
-                    dict(settings, max_batch_tokens=budget, **options),
-                    work / name.replace(" ", "-"),
-                    args.profile,
-                )
-                results[name] = summarize(ours, flops_per_token, peak) | {
-                    "pixel_cache_s": pixel_cache_s,
-                    "vision_cache_s": vision_cache_s,
-                }
-                if options.get("image_groups"):
-                    # Its tokens/s counts each question's whole prompt, the shared image in it too,
-                    # though the image is computed once: no utilization can be read from it.
-                    results[name]["mfu"] = float("nan")
-            except torch.OutOfMemoryError as error:
-                results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
-            except ConfigError as error:  # auto found no budget that fits
-                results[name] = {"error": str(error)}
-            import gc
 
-            torch._dynamo.reset()  # drop this run's compiled graphs with its model
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    commit = commit_of(args.commit)
+def report_of(args, results: dict, peak: float, language_params: int, vision_params: int) -> dict:
+    """The result file: the runs, what they ran on, and ours against the reference."""
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
+        "commit": commit_of(args.commit) or "unknown",
         "command": " ".join(sys.argv),
         "images": args.images,
         "questions_per_image": args.questions_per_image,
@@ -569,10 +552,11 @@ def main():
             if "error" not in results.get(f"ours images@{budget}", {"error": 1})
             and "error" not in results.get(f"ours@{budget}", {"error": 1})
         }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
-    (args.out / name).write_text(json.dumps(report, indent=2))
-    print(f"\n{args.arch} on {report['device']}: bf16 matmul peak {peak:.0f} TFLOP/s")
+    return report
+
+
+def print_table(report: dict, results: dict, peak: float) -> None:
+    print(f"\n{report['arch']} on {report['device']}: bf16 matmul peak {peak:.0f} TFLOP/s")
     print(f"{'':22} {'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'ratio':>6}")
     for side, r in results.items():
         if "error" in r:
@@ -584,6 +568,42 @@ def main():
         )
     for budget, speedup in report.get("image_groups_speedup", {}).items():
         print(f"image groups at {budget} tokens: {speedup:.2f}x the samples/s without them")
+
+
+def main():
+    args = parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.memory_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            args.memory_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+        )
+    work = args.work / args.arch
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer()
+    records = workload_records(args, work, tokenizer)
+    peak = matmul_peak_tflops()
+    model = build_model(args.arch, tokenizer, "cuda")
+    language_params, vision_params = parameter_counts(model)
+    flops_per_token = 4 * language_params  # LoRA on a frozen base: forward + input gradients; see README
+    image_processor = image_processor_for(model)
+    builder = PromptBuilder(tokenizer, model.config.image_token_id)
+    results = {}
+    if args.skip != "reference":
+        ref, model = run_reference(
+            model, records, image_processor, builder, tokenizer.pad_token_id, args.steps, args.warmup, work
+        )
+        results["reference"] = summarize(ref, flops_per_token, peak)
+        torch.cuda.empty_cache()
+    if args.skip != "ours":
+        model_dir, cache_seconds = save_as_checkpoint(work, model, tokenizer, image_processor)
+        del model  # our runs load the checkpoint, as a job does: none of the benchmark's own on the GPU
+        torch.cuda.empty_cache()
+        results |= measure_ours(args, work, model_dir, cache_seconds, flops_per_token, peak)
+    report = report_of(args, results, peak, language_params, vision_params)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"{args.arch}-{report['device'].replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
+    print_table(report, results, peak)
     print(json.dumps(report))
 
 

@@ -34,12 +34,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_speed import build_model, commit_of  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from train_speed import build_model, commit_of
+from vlft.demo.tiny_model import make_tokenizer
 
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
@@ -163,7 +160,7 @@ def largest_difference(grads, reference) -> float:
     return max(float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in zip(grads, reference))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen3-vl-8b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1300, 2600])
@@ -184,7 +181,11 @@ def main() -> None:
     )
     parser.add_argument("--commit")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     calls, rotary, model = adapted_layers(args.arch, device)
     width = model.base_model.model.config.text_config.hidden_size

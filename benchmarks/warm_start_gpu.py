@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 JOB = """
 import time
 started = float(__import__("sys").argv[1])  # an argument: a variable of its own would need a warm process of its own
@@ -28,7 +26,7 @@ from vlft.jobs.warm_start import hand_off, serving_a_job
 
 hand_off()
 import json, os, torch, transformers, peft  # noqa: E401,E402
-from transformers import AutoModelForImageTextToText  # noqa: E402
+from transformers import AutoModelForImageTextToText
 
 device = os.environ.get("JOB_DEVICE", "cuda")
 
@@ -57,14 +55,12 @@ def run_job(script: Path, env: dict) -> dict:
 
 def main():
     work = Path(tempfile.mkdtemp(prefix="warm-start-"))
-    sys.path.insert(0, str(REPO))
     from vlft.demo.tiny_model import make_tiny_model
 
     make_tiny_model(work / "tiny")
     script = work / "job.py"
     script.write_text(JOB)
     env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "TINY_MODEL": str(work / "tiny"),
         "CUDA_VISIBLE_DEVICES": "0",
     }

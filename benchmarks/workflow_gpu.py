@@ -37,11 +37,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO))
 
-from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, image_processor_for, make_workload  # noqa: E402
-from vlft.demo.tiny_model import make_tokenizer  # noqa: E402
+from train_speed import MAX_PIXELS, MIN_PIXELS, build_model, image_processor_for, make_workload
+from vlft.demo.tiny_model import make_tokenizer
 
 STARTED = re.compile(r"; started (\S+ \S+)")
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "vlft", "pyproject.toml")
@@ -371,7 +369,7 @@ def promises(result: dict, forecast: dict, returncode, args) -> dict[str, bool]:
     }
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3-vl-2b", help="a config in benchmarks/configs/")
     parser.add_argument("--study", choices=["two-experiments", "kvasir", "kvasir-smoke"], default="two-experiments")
@@ -401,7 +399,11 @@ def main():
         "--build-only", action="store_true", help="build the study's data, model and workflow copy, then stop"
     )
     parser.add_argument("--resume", action="store_true", help="carry on with the study an earlier run left in --work")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
 
     work = args.work / args.arch
     workdir = work / "workflow"

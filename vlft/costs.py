@@ -40,7 +40,7 @@ def image_tokens(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """The language model's tokens of one image: transformers' Qwen2-VL `smart_resize` (the size each
     side is rounded to a multiple of `factor`, the area brought into [min_pixels, max_pixels]), over
     factor². Written here because importing its module brings torch and transformers, seconds of
-    every dry run; tests/test_costs.py holds it equal to transformers' on many sizes."""
+    every dry run; tests/workflow/test_costs.py holds it equal to transformers' on many sizes."""
     resized_h = max(factor, round(height / factor) * factor)
     resized_w = max(factor, round(width / factor) * factor)
     if resized_h * resized_w > max_pixels:
@@ -261,7 +261,7 @@ class Prediction:
 
     def refined(self, ratio: float) -> "Prediction":
         # The whole job scaled: a host's per-job costs (its CPU and disk: the load, the compile from
-        # cache) differ from the table's as much as its throughput does (20-40% on the mini study).
+        # cache) differ from the table's as much as its throughput does (benchmarks/README.md, forecast).
         return dataclasses.replace(self, fixed_s=self.fixed_s * ratio, work_s=self.work_s * ratio)
 
 
@@ -330,9 +330,8 @@ def train_seconds(
     if method == "grpo":
         # A rollout's passes without gradients over its answers, laid out as the update lays them
         # out, each a third of a step's work: the reference's with beta above 0, the rollout's own
-        # log-probabilities with num_iterations above 1 (vlft.training.grpo). On the 8B (H200) the
-        # reference's was 0.2 s of the device's time in a step of 18 Kvasir-like questions whose
-        # SFT step over the same tokens takes 0.58 s.
+        # log-probabilities with num_iterations above 1 (vlft.training.grpo): a forward of the update's
+        # tokens, a third of the SFT step over them (benchmarks/README.md, GRPO).
         without_gradients = (settings["beta"] > 0) + (repeats > 1)
         extra_s += without_gradients * passes / repeats * (image + text) / rate["train_tokens_per_s"] / 3
         # What the token counts leave out: the host's launches of a step's passes through the compiled

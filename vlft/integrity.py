@@ -5,8 +5,8 @@ it) rebuilds it.
 
 Caches are checked per image, on exactly the bytes a job reads, the first time it reads them: a
 full check at no extra I/O. CRC-32 (zlib's, as gzip and PNG use it), not a cryptographic hash: the
-faults to catch are accidents (a shard overwritten, a copy cut short), and it runs at about 4 GB/s
-a core against sha256's 1.7, which keeps the check near 0.5% of an evaluation job's time
+faults to catch are accidents (a shard overwritten, a copy cut short), and it runs at over twice
+sha256's speed a core, which keeps the check a small share of an evaluation job's time
 (benchmarks/README.md, "Checksums"). Adapters, a few hundred MB at most, are checked whole when loaded.
 """
 

@@ -4,10 +4,10 @@ Two stages compute the same adapter when they start from the same place (no adap
 that are themselves the same) and train on the same records, in the same order, with the same
 settings. Their configs may say so differently: filters that select the same records (read from
 the raw splits, where they exist when the plan is made), or evaluation during training on one of
-them and not the other (with `keep: last` it changes nothing trained; tests/test_step_evals.py
+them and not the other (with `keep: last` it changes nothing trained; tests/training/test_step_evals.py
 checks the adapters bit for bit). The workflow then trains one of them, and every job of the others
 (their evaluations, the stages that start from them, the report's rows) reads its outputs: their
-paths are that stage's (workflow/rules/common.smk, `stage_path` and `eval_path`).
+paths are that stage's (workflow/rules/paths.smk, `stage_path` and `eval_path`).
 
 The stage trained is one that evaluates as it trains where any does (its log holds that curve), else
 the first in the config. A stage that already has its own outputs keeps them, so that upgrading to

@@ -117,8 +117,8 @@ TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 def aspect_ratio_problem(width: int, height: int) -> str | None:
     """The Qwen-VL image processors' one refusal of an image size (smart_resize's aspect-ratio
     limit), which would otherwise stop the pixel cache later, or None. Its own words, not its call:
-    smart_resize's module brings transformers and torch, some 12 s of every prepare_split job on a
-    GPU node. tests/test_prepare_split.py checks that both refuse the same sizes."""
+    smart_resize's module brings transformers and torch, seconds of every prepare_split job. tests/data/test_prepare_split.py checks that both refuse the same sizes.
+    """
     ratio = max(width, height) / min(width, height)
     if ratio > MAX_ASPECT_RATIO:
         return (

@@ -14,6 +14,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from vlft.demo import write_splits
+from vlft.files import read_jsonl, write_jsonl
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -192,3 +193,16 @@ def corpus() -> list[str]:
         record, _ = make_record(index, list(DIFFICULTY)[index % len(DIFFICULTY)], rng)
         texts += [record["question"], record["answer"]]
     return texts
+
+
+def questions_on_shared_images(root: Path, images: int, per_image: int, seed: int = 3) -> Path:
+    """A raw split of images x per_image records in root/train.jsonl (images under root/images), the
+    questions of each image consecutive; the records of an image keep their own questions and answers
+    (each made for another image of the same kind: what they ask is irrelevant to the tests and
+    benchmarks of image sharing that use it, only that they differ)."""
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": images * per_image}, seed=seed)
+    records = read_jsonl(root / "raw.jsonl")
+    for index, record in enumerate(records):
+        record["image"] = records[index - index % per_image]["image"]
+    write_jsonl(root / "train.jsonl", records)
+    return root / "train.jsonl"

@@ -105,8 +105,8 @@ class RowLayout:
         group's prefix a segment of its own, read once by the queries of all its samples' own
         tokens, which attend causally to their own segments besides. Without `prefix_once`, each
         sample's keys gathered whole (its group's prefix, then its own tokens): where no backward
-        pass follows, the copies cost less than the two parts' merge (an 8B evaluation's prefills,
-        9 questions an image: 11.3 s gathered, 12.7 s in two parts, on one H200)."""
+        pass follows, the copies cost less than the two parts' merge (an 8B evaluation's prefills:
+        benchmarks/README.md)."""
         if not self.prefixes:
             return _segments_inputs([end - start for start, end in self.segments])
         if not prefix_once:

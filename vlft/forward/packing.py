@@ -1,7 +1,7 @@
 """Packed micro-batches: a step's samples laid end to end in one row, with no padding at all.
 
 Grouping samples by length still pads each micro-batch to its longest sample; on the benchmark's
-mix of 450 to 1,700-token samples that is 11 to 17% of the tokens computed. A packed row computes
+Kvasir-like mix of sample lengths that is a sizeable share of the tokens computed (benchmarks/README.md). A packed row computes
 only real tokens. What keeps the samples apart:
 
 - positions: each sample's M-RoPE positions are its own, computed as if it were alone (`pack`);
@@ -114,8 +114,8 @@ class PromptPositions:
     its prompt's computed once for all the samples that ask it on the same image (a reward stage's
     G answers to a question, a preference pair's two answers): an answer holds no image, so its
     positions follow its prompt's largest one by one in all three parts, as the function lays out
-    text. Laying out 4 Kvasir-like images of 72 answers (1,172-token prompts) took 0.26 s of the
-    host with each answer's positions computed alone, 0.16 s so (benchmarks/row_layout_host.py)."""
+    text. Computed once a prompt, a Kvasir-like step's layout costs the host less than with each
+    answer's positions computed alone (benchmarks/row_layout_host.py, benchmarks/README.md)."""
 
     def __init__(self, rope_index: Callable):
         self.rope_index = rope_index
@@ -297,7 +297,7 @@ def use_packed_attention(model) -> None:
 def packed_attention_while(model):
     """The language model's attention packed for a while, its own put back after. Nothing is
     switched where it is packed already (a training stage's model, whose rollouts this serves):
-    a switch walks every module, 16 ms of the host each way for an 8B's PEFT model."""
+    a switch walks every module of an 8B's PEFT model, each way."""
     config = language_model(unwrapped(model)).config
     own = config._attn_implementation
     if own == PACKED_ATTENTION:

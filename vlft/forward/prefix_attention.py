@@ -4,7 +4,7 @@ A reward stage's update computes its sampled answers after their kept prompts
 (vlft.training.shared_prompts): the G answers to one prompt all attend to its keys, then each
 causally to its own. Gathering the prompt's keys once for every answer (packed_attention's
 `packed_key_index`) copies them G times a layer, and its backward pass adds the G copies'
-gradients back with atomics (81 ms of a GRPO step at 8 prompts of 8 answers on an H200). Here
+gradients back with atomics (a share of a GRPO step: benchmarks/README.md). Here
 each prefix is read once for all of its answers' queries:
 
 - the prefix part: every query of a prefix's answers over the prefix, all of it (no mask);
@@ -17,7 +17,7 @@ The backward pass runs each part's kernel backward with the merged O and L (as r
 does): the kernel then takes its part's probabilities as exp(S - L), the shares of the whole
 softmax, and D = rowsum(dO * O) of the whole output, so the two parts' dQ sum to the whole's and
 each part's dK and dV are the whole's. Nothing is approximated: the sums are ordered differently.
-tests/test_prefix_attention.py checks it in float64 against the gathered keys' attention.
+tests/forward/test_prefix_attention.py checks it in float64 against the gathered keys' attention.
 
 On a GPU the kernels are torch's variable-length flash attention (forward and backward); on a CPU
 the same formulas in plain torch ops (`ReferenceKernels`), which the tests and the demo run.
@@ -84,8 +84,8 @@ class ReferenceKernels:
     consecutive segments at once, each block's keys masked to their own segment's."""
 
     # A block's queries times keys, at most (a segment longer than this is a block alone): the
-    # demo's answers' pass is one block a part, where a segment at a time (64 tiny ones) had made
-    # its GRPO stage 22% slower on a CPU than the gathered keys' SDPA.
+    # demo's answers' pass is one block a part, where a segment at a time (many tiny ones) had made
+    # its GRPO stage slower on a CPU than the gathered keys' SDPA.
     BLOCK_SCORES = 1 << 20
 
     @staticmethod

@@ -17,7 +17,7 @@ long ones. Here instead:
 
 The model's layers do all the arithmetic; the engine owns only the cache, the mask and the
 schedule, so that the answers are the ones `generate` gives, token for token (on a CPU in float32,
-where the step runs transformers' own attention; tests/test_generation.py). Its parts:
+where the step runs transformers' own attention; tests/generation/test_generation.py). Its parts:
 
 - vlft.generation.requests: a request, one prompt as model inputs;
 - vlft.generation.scheduler: each row's state (`Row`) and the scheduler (which requests are read,
@@ -87,8 +87,8 @@ def answer_requests(
 class Engine:
     """The engine's device state: the KV cache (and shared prefixes), the decode step, its sampler
     and, on a GPU, its compiled layer and CUDA graph. Kept between runs (`answer`), a reward
-    stage's rollouts, one a step, capture the step's graph once, not once a rollout (0.19 s of an
-    8B's rollout on an H100); the graph reads the model's weights where they lie, so a caller that
+    stage's rollouts, one a step, capture the step's graph once, not once a rollout (a capture costs a
+    rollout a few percent: benchmarks/README.md); the graph reads the model's weights where they lie, so a caller that
     changes them between runs writes the new values into the same tensors
     (vlft.training.step_evals.adapter_in_model_dtype's `into`). `folded`, where given, is the
     adapter folded into a copy of the weights for the decode steps (vlft.generation.folded_adapter),
@@ -102,7 +102,7 @@ class Engine:
         self.cache = SlotCache(model, slots, row_length)
         if cascade:
             self.cache.prefixes = SharedPrefixes(model, cascade, self.max_length, slots)
-        # Compiled on a GPU (13 s for an 8B on a fresh machine, once a process), where it halves a step.
+        # Compiled on a GPU (once a process), where it halves a step (benchmarks/README.md).
         self.step = DecodeStep(model, self.cache, compile=weight.device.type == "cuda", folded=folded)
         self.step.sampler = sampler_for(sampling, slots, self.step.positions)
 
@@ -162,7 +162,7 @@ class Engine:
             # Compiled, each layer's prefill through the KV cache was traced apart (on the GPU, dynamo
             # gave up at its limit of 8 recompiles in a stage's first evaluation).
             with layer_calls(text.layers, [None] * len(text.layers)):
-                timer.stop("setup_s")  # 3 s the first time a process compiles (torch's compiler loads), then ms
+                timer.stop("setup_s")  # seconds the first time a process compiles (torch's compiler loads), then little
                 timer.add("max_length", self.max_length)
                 scheduler = Scheduler(iter(requests), self.slots, prefill_tokens)
                 Generation(
@@ -277,7 +277,7 @@ class Generation:
     def _set_rows_state(self, started: list[tuple[int, int, int]], requests: list[Request]) -> None:
         """The device's state of the rows just given prompts (their latest token, next position, the
         sampler's and whether they answer), a copy each for all of them: a write a row and a state
-        took some 5 ms of the host for 64 rows, the device idle."""
+        held the host for milliseconds at each prefill, the device idle."""
         device = self.active.device
         slots, firsts, positions = (torch.tensor(column, device=device) for column in zip(*started))
         self.step.tokens[slots] = firsts

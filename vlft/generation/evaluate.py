@@ -294,8 +294,8 @@ def prompt_inputs(
 
 def shared_prefixes(data: StageData, indices: list[int], slots: int, answer_room: int) -> Cascade | None:
     """On a GPU, the questions on one image keep its prefix once in the KV cache and their decode
-    steps read it once (vlft.generation.shared_prefixes: 1.59x a decode step at 128 rows in groups of
-    8 on an H100). On a CPU the step runs transformers' own attention, as `generate` does."""
+    steps read it once (vlft.generation.shared_prefixes; the decode step's speed-up is in
+    benchmarks/README.md). On a CPU the step runs transformers' own attention, as `generate` does."""
     prompts = []
     for index in indices:
         sample = data.samples[data.records[index]["key"]]

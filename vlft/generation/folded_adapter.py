@@ -1,12 +1,12 @@
 """A reward stage's decode steps on its adapter folded into a copy of the weights they read.
 
-A rollout's decode step computes one token of each of its rows (64 to 72 of them on the 8B's
+A rollout's decode step computes one token of each of its rows (some tens of them on the 8B's
 GRPO workloads). There, each of a layer's seven adapted projections costs three matmuls: the
 base weight's, then the adapter's two small ones (x A^T, then B), the first split over its long
-inner dimension with a reduction kernel of its own. On an H200 the adapter's kernels took about
-3 ms of the 8B's 10.9 ms step, the base weights' 3.6 ms. Folded into the weight, W + scaling * B A,
-a projection is one matmul again, and the step took 8.2 ms (benchmarks/README.md, "The rollout's
-decode steps on the folded adapter"): as in the evaluation job, which merges the adapter
+inner dimension with a reduction kernel of its own, so the adapter's small kernels cost about as
+much as the base weights' large ones. Folded into the weight, W + scaling * B A, a projection is
+one matmul again (the step's time before and after: benchmarks/README.md, "The rollout's decode
+steps on the folded adapter"): as in the evaluation job, which merges the adapter
 (vlft.generation.evaluate), and as TRL's and ms-swift's rollouts through vLLM run it, the adapter
 merged into the engine's weights at each step.
 
@@ -16,13 +16,13 @@ CUDA graph reads them where they lie) and written anew from the adapter at each 
 reference pass compute what they computed without it. Only the decode step reads the copy
 (vlft.generation.runner's DecodeStep, while it runs), and only the tokens it draws come of it.
 
-The copy is as large as the adapted layers' weights, 12.9 GiB for the 8B's language model with all
-seven projections adapted, so a rollout folds only where that is at most FOLDED_SHARE of the GPU's
-memory (the 8B on a 141 GB H200, not on an 80 GB H100, where its GRPO step over 8 screenshots
-peaks at 69.5 GiB without it), and only plain LoRA on linear layers of the model's own dtype (not
+The copy is as large as the adapted layers' weights (most of the language model's, with all seven
+projections adapted), so a rollout folds only where that is at most FOLDED_SHARE of the GPU's
+memory (the 8B on a 141 GB GPU, not on an 80 GB one, where its GRPO step already needs most of the
+memory without it: benchmarks/README.md), and only plain LoRA on linear layers of the model's own dtype (not
 DoRA, not a quantized base). In exact arithmetic a folded step is the adapter's; in floating point
 each folded weight is rounded once, to the model's dtype (torch.addmm: the product and the sum
-are rounded together). tests/test_folded_adapter.py checks the logits and the answers against the
+are rounded together). tests/generation/test_folded_adapter.py checks the logits and the answers against the
 adapter's in float64.
 """
 
@@ -97,8 +97,8 @@ class FoldedAdapter:
         self.adapters = [layer.active_adapters[0] for layer in layers]
         self.weights = [torch.empty_like(layer.base_layer.weight) for layer in layers]
         # On a GPU the copies are written on a stream of their own, beside the prefill that a run
-        # begins with (memory-bound copies beside its matmuls: 19.5 ms a rollout of the 8B on an
-        # H200 on the prefill's stream); the decode step waits for them (`ready`).
+        # begins with (memory-bound copies beside its matmuls, which on the prefill's own stream
+        # would wait for each other); the decode step waits for them (`ready`).
         device = self.weights[0].device if self.weights else torch.device("cpu")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.written = None  # the event of the last writing, on a GPU, until a decode step waits for it

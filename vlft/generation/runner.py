@@ -47,8 +47,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling, dropout
     """One new token of each row against its row of the cache, for a GPU's decode step.
 
     transformers' SDPA path, given a mask, reads every row's cache to its full length, and first
-    repeats every key and value head for each query head that shares it (4x the cache's bytes for
-    Qwen3-VL-8B). flex_attention's decoding kernel, given the rows' live blocks (`live`), reads
+    repeats every key and value head for each query head that shares it (the cache's bytes times
+    the query heads a key head serves). flex_attention's decoding kernel, given the rows' live blocks (`live`), reads
     each shared head once and each row only up to its own length: an idle row, or the unwritten
     end of a row, costs nothing.
     """
@@ -121,11 +121,11 @@ class DecodeStep:
         # torch.compile fuses the elementwise work between a layer's matmuls (norms, rotary,
         # residuals) and builds flex_attention's kernel: on a GPU, some 40 kernels a layer become a
         # few. It compiles one decoder layer, which every layer then runs with its own weights and
-        # its own part of the cache: tracing the whole step instead traced all its layers (9-13 s
-        # in each evaluation job of the 2B, with inductor's cache warm). The rest of the step
+        # its own part of the cache: tracing the whole step instead traced all its layers (seconds
+        # in each evaluation job, with inductor's cache warm: benchmarks/README.md). The rest of the step
         # (embedding, rotary tables, final norm, head) is a few kernels, and the CUDA graph
         # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
-        # graph per (rows, length) bucket, the benchmark did not finish in 280 s for the 8B or the 2B.
+        # graph per (rows, length) bucket, benchmarks/eval_speed.py did not finish (benchmarks/README.md).
         self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
         # Where compiled, or reading shared prefixes (a layer's own, handed to it with its call),
         # each layer is called through the step's layer call while the step runs.
@@ -237,8 +237,8 @@ class DecodeStep:
         return self.chosen
 
 
-# The most tokens a prefill computes (prompts, and their reference answers where scored): on the 8B
-# with 128 rows of 2,048 positions the job peaked at 58 GiB.
+# The most tokens a prefill computes (prompts, and their reference answers where scored): what keeps
+# an 8B's evaluation at 128 rows within an 80 GB GPU (its peak: benchmarks/README.md).
 PACKED_ROW_TOKENS = 16384
 
 

@@ -64,8 +64,8 @@ class Seeded:
         self.seeds = torch.zeros(slots, dtype=torch.long, device=positions.device)
         self.first_positions = torch.zeros(slots, dtype=torch.long, device=positions.device)
         # A GPU's decode step adds the noise and takes the argmax compiled (the same arithmetic,
-        # fused): eagerly, the noise of 64 rows by 151,936 tokens took some 25 elementwise kernels
-        # over int64 and float64 tensors, 1.1 ms of the 8B's 11.7 ms step.
+        # fused): eagerly, the noise of every row over the whole vocabulary is some 25 elementwise
+        # kernels over int64 and float64 tensors, a tenth of the 8B's step (benchmarks/README.md).
         self.noise_and_argmax = gumbel_max_compiled() if positions.is_cuda else gumbel_max
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
@@ -100,7 +100,7 @@ def sampler_for(sampling: Sampling | None, slots: int, positions: torch.Tensor):
 def warped_logits(logits: torch.Tensor, settings: Sampling) -> torch.Tensor:
     """The logits sampled from: divided by the temperature, then all but the `top_k` largest and
     then all outside the nucleus of `top_p` set to -inf (the order and the ties transformers'
-    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper give; tests/test_sampling.py)."""
+    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper give; tests/generation/test_sampling.py)."""
     scaled = logits / settings.temperature
     for token in settings.never:  # a fill of one column each: tensor operations a CUDA graph replays
         scaled[..., token] = float("-inf")
@@ -146,8 +146,8 @@ def gumbel_max_compiled():
     """`gumbel_max` compiled for one shape a decode step (its rows and the vocabulary), as the step's
     layers are. (Not the top-p's sort and cumulative sum: inductor failed to generate the float64
     scan's kernel.) Compiled when first asked for, never at import: torch.compile called while this
-    module was imported initialized the CUDA driver on an H200, and a warm process that has done so
-    cannot fork jobs (vlft.jobs.warm_start; tests/test_warm_start.py holds every preloaded module to it)."""
+    module was imported initialized the CUDA driver, and a warm process that has done so
+    cannot fork jobs (vlft.jobs.warm_start; tests/jobs/test_warm_start.py holds every preloaded module to it)."""
     return torch.compile(gumbel_max, dynamic=False)
 
 

@@ -69,8 +69,8 @@ def cascade_for(prompts: list[tuple[str | None, list[int]]], slots: int, answer_
             runs.append([ids])
     if not runs or max(map(len, runs)) < 2:
         return None
-    # A run's shared prefix once for all its prompts (asked of each of them, a Kvasir-like step's 72
-    # prompts on one image compared 72 x 72 times: 19 ms of the host a rollout, the device idle).
+    # A run's shared prefix once for all its prompts (asked of each of them, a Kvasir-like step's
+    # prompts on one image would be compared each with each, the host busy and the device idle).
     shared = [common_prefix(run, min(map(len, run)) - 1) if len(run) > 1 else None for run in runs]
     own = max(len(ids) - prefix if prefix is not None else 0 for run, prefix in zip(runs, shared) for ids in run)
     average = len(prompts) / len(runs)

@@ -55,8 +55,8 @@ def job_started() -> float:
 def say_took_at_exit(predicted_s: int) -> None:
     """The job's last line, once its outputs are written: what it took, from its launcher's start to
     the end of its exit, beside the plan's prediction. Said last, so that it counts what the job's
-    process does at exit: torch's compile workers are shut down then (4-7 s after an 8B evaluation
-    whose kernels came from the compile cache, when the pool had not finished starting), and the
+    process does at exit: torch's compile workers are shut down then (seconds, where the pool had not
+    finished starting: benchmarks/README.md), and the
     job's time limit and its place on the GPU last until it is done."""
     import atexit
 

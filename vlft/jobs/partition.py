@@ -3,7 +3,7 @@
 A job that asks for more CPUs, memory or GPUs than any node of its partition has waits in the queue
 forever (`PENDING (PartitionConfig)`, without a message anywhere Snakemake shows), and one that asks
 for more time than the partition allows is refused or waits the same way. As Snakemake plans the
-jobs (dry runs too), before any is submitted, the rules (workflow/rules/common.smk) read the
+jobs (dry runs too), before any is submitted, the rules (workflow/rules/resources.smk) read the
 partition once with `sinfo` and:
 
 - CPUs: caps every job's threads at the nodes' CPUs (our jobs use the threads they get) and says so

@@ -25,7 +25,7 @@ from vlft.jobs.warm_start import (
 
 # What the warm process imports once: the libraries and the project's modules the scripts use. None
 # of it may start CUDA, or query a GPU, when imported: a forked job could not use CUDA then
-# (tests/test_warm_start.py imports them all with CUDA's entry points recording their callers).
+# (tests/jobs/test_warm_start.py imports them all with CUDA's entry points recording their callers).
 PRELOAD = (
     "torch",
     "transformers",

@@ -45,7 +45,7 @@ from pathlib import Path
 
 ENABLE = "VLFT_WARM_START"
 IDLE_S = 20.0
-START_TIMEOUT_S = 300.0  # importing takes 5-25 s
+START_TIMEOUT_S = 300.0  # importing takes seconds; a loaded node, many times that
 BIND_TIMEOUT_S = 10.0  # a fresh interpreter, before its imports
 # Read by a job only when it first uses them (CUDA at its first call, torch's thread pool at its
 # first parallel op), so they may differ between a warm process and its jobs: Snakemake sets the

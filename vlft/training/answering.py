@@ -38,11 +38,11 @@ class RolloutRelease:
     rollout and made before this starts). Those objects may sit in reference cycles; a collection
     runs only where the device still holds more than the rollout found: the young generations
     first (the rollout's own objects), then all (with an engine made a rollout and none, the 8B's
-    first update once ran out of an H200's memory).
+    first update once ran out of the GPU's memory).
 
     A rollout may also leave memory that is live, not garbage, which no collection frees: on a
     36-question Kvasir-like step of the 8B (prompts computed twice), more than ROLLOUT_LEFT_BYTES,
-    and the two collections each rollout freed nothing in 0.55 s of a 2.6 s step. What a full
+    and the two collections each rollout freed nothing in a fifth of the step (benchmarks/README.md). What a full
     collection left is noted (the largest of a stage's), and later rollouts collect only past it:
     on the GPU a collection then runs once or twice a stage (after the first rollout, whose step
     captured its graph). `allocated` reads the device's allocated bytes; on a CPU, where there is

@@ -1,6 +1,6 @@
 """The training methods' objectives as plain functions of tensors, each TRL's own and tested against
-it: DPO's loss over pairs (tests/test_preferences.py), and GRPO's group advantages, token losses,
-loss sum and step weight (tests/test_rewards.py, tests/test_grpo.py)."""
+it: DPO's loss over pairs (tests/training/test_preferences.py), and GRPO's group advantages, token losses,
+loss sum and step weight (tests/data/test_rewards.py, tests/training/test_grpo.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def dpo_losses(
     """Each pair's DPO loss (the sigmoid loss of its reward margin; conservative with label
     smoothing) and the implicit rewards of its chosen and rejected answers, from the policy's and
     the reference's log-probabilities of each answer: TRL's `dpo_loss` for `loss_type: sigmoid`
-    (tests/test_preferences.py checks them equal)."""
+    (tests/training/test_preferences.py checks them equal)."""
     margin = (chosen - rejected) - (ref_chosen - ref_rejected)
     losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
     return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
@@ -29,7 +29,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     """Each sampled answer's advantage: its reward less its group's mean (a group: one prompt's
     `group_size` answers, consecutive), divided by the group's standard deviation plus 1e-4
     (`group`: GRPO), by the whole batch's (`batch`), or not at all (`none`: Dr. GRPO). TRL's
-    GRPOTrainer's own (tests/test_rewards.py checks them equal)."""
+    GRPOTrainer's own (tests/data/test_rewards.py checks them equal)."""
     grouped = rewards.view(-1, group_size)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
     if scale_rewards == "none":

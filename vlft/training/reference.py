@@ -99,7 +99,7 @@ def has_dropout(model) -> bool:
 def without_dropout(model):
     """Dropout off for a pass whose gradients are not wanted. Where the model has no dropout to turn
     off, the pass keeps training's module and grad modes: torch.compile guards on both, so the
-    forward is then the one the training step compiles (one compile a stage, not two; about 10 s
+    forward is then the one the training step compiles (one compile a stage, not two; seconds
     on the 8B) and computes what step 1's forward computes. Its autograd graph goes with each
     micro-batch's output. Otherwise: eval mode without gradients."""
     if not has_dropout(model):

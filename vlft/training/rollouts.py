@@ -113,7 +113,8 @@ class Rollouts:
     def read_next(self, step: Step, upcoming: Step | None) -> None:
         """The `upcoming` step's prompts read from the host's caches in a thread meanwhile (None:
         the next step draws nothing new); what was read for other steps than `step` let go. A
-        rollout's reading was 7% of a step on an H200: read from the rollout's start, the thread
+        rollout's reading is a share of a step worth hiding (benchmarks/README.md): read from the
+        rollout's start, the thread
         reads while the prefill holds the device and the host waits on it. Started after the
         rollout, it read while the update launched its short answers' layers, whose host's work the
         device waits on, and took the interpreter from them."""
@@ -159,13 +160,14 @@ class Rollouts:
 
     def _read_prompts(self, keys: list[str]) -> dict[str, dict]:
         """The host inputs of each record's prompt (its image read, its positions computed), in pinned
-        memory for a GPU: from pageable memory, putting a step's 8 screenshots (1280-1920 px) on an
-        H200 held its host and device 37 ms; from pinned memory, 4 ms of the device's time.
+        memory for a GPU: from pageable memory, putting a step's screenshots on the device holds the
+        host and the device alike; from pinned memory, a fraction of the device's time alone
+        (benchmarks/README.md).
 
         Each image is read and pinned once, for all the questions on it: pinned memory is new memory
-        where the host allocator has no free block of the size (cudaHostAlloc, 25-30 ms for a
-        1280-1920 px screenshot on an H200, which holds up every CUDA call of the thread that runs
-        the device meanwhile), and 9 questions on one image had pinned 9 copies of it a step."""
+        where the host allocator has no free block of the size (cudaHostAlloc, milliseconds for a
+        screenshot, which hold up every CUDA call of the thread that runs the device meanwhile), and 9 questions on one image had pinned 9 copies of it a step.
+        """
         model, pin, data = unwrapped(self.model), self.device.type == "cuda", self.data
         inputs, images = {}, {}
         for key in keys:
@@ -182,8 +184,8 @@ class Rollouts:
         """Whether each process's share of step `index`, its prompts as a prefill lays them out (an
         image's prefix once) with every answer at its longest, fits the token budget that one
         micro-batch holds. The first step that does not is told once a stage, with the budget that
-        would hold it: its prompts are computed twice (on a 36-question Kvasir-like step of the 8B,
-        2.0 s a step against 1.2 s with a budget that held them, one H200)."""
+        would hold it: its prompts are computed twice (the cost of a step either way:
+        benchmarks/README.md, GRPO)."""
         if budget is None:
             return True
         needs = max(self._prompt_tokens(share) for share in shares)
@@ -346,10 +348,9 @@ class Rollouts:
         """`max_batch_tokens: auto`'s choice (vlft.training.token_budget, `chosen`, measured with the
         folded adapter held beside the update), or where the folded copy is what keeps some step's
         prompts and longest answers from fitting the budget once, and the budget without it holds
-        every step's, that budget, the rollouts decoding on the adapter as it is. Folding saves a
-        few ms a decode step (on the 8B at 72 rows, 2.7 of 10.9 ms: about 50 ms a rollout of 20
-        tokens); a step whose prompts do not fit computes them twice (16 screenshots of the 8B on
-        one H200: 2.2-2.4 s a step against 1.35-1.40 s)."""
+        every step's, that budget, the rollouts decoding on the adapter as it is. Folding saves
+        a share of each decode step; a step whose prompts do not fit computes them twice, which
+        costs far more (both measured in benchmarks/README.md)."""
         folded = self._folded_bytes()
         budget = chosen["max_batch_tokens"]
         if self.prompt_pass is None or not folded or budget is None:
@@ -369,7 +370,7 @@ class Rollouts:
         """The kept engine, made anew only where this rollout's rows or their shared prompts do not
         fit it. Its rows are as long as the stage's longest prompt and answer, so that one decode
         step, compiled and captured once, serves every rollout (a step's own longest gave each
-        rollout a shape of its own: 1.7 s of recompiling a rollout on a Kvasir-like stage)."""
+        rollout a shape of its own, and each a recompile)."""
         settings, cascade = self.settings, self._cascade(asked)
         if self.engine is None or not self.engine.fits(len(asked), self._longest(), cascade):
             if self.engine is not None:
@@ -414,9 +415,8 @@ class Rollouts:
     def rollout_bytes(self, steps: list[Step]) -> int:
         """What the rollouts' kept engine holds on the device beside the update, at the stage's
         largest rollout (this process's share): its KV cache and, where the adapter folds, the
-        folded copy. A budget measured for an SFT step leaves no room for them: the 8B's 16
-        screenshots a step at max_batch_tokens 24576 ran out of an H200's memory in the first
-        update (130.9 GiB allocated), the engine holding some 20 GiB."""
+        folded copy. A budget measured for an SFT step leaves no room for them: a budget that
+        left them out ran the 8B's first update out of the GPU's memory."""
         model, cache = unwrapped(self.model), 0
         for step in steps:
             asked = [(key, n) for key in keys_of(self._shares(step)[self.group.rank]) for n in range(self.generations)]
@@ -446,19 +446,18 @@ class Rollouts:
         or the adapter as it stands (None), without gradients: the answers to this process's
         `share` of the step laid out in the update's `rows` (each group's prompt, with image groups
         its image, once for all of its answers), a forward a row. A forward a question had taken
-        1.25-1.59 s of a 2.0-2.4 s step (18 Kvasir-like questions, the 8B, an H200).
+        most of a step (benchmarks/README.md, GRPO).
 
         The values stay on the device, nothing read back: the host goes on to the update while the
-        device computes them (a pass over 18 Kvasir-like questions' answers is 0.23 s of the
-        device's time on the 8B; the update's answers' forward after it, 0.12 s of mostly the
-        host's). Its seconds in the step's log (`timing_s/ref`) are then the host's."""
+        device computes them (the update's answers' forward after it is mostly the host's
+        work). Its seconds in the step's log (`timing_s/ref`) are then the host's."""
         groups = answer_groups(share, samples)
         logps_of = {}
         forward = adapter_autocast(self.model, self.device, self.dtype)
         swapped = swapped_data(self.trainable, weights) if weights is not None else nullcontext()
         # The images the rollout read and put on the device (prompts kept), neither read nor copied
-        # again: on the 8B, 8 screenshots' cached vision features are 0.5 GB a step, whose copy from
-        # pageable memory took 34 ms of the device and the host, with the device idle after the rollout.
+        # again: a step's screenshots' cached vision features, copied from pageable memory, would
+        # hold the device and the host, the device idle after the rollout.
         held = {source: host for source, (host, _) in self.images_placed.items()}
         on_device = {id(host): tensor for host, tensor in self.images_placed.values()}
         with swapped, torch.no_grad(), forward:

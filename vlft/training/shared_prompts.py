@@ -13,7 +13,7 @@ with the answers beside it is read once for all of them, vlft.forward.prefix_att
 first token is scored from its prompt's last hidden state. One backward pass goes through both forwards.
 
 The log-probabilities and gradients are those of the full forward over prompt and answer
-(tests/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
+(tests/training/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
 the update compute the same prompts: one update a rollout, no LoRA dropout (a prefill in training
 mode would draw the masks the answers are then sampled under), and no activation checkpointing (its
 recomputation would not keep the prompts' keys). `prompts_once_unless` says which of those a stage
@@ -107,9 +107,9 @@ class PromptPass:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.forward_context = adapter_autocast(model, device, dtype)
         # One compiled decoder layer, which every layer runs, for each forward. The answers' forward
-        # is short (608 tokens at 4 questions of 8 answers): its host's work outweighs its kernels
-        # (62 ms on an H200), yet eagerly it took 164 ms, and compiled whole (one graph of every
-        # layer) it had not compiled in 200 s.
+        # is short (some hundreds of tokens): its host's work outweighs its kernels, which eagerly
+        # made it slower still, and compiled whole (one graph of every layer) it did not finish
+        # compiling (benchmarks/README.md, GRPO).
         compiled = partial(torch.compile, dynamic=True) if compile else (lambda f: f)
         self.keeping, self.after = compiled(_layer_keeping_keys), compiled(_layer_after_prompts)
         # What the answers' forward numbers its nodes below (`_numbered_apart`).

@@ -253,8 +253,8 @@ def adapter_in_model_dtype(
     merged weights are (generation runs no autocast); its float32 weights, which the optimizer
     holds, are put back as they were. `into`: tensors of the model's dtype, one a trained
     parameter, that the answering weights are written into (a kept CUDA graph reads them there).
-    `trained`: the model's trained parameters where the caller holds them (listing an 8B PEFT
-    model's took 13 ms of the host, at each of a reward stage's rollouts)."""
+    `trained`: the model's trained parameters where the caller holds them (listing them walks an 8B PEFT
+    model's modules, at each of a reward stage's rollouts)."""
     if dtype in (torch.float32, torch.float64):
         yield
         return

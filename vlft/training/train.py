@@ -469,7 +469,7 @@ def compile_decoder_layers(model, backend: str = "inductor") -> None:
     reads (LoRA's scaling, the norms' epsilon) into the graph as a float64 tensor on the CPU, and
     inductor compiles a C++ kernel to convert it. Loading that kernel in a later job probes the
     CPU's vector instructions with a C++ compiler and a Python subprocess per instruction set: on
-    the GPU machine some 40 s of each training job's 48 s warm compile (benchmarks/README.md). The
+    the GPU machine most of each training job's warm compile (benchmarks/README.md). The
     floats are constants of the model, so specializing them costs no recompiles."""
     torch._dynamo.config.specialize_float = True
     for layer in unwrapped(model).model.language_model.layers:

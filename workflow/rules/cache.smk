@@ -20,10 +20,17 @@ rule cache_images:
         min_pixels=lambda wildcards: wildcards.pixels.split("-")[0],
         max_pixels=lambda wildcards: wildcards.pixels.split("-")[1],
     shell:
-        "python -m vlft.jobs.launch scripts/cache_images.py --records {input.records:q} --image-root {params.image_root:q} "
-        "--model {params.model_path:q} {params.trust_remote_code} "
-        "--min-pixels {params.min_pixels} --max-pixels {params.max_pixels} --threads {threads} "
-        "--output {output:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/cache_images.py "
+        "--records {input.records:q} "
+        "--image-root {params.image_root:q} "
+        "--model {params.model_path:q} "
+        "{params.trust_remote_code} "
+        "--min-pixels {params.min_pixels} "
+        "--max-pixels {params.max_pixels} "
+        "--threads {threads} "
+        "--output {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule cache_vision:
@@ -49,5 +56,14 @@ rule cache_vision:
         max_gb=config["vision_cache_max_gb"],
     shell:
         # Launched with GPUs of its own among those visible (vlft.jobs.launch).
-        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/cache_vision.py --pixels {input.pixels:q} --model {params.model_path:q} {params.trust_remote_code} "
-        "--max-gb {params.max_gb} --gpus {resources.gpu} --cpu-fallback {resources.cpu_fallback} --output {output:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "--gpus {resources.gpu} "
+        "scripts/cache_vision.py "
+        "--pixels {input.pixels:q} "
+        "--model {params.model_path:q} "
+        "{params.trust_remote_code} "
+        "--max-gb {params.max_gb} "
+        "--gpus {resources.gpu} "
+        "--cpu-fallback {resources.cpu_fallback} "
+        "--output {output:q} "
+        "2>&1 | tee {log:q}"

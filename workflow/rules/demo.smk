@@ -26,9 +26,15 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             # What the generators make: 2 since the shapes carry a rejected answer (CHANGELOG.md).
             version=2,
         shell:
-            "python -m vlft.jobs.launch scripts/make_demo_dataset.py --kind {params.kind} --image-root {output.images:q} "
-            "--records {params.records} --sizes {params.sizes} --seed {params.seed} "
-            "--questions-per-image {params.questions} 2>&1 | tee {log:q}"
+            "python -m vlft.jobs.launch "
+            "scripts/make_demo_dataset.py "
+            "--kind {params.kind} "
+            "--image-root {output.images:q} "
+            "--records {params.records} "
+            "--sizes {params.sizes} "
+            "--seed {params.seed} "
+            "--questions-per-image {params.questions} "
+            "2>&1 | tee {log:q}"
 
 
 rule make_tiny_model:
@@ -44,5 +50,10 @@ rule make_tiny_model:
         hidden_size=config["demo"]["model"]["hidden_size"],
         layers=config["demo"]["model"]["layers"],
     shell:
-        "python -m vlft.jobs.launch scripts/make_tiny_model.py --output {output:q} --seed {params.seed} "
-        "--hidden-size {params.hidden_size} --layers {params.layers} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/make_tiny_model.py "
+        "--output {output:q} "
+        "--seed {params.seed} "
+        "--hidden-size {params.hidden_size} "
+        "--layers {params.layers} "
+        "2>&1 | tee {log:q}"

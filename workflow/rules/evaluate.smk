@@ -25,6 +25,19 @@ rule evaluate:
     shell:
         # Launched with GPUs of its own among those visible (vlft.jobs.launch): one process a GPU, the
         # split's batches shared out among them.
-        "python -m vlft.jobs.launch --gpus {resources.gpu} scripts/evaluate.py --model {params.model_path:q} {params.trust_remote_code} {params.adapter} "
-        "--prepared {input.prepared:q} --cache {input.cache:q} --settings {params.settings:q} "
-        "--predictions {output.predictions:q} --metrics {output.metrics:q} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --predicted-seconds {resources.predicted_s} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "--gpus {resources.gpu} "
+        "scripts/evaluate.py "
+        "--model {params.model_path:q} "
+        "{params.trust_remote_code} "
+        "{params.adapter} "
+        "--prepared {input.prepared:q} "
+        "--cache {input.cache:q} "
+        "--settings {params.settings:q} "
+        "--predictions {output.predictions:q} "
+        "--metrics {output.metrics:q} "
+        "--threads {threads} "
+        "--processes {resources.gpu} "
+        "--cpu-fallback {resources.cpu_fallback} "
+        "--predicted-seconds {resources.predicted_s} "
+        "2>&1 | tee {log:q}"

@@ -16,5 +16,11 @@ rule export:
         settings=lambda wildcards: json.dumps(get_stage(wildcards).settings, sort_keys=True),
         stage=lambda wildcards, input: os.path.dirname(input.summary),
     shell:
-        "python -m vlft.jobs.launch scripts/export.py --model {params.model_path:q} --stage {params.stage:q} --settings {params.settings:q} "
-        "--metrics {input.metrics:q} --output {output:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/export.py "
+        "--model {params.model_path:q} "
+        "--stage {params.stage:q} "
+        "--settings {params.settings:q} "
+        "--metrics {input.metrics:q} "
+        "--output {output:q} "
+        "2>&1 | tee {log:q}"

@@ -15,5 +15,9 @@ rule fetch_model:
         hub_id=config["model"]["hub_id"],
         revision=(f"--revision {shlex.quote(config['model']['revision'])}" if config["model"]["revision"] else ""),
     shell:
-        "python -m vlft.jobs.launch scripts/fetch_model.py --hub-id {params.hub_id:q} {params.revision} "
-        "--output {output:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/fetch_model.py "
+        "--hub-id {params.hub_id:q} "
+        "{params.revision} "
+        "--output {output:q} "
+        "2>&1 | tee {log:q}"

@@ -17,5 +17,10 @@ rule prepare_split:
         records=lambda wildcards, input: raw_split(wildcards)[0],
         image_root=get_image_root,
     shell:
-        "python -m vlft.jobs.launch scripts/prepare_split.py --records {params.records:q} --image-root {params.image_root:q} "
-        "--output {output:q} --threads {threads} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/prepare_split.py "
+        "--records {params.records:q} "
+        "--image-root {params.image_root:q} "
+        "--output {output:q} "
+        "--threads {threads} "
+        "2>&1 | tee {log:q}"

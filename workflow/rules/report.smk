@@ -38,5 +38,8 @@ rule report:
     params:
         output_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
-        "python -m vlft.jobs.launch scripts/report.py --inputs {input.inputs:q} --output-dir {params.output_dir:q} "
+        "python -m vlft.jobs.launch "
+        "scripts/report.py "
+        "--inputs {input.inputs:q} "
+        "--output-dir {params.output_dir:q} "
         "2>&1 | tee {log:q}"

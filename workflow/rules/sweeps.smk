@@ -13,5 +13,9 @@ checkpoint keep_best_arms:
     params:
         selection=lambda wildcards: json.dumps(PLAN.selections[wildcards.sweep], sort_keys=True),
     shell:
-        "python -m vlft.jobs.launch scripts/keep_best_arms.py --selection {params.selection:q} "
-        "--metrics {input.metrics:q} --out {output.kept:q} 2>&1 | tee {log:q}"
+        "python -m vlft.jobs.launch "
+        "scripts/keep_best_arms.py "
+        "--selection {params.selection:q} "
+        "--metrics {input.metrics:q} "
+        "--out {output.kept:q} "
+        "2>&1 | tee {log:q}"

@@ -43,12 +43,32 @@ rule train:
     shell:
         # Launched as every job is (vlft.jobs.launch: GPUs of its own among those visible, a warm
         # process where one serves), then the script: one process a GPU, each step shared out among
-        # them (vlft.jobs.distributed). At a time limit or a
-        # scancel SLURM signals every process of the job, and Ctrl-C the terminal's. The shell and tee
-        # ignore SIGTERM, SIGUSR1 and SIGINT (and so keep the log flowing); the trainer handles them: it saves a checkpoint,
-        # exits 75, and the retry resumes. It also stops by itself before its job's time limit
+        # them (vlft.jobs.distributed). At a time limit or a scancel SLURM signals every process of
+        # the job, and Ctrl-C the terminal's. The shell and tee ignore SIGTERM, SIGUSR1 and SIGINT
+        # (and so keep the log flowing); the trainer handles them: it saves a checkpoint, exits 75,
+        # and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.jobs.stopping).
-        "trap '' TERM USR1 INT; python -m vlft.jobs.launch --gpus {resources.gpu} scripts/train.py --model {params.model_path:q} {params.trust_remote_code} --prepared {input.prepared:q} "
-        "--caches {input.caches:q} {params.init_adapter} {params.evaluation} --settings {params.settings:q} "
-        "--checkpoints {params.checkpoints:q} --tensorboard {params.tensorboard:q} --report-to {resources.report_to} --checkpoint-every {resources.checkpoint_every} --activation-checkpointing {resources.activation_checkpointing} --attempt {resources.attempt} --predicted-seconds {resources.predicted_s} --threads {threads} --processes {resources.gpu} --cpu-fallback {resources.cpu_fallback} --adapter {output.adapter:q} --log {output.log:q} "
-        "--summary {output.summary:q} 2>&1 | tee -a {log:q} {params.attempts_log:q}"
+        "trap '' TERM USR1 INT; python -m vlft.jobs.launch "
+        "--gpus {resources.gpu} "
+        "scripts/train.py "
+        "--model {params.model_path:q} "
+        "{params.trust_remote_code} "
+        "--prepared {input.prepared:q} "
+        "--caches {input.caches:q} "
+        "{params.init_adapter} "
+        "{params.evaluation} "
+        "--settings {params.settings:q} "
+        "--checkpoints {params.checkpoints:q} "
+        "--tensorboard {params.tensorboard:q} "
+        "--report-to {resources.report_to} "
+        "--checkpoint-every {resources.checkpoint_every} "
+        "--activation-checkpointing {resources.activation_checkpointing} "
+        "--attempt {resources.attempt} "
+        "--predicted-seconds {resources.predicted_s} "
+        "--threads {threads} "
+        "--processes {resources.gpu} "
+        "--cpu-fallback {resources.cpu_fallback} "
+        "--adapter {output.adapter:q} "
+        "--log {output.log:q} "
+        "--summary {output.summary:q} "
+        "2>&1 | tee -a {log:q} {params.attempts_log:q}"

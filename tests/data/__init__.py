@@ -1,0 +1,1 @@
+"""Tests of records, importers, prompts, answers, clicks, rewards (vlft.data)."""

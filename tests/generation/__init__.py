@@ -1,0 +1,1 @@
+"""Tests of the generation engine, sampling, evaluation and predictions (vlft.generation)."""

@@ -1,0 +1,1 @@
+"""Tests of a job's life: warm starts, GPUs, signals, SLURM (vlft.jobs)."""

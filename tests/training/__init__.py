@@ -1,0 +1,1 @@
+"""Tests of a stage's training: the loop, methods, checkpoints, data parallelism (vlft.training)."""
