@@ -212,16 +212,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main():
-    args = parse_args()
-    began = time.time()
-    work = args.work / args.arch
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare(work, args.arch, args.images, args.questions_per_image)
-    prepare_s = time.time() - began
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
+def training_runs(args, work: Path, model_dir: Path, began: float) -> tuple[dict, list]:
+    """The stage trained on each number of GPUs, with and without image groups (and with --before,
+    the earlier code on the most GPUs), each with its efficiency against one GPU."""
     settings = our_settings(args.steps) | {"vision_cache": not args.pixels, "max_batch_tokens": args.max_batch_tokens}
     groupings = {"off": [False], "on": [True], "both": [False, True]}[args.image_groups]
     planned = [
@@ -239,10 +232,14 @@ def main():
         if base and "samples_per_s" in result:
             result["efficiency"] = result["samples_per_s"] / (len(result["gpus"]) * base)
 
+    return runs, planned
+
+
+def evaluation_runs(args, work: Path, model_dir: Path, adapter: Path) -> dict:
+    """The first run's adapter evaluated on each number of GPUs, against one GPU's answers."""
     evaluations = {}
     if not args.skip_evaluation:
         eval_settings = {"answer_format": "cot", "max_new_tokens": args.max_new_tokens, "batch_size": 32}
-        adapter = work / f"{planned[0][0]}/adapter"
         evaluations = {
             n: evaluate(work, model_dir, eval_settings | {"max_seq_len": 8192}, n, adapter) for n in args.processes
         }
@@ -253,6 +250,10 @@ def main():
             if "error" not in result and "error" not in evaluations.get(1, {"error": 1}):
                 result["same_predictions_as_1_gpu"] = same_predictions(work, n)
 
+    return evaluations
+
+
+def report_of(args, runs: dict, evaluations: dict, prepare_s: float) -> tuple[dict, str]:
     commit = commit_of(args.commit)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     report = {
@@ -271,9 +272,10 @@ def main():
         "runs": runs,
         "evaluation": {"max_new_tokens": args.max_new_tokens, **{str(n): r for n, r in evaluations.items()}},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"gpu_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
-    (args.out / name).write_text(json.dumps(report, indent=2))
+    return report, device
+
+
+def print_tables(args, report: dict, runs: dict, evaluations: dict) -> None:
     print(
         f"\n{args.arch} on {report['device']}, {args.questions_per_image} questions an image, budget {args.max_batch_tokens}"
     )
@@ -302,6 +304,24 @@ def main():
                 f"{n:>5} {r['samples_per_s']:>10.2f} {r.get('efficiency', float('nan')):>10.3f} {r['job_wall_s']:>7.0f}"
                 f" {r.get('same_predictions_as_1_gpu', float('nan')):>12.1%}"
             )
+
+
+def main():
+    args = parse_args()
+    began = time.time()
+    work = args.work / args.arch
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare(work, args.arch, args.images, args.questions_per_image)
+    prepare_s = time.time() - began
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    runs, planned = training_runs(args, work, model_dir, began)
+    evaluations = evaluation_runs(args, work, model_dir, work / f"{planned[0][0]}/adapter")
+    report, device = report_of(args, runs, evaluations, prepare_s)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"gpu_scaling-{args.arch}-{device.replace(' ', '_')}-{datetime.datetime.now():%Y-%m-%d-%H%M}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
+    print_tables(args, report, runs, evaluations)
 
 
 if __name__ == "__main__":

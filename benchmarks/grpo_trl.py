@@ -41,18 +41,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-
+def dataset_of(args):
+    """The benchmark's questions as TRL's conversational rows, each with its image."""
     import datasets
-    import torch
-    import transformers
-    import trl
-    from peft import LoraConfig
 
     rows = [json.loads(line) for line in Path(args.questions).read_text().splitlines()]
     rows = rows[: args.prompts * args.steps]
-    dataset = datasets.Dataset.from_list(
+    return datasets.Dataset.from_list(
         [
             {
                 "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
@@ -62,12 +57,15 @@ def main() -> None:
         ]
     ).cast_column("image", datasets.Image())
 
-    def answer_length(completions, **kwargs):
-        """As cheap as our `format` reward: a function of each answer's text."""
-        return [float(len(c[0]["content"]) % 7) for c in completions]
 
-    gpu = torch.cuda.is_available()
-    settings = dict(
+def answer_length(completions, **kwargs):
+    """As cheap as our `format` reward: a function of each answer's text."""
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+
+
+def grpo_settings(args, gpu: bool) -> dict:
+    """TRL's GRPOConfig as ours runs the same step: G answers to each of --prompts questions a step."""
+    return dict(
         output_dir=str(Path(args.result).parent / "trl-out"),
         per_device_train_batch_size=args.generations,
         gradient_accumulation_steps=args.prompts,
@@ -92,10 +90,13 @@ def main() -> None:
         shuffle_dataset=False,
         dataloader_num_workers=0,
     )
-    # Settings a TRL release no longer has (0.29 dropped max_prompt_length: it never cuts prompts).
-    known = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
-    config = trl.GRPOConfig(**{k: v for k, v in settings.items() if k in known})
-    steps: list[float] = []
+
+
+def step_timer(steps: list[float], gpu: bool):
+    """A callback that appends each step's seconds to `steps`, the device synchronized around it."""
+    import torch
+    import transformers
+
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
 
     class StepTimer(transformers.TrainerCallback):
@@ -107,6 +108,23 @@ def main() -> None:
             synchronize()
             steps.append(time.perf_counter() - self.start)
 
+    return StepTimer()
+
+
+def main() -> None:
+    args = parse_args()
+
+    import torch
+    import transformers
+    import trl
+    from peft import LoraConfig
+
+    gpu = torch.cuda.is_available()
+    settings = grpo_settings(args, gpu)
+    # Settings a TRL release no longer has (0.29 dropped max_prompt_length: it never cuts prompts).
+    known = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    config = trl.GRPOConfig(**{k: v for k, v in settings.items() if k in known})
+    steps: list[float] = []
     model = transformers.AutoModelForImageTextToText.from_pretrained(
         args.model, dtype=torch.bfloat16 if gpu else torch.float32
     )
@@ -118,10 +136,10 @@ def main() -> None:
         model=model,
         reward_funcs=answer_length,
         args=config,
-        train_dataset=dataset,
+        train_dataset=dataset_of(args),
         processing_class=processor,
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS),
-        callbacks=[StepTimer()],
+        callbacks=[step_timer(steps, gpu)],
     )
     trainer.train()
     result = {

@@ -386,31 +386,24 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-
-    import torch
-
-    from vlft.data.records import prepare_split
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    work = args.work / args.arch
-    work.mkdir(parents=True, exist_ok=True)
-    tokenizer = qwen_numbered_tokenizer()
-    dpo = args.method == "dpo"
-    pairs_in_split = args.images * args.questions_per_image
-    if dpo:  # --questions-per-image pairs on each of --images images
+def workload(args, work: Path, tokenizer) -> Path:
+    """The benchmark's raw records: --questions-per-image questions (with dpo, pairs) on each of
+    --images images."""
+    if args.method == "dpo":
+        pairs_in_split = args.images * args.questions_per_image
         raw = make_workload(work, 2 * pairs_in_split, tokenizer, 0, 2 * args.questions_per_image, args.short_answers)
         raw.write_text("".join(json.dumps(r) + "\n" for r in paired(read_rows(raw))[0]))
-    else:
-        raw = make_workload(
-            work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
-        )
-    model_dir = work / "model"
-    image_processor = save_checkpoint(args.arch, tokenizer, model_dir)
+        return raw
+    return make_workload(
+        work, args.images * args.questions_per_image, tokenizer, 0, args.questions_per_image, args.short_answers
+    )
+
+
+def run_peers(args, work: Path, model_dir: Path, raw: Path, tokenizer) -> dict:
+    """Each peer's settings in turn, each on its own copy of the records in its own format."""
+    dpo = args.method == "dpo"
     swift_data, lf_data = write_peer_data(read_rows(raw), work / "images", work)
     results = {}
-
     peers = [
         ("ms-swift", "swift", args.swift_site, SWIFT_DPO_SETTINGS if dpo else SWIFT_SETTINGS),
         (
@@ -442,60 +435,78 @@ def main() -> None:
             if args.settings == "best" and "error" not in result:
                 break
 
-    if not args.no_ours:
-        prepare_split(raw, work / "images", work / "prepared.jsonl")
-        from transformers import AutoModelForImageTextToText
+    return results
 
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-        pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
-        del model
-        torch.cuda.empty_cache()
-        ours = [("ours (vision cache)", work / "vision", {})]
-        if not args.no_pixels:
-            ours.append(("ours (from pixels)", work / "pixels", {}))
-        if args.questions_per_image > 1:
-            ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
-        if dpo:  # β and the loss as the peers'; each pair is one step's record
-            ours = [(label, cache, dict(o, method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, o in ours]
-        for label, cache, options in ours:
-            settings = dict(
-                our_settings(args.steps),
-                max_batch_tokens=args.max_batch_tokens,
-                packing=True,
-                lr_schedule="constant",
-                warmup_ratio=0.0,
-                vision_cache=cache.name == "vision",
-                **options,
-            )
-            try:
-                run = run_ours(
-                    model_dir, work / "prepared.jsonl", cache, args.steps, args.warmup, settings, work / label
+
+def run_our_sides(args, work: Path, raw: Path, model_dir: Path, image_processor) -> dict:
+    """Ours from the vision cache, from pixels, with image groups (and with dpo, DPO's loss)."""
+    import torch
+
+    from vlft.data.records import prepare_split
+
+    dpo = args.method == "dpo"
+    pairs_in_split = args.images * args.questions_per_image
+    results = {}
+    prepare_split(raw, work / "images", work / "prepared.jsonl")
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
+    del model
+    torch.cuda.empty_cache()
+    ours = [("ours (vision cache)", work / "vision", {})]
+    if not args.no_pixels:
+        ours.append(("ours (from pixels)", work / "pixels", {}))
+    if args.questions_per_image > 1:
+        ours.append(("ours (vision cache, image groups)", work / "vision", {"image_groups": True}))
+    if dpo:  # β and the loss as the peers'; each pair is one step's record
+        ours = [(label, cache, dict(o, method="dpo", beta=DPO_BETA, rpo_alpha=None)) for label, cache, o in ours]
+    for label, cache, options in ours:
+        settings = dict(
+            our_settings(args.steps),
+            max_batch_tokens=args.max_batch_tokens,
+            packing=True,
+            lr_schedule="constant",
+            warmup_ratio=0.0,
+            vision_cache=cache.name == "vision",
+            **options,
+        )
+        try:
+            run = run_ours(model_dir, work / "prepared.jsonl", cache, args.steps, args.warmup, settings, work / label)
+            seconds = sum(run["step_s"])
+            results[label] = {
+                "samples_per_s": sum(run["samples"]) / seconds,
+                "tokens_per_s": sum(run["tokens"]) / seconds,
+                "tokens_per_sample": sum(run["tokens"]) / sum(run["samples"]),
+                "samples_per_step": sum(run["samples"]) / len(run["samples"]),
+                "peak_gib": run["peak_gib"],
+                "steps_measured": len(run["step_s"]),
+                "losses": run["losses"],
+                "pixel_cache_s": pixel_cache_s,
+                "vision_cache_s": vision_cache_s,
+            }
+            if dpo:  # the reference pass over all pairs, charged per pair
+                pairs, reference_s = sum(run["samples"]) / 2, run["summary"]["reference_s"]
+                results[label].update(
+                    pairs_per_s=pairs / seconds,
+                    reference_s=reference_s,
+                    pairs_per_s_with_reference=pairs / (seconds + reference_s * pairs / pairs_in_split),
                 )
-                seconds = sum(run["step_s"])
-                results[label] = {
-                    "samples_per_s": sum(run["samples"]) / seconds,
-                    "tokens_per_s": sum(run["tokens"]) / seconds,
-                    "tokens_per_sample": sum(run["tokens"]) / sum(run["samples"]),
-                    "samples_per_step": sum(run["samples"]) / len(run["samples"]),
-                    "peak_gib": run["peak_gib"],
-                    "steps_measured": len(run["step_s"]),
-                    "losses": run["losses"],
-                    "pixel_cache_s": pixel_cache_s,
-                    "vision_cache_s": vision_cache_s,
-                }
-                if dpo:  # the reference pass over all pairs, charged per pair
-                    pairs, reference_s = sum(run["samples"]) / 2, run["summary"]["reference_s"]
-                    results[label].update(
-                        pairs_per_s=pairs / seconds,
-                        reference_s=reference_s,
-                        pairs_per_s_with_reference=pairs / (seconds + reference_s * pairs / pairs_in_split),
-                    )
-            except Exception as error:  # a run that fails is reported as such, as a peer's is
-                results[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
-            print(f"{label}: {json.dumps(results[label])[:400]}", flush=True)
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+        except Exception as error:  # a run that fails is reported as such, as a peer's is
+            results[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        print(f"{label}: {json.dumps(results[label])[:400]}", flush=True)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
 
+    return results
+
+
+def report_of(args, results: dict) -> tuple[dict, callable, str, float | None]:
+    """The result file, with each peer's rate against each of ours; how to read a side's rate, and
+    our best one."""
+    import torch
+
+    dpo = args.method == "dpo"
     report = {
         "arch": args.arch,
         "device": torch.cuda.get_device_name(),
@@ -525,13 +536,11 @@ def main() -> None:
         for k, r in results.items()
         if not k.startswith("ours") and "error" not in r
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    kind = "kvasir" if args.questions_per_image > 1 else "benchmark"
-    kind = f"dpo-{kind}" if dpo else kind
-    answers = "short" if args.short_answers else "long"
-    gpu = re.search(r"[A-Z]\d{3}", report["device"])  # H200, H100, A100
-    name = f"peers-{kind}-{answers}-{args.arch}-{gpu.group() if gpu else 'gpu'}-{report['date']}.json"
-    (args.out / name).write_text(json.dumps(report, indent=2))
+    return report, rate_of, rate, best_ours
+
+
+def print_table(args, report: dict, results: dict, rate_of, rate: str, best_ours: float | None) -> None:
+    dpo = args.method == "dpo"
     print(
         f"\n{args.arch} on {report['device']}, {report['answers']} answers, {args.questions_per_image} question(s) an image"
     )
@@ -551,6 +560,31 @@ def main() -> None:
             f" {r.get('padding', 0):7.1%} {r['peak_gib']:8.1f} {loss:9.3f} {ratio:7.2f}"
             + (f"  pairs/s {rate_of(label, r):.2f}" if dpo else "")
         )
+
+
+def main() -> None:
+    import torch
+
+    args = parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    work = args.work / args.arch
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = qwen_numbered_tokenizer()
+    raw = workload(args, work, tokenizer)
+    model_dir = work / "model"
+    image_processor = save_checkpoint(args.arch, tokenizer, model_dir)
+    results = run_peers(args, work, model_dir, raw, tokenizer)
+    if not args.no_ours:
+        results |= run_our_sides(args, work, raw, model_dir, image_processor)
+    report, rate_of, rate, best_ours = report_of(args, results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = "kvasir" if args.questions_per_image > 1 else "benchmark"
+    kind = f"dpo-{kind}" if args.method == "dpo" else kind
+    answers = "short" if args.short_answers else "long"
+    gpu = re.search(r"[A-Z]\d{3}", report["device"])  # H200, H100, A100
+    name = f"peers-{kind}-{answers}-{args.arch}-{gpu.group() if gpu else 'gpu'}-{report['date']}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
+    print_table(args, report, results, rate_of, rate, best_ours)
     print(f"results: {args.out / name}")
 
 

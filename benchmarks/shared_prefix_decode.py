@@ -149,6 +149,90 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def shared_against_unshared(model, args, results: dict) -> None:
+    """At each row count and answer length: the shared step against the unshared one, their logits'
+    agreement (and bf16's own spread: SDPA against flex_attention) and their seconds."""
+    for rows in args.rows:
+        plain = caches(model, rows, args.group, args.prefix, args.answer_room, shared=False)
+        cascade = caches(model, rows, args.group, args.prefix, args.answer_room, shared=True)
+        steps = {False: DecodeStep(model, plain, compile=True), True: DecodeStep(model, cascade, compile=True)}
+        # bfloat16's own spread: the unshared step through transformers' SDPA instead of flex_attention.
+        sdpa = DecodeStep(model, plain, attention="sdpa")
+        tokens = torch.randint(0, 1000, (rows,), device="cuda")
+        for step in [*steps.values(), sdpa]:
+            step.tokens.copy_(tokens)
+        for answered in args.answered:
+            same_contents(plain, cascade, args.group, args.prefix, answered)
+            plain.write_at.fill_(args.prefix + answered)
+            cascade.write_at.fill_(answered)
+            for step in [*steps.values(), sdpa]:
+                step.positions.fill_(args.prefix + answered)
+            # Agreement first (eager, the same tokens written where the steps write them).
+            logits = {shared: step.logits().float() for shared, step in steps.items()}
+            logits["sdpa"] = sdpa.logits().float()
+            error = float((logits[True] - logits[False]).norm() / logits[False].norm())
+            agree = float((logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean())
+            floor = float((logits["sdpa"] - logits[False]).norm() / logits[False].norm())
+            floor_agree = float((logits["sdpa"].argmax(-1) == logits[False].argmax(-1)).float().mean())
+            seconds = {shared: timed(step, rows, step.cache.keys[0].shape[2]) for shared, step in steps.items()}
+            ratio = seconds[False] / seconds[True]
+            print(
+                f"{rows:5d} {answered:8d} {seconds[False] * 1e3:11.2f} {seconds[True] * 1e3:9.2f} {ratio:6.2f}"
+                f" {error:9.2e} {agree:7.1%}   (SDPA against flex, unshared: {floor:.2e}, {floor_agree:.1%})"
+            )
+            results["steps"].append(
+                {
+                    "rows": rows,
+                    "answered": answered,
+                    "unshared_ms": seconds[False] * 1e3,
+                    "shared_ms": seconds[True] * 1e3,
+                    "ratio": ratio,
+                    "logits_relative_error": error,
+                    "argmax_agreement": agree,
+                    "sdpa_relative_error": floor,
+                    "sdpa_argmax_agreement": floor_agree,
+                }
+            )
+        if args.profile:  # where the shared step's time goes, at the last answer length
+            work = Path("/tmp/vlft-cascade")
+            work.mkdir(parents=True, exist_ok=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    steps[True]._run(rows, cascade.keys[0].shape[2])
+                torch.cuda.synchronize()
+            print(f"the shared step, rows {rows}, 5 steps:")
+            print_kernel_time(prof, work)
+        del steps, step, sdpa, plain, cascade, logits
+        gc.collect()  # the steps' graphs and caches sit in reference cycles
+        torch.cuda.empty_cache()
+
+
+def shared_alone(model, args, results: dict) -> None:
+    """Row counts that fit only shared: the shared step's seconds."""
+    for rows in args.shared_rows:  # more rows than fit unshared
+        cascade = caches(model, rows, args.group, args.prefix, args.shared_room, shared=True)
+        step = DecodeStep(model, cascade, compile=True)
+        for answered in (a for a in args.answered if a < args.shared_room):
+            cascade.write_at.fill_(answered)
+            step.positions.fill_(args.prefix + answered)
+            seconds = timed(step, rows, cascade.keys[0].shape[2])
+            print(f"{rows:5d} {answered:8d} {'-':>11} {seconds * 1e3:9.2f}   (shared alone)")
+            results["steps"].append({"rows": rows, "answered": answered, "shared_ms": seconds * 1e3})
+        del step, cascade
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def rows_that_fit(model, args, results: dict) -> None:
+    """For each answer room, the most rows that fit unshared and shared."""
+    for room in args.fit_rooms:
+        fit = {
+            shared: most_rows(model, args.group, args.prefix, room, shared, ceiling=8192) for shared in (False, True)
+        }
+        print(f"answer room {room}: {fit[False]} rows fit unshared, {fit[True]} shared ({fit[True] / fit[False]:.2f}x)")
+        results["fit"].append({"answer_room": room, "unshared_rows": fit[False], "shared_rows": fit[True]})
+
+
 def main():
     args = parse_args()
     model = build_model(args.arch, make_tokenizer(), "cuda").eval()
@@ -161,80 +245,9 @@ def main():
         f"{'rows':>5} {'answered':>8} {'unshared ms':>11} {'shared ms':>9} {'ratio':>6} {'logit err':>9} {'argmax':>7}"
     )
     with torch.no_grad():
-        for rows in args.rows:
-            plain = caches(model, rows, args.group, args.prefix, args.answer_room, shared=False)
-            cascade = caches(model, rows, args.group, args.prefix, args.answer_room, shared=True)
-            steps = {False: DecodeStep(model, plain, compile=True), True: DecodeStep(model, cascade, compile=True)}
-            # bfloat16's own spread: the unshared step through transformers' SDPA instead of flex_attention.
-            sdpa = DecodeStep(model, plain, attention="sdpa")
-            tokens = torch.randint(0, 1000, (rows,), device="cuda")
-            for step in [*steps.values(), sdpa]:
-                step.tokens.copy_(tokens)
-            for answered in args.answered:
-                same_contents(plain, cascade, args.group, args.prefix, answered)
-                plain.write_at.fill_(args.prefix + answered)
-                cascade.write_at.fill_(answered)
-                for step in [*steps.values(), sdpa]:
-                    step.positions.fill_(args.prefix + answered)
-                # Agreement first (eager, the same tokens written where the steps write them).
-                logits = {shared: step.logits().float() for shared, step in steps.items()}
-                logits["sdpa"] = sdpa.logits().float()
-                error = float((logits[True] - logits[False]).norm() / logits[False].norm())
-                agree = float((logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean())
-                floor = float((logits["sdpa"] - logits[False]).norm() / logits[False].norm())
-                floor_agree = float((logits["sdpa"].argmax(-1) == logits[False].argmax(-1)).float().mean())
-                seconds = {shared: timed(step, rows, step.cache.keys[0].shape[2]) for shared, step in steps.items()}
-                ratio = seconds[False] / seconds[True]
-                print(
-                    f"{rows:5d} {answered:8d} {seconds[False] * 1e3:11.2f} {seconds[True] * 1e3:9.2f} {ratio:6.2f}"
-                    f" {error:9.2e} {agree:7.1%}   (SDPA against flex, unshared: {floor:.2e}, {floor_agree:.1%})"
-                )
-                results["steps"].append(
-                    {
-                        "rows": rows,
-                        "answered": answered,
-                        "unshared_ms": seconds[False] * 1e3,
-                        "shared_ms": seconds[True] * 1e3,
-                        "ratio": ratio,
-                        "logits_relative_error": error,
-                        "argmax_agreement": agree,
-                        "sdpa_relative_error": floor,
-                        "sdpa_argmax_agreement": floor_agree,
-                    }
-                )
-            if args.profile:  # where the shared step's time goes, at the last answer length
-                work = Path("/tmp/vlft-cascade")
-                work.mkdir(parents=True, exist_ok=True)
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        steps[True]._run(rows, cascade.keys[0].shape[2])
-                    torch.cuda.synchronize()
-                print(f"the shared step, rows {rows}, 5 steps:")
-                print_kernel_time(prof, work)
-            del steps, step, sdpa, plain, cascade, logits
-            gc.collect()  # the steps' graphs and caches sit in reference cycles
-            torch.cuda.empty_cache()
-        for rows in args.shared_rows:  # more rows than fit unshared
-            cascade = caches(model, rows, args.group, args.prefix, args.shared_room, shared=True)
-            step = DecodeStep(model, cascade, compile=True)
-            for answered in (a for a in args.answered if a < args.shared_room):
-                cascade.write_at.fill_(answered)
-                step.positions.fill_(args.prefix + answered)
-                seconds = timed(step, rows, cascade.keys[0].shape[2])
-                print(f"{rows:5d} {answered:8d} {'-':>11} {seconds * 1e3:9.2f}   (shared alone)")
-                results["steps"].append({"rows": rows, "answered": answered, "shared_ms": seconds * 1e3})
-            del step, cascade
-            gc.collect()
-            torch.cuda.empty_cache()
-        for room in args.fit_rooms:
-            fit = {
-                shared: most_rows(model, args.group, args.prefix, room, shared, ceiling=8192)
-                for shared in (False, True)
-            }
-            print(
-                f"answer room {room}: {fit[False]} rows fit unshared, {fit[True]} shared ({fit[True] / fit[False]:.2f}x)"
-            )
-            results["fit"].append({"answer_room": room, "unshared_rows": fit[False], "shared_rows": fit[True]})
+        shared_against_unshared(model, args, results)
+        shared_alone(model, args, results)
+        rows_that_fit(model, args, results)
     print(f"device: {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

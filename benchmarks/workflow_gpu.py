@@ -402,12 +402,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main():
-    args = parse_args()
-
-    work = args.work / args.arch
-    workdir = work / "workflow"
-    started = time.time()
+def build_study(args, work: Path, workdir: Path) -> tuple[Path, dict]:
+    """The study's config (its data and model made) and the copy of the workflow it runs in, or, with
+    --resume, those a stopped run left; the environment its jobs need beside."""
     extra_env = {}
     if args.resume:
         # The study a run stopped by its time limit left, carried on where it stopped: the machine
@@ -424,35 +421,29 @@ def main():
         config = make_study(work, args.arch, args.train, args.val, args.max_new_tokens, args.eval_every)
     if not args.resume and args.study != "kvasir-smoke":
         copy_workflow(workdir)
-    build_s = time.time() - started
-    results = workdir / ("results/kvasir-smoke" if args.study == "kvasir-smoke" else "results")
+    return config, extra_env
 
-    command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
-    command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
-    command += ["--rerun-incomplete"] if args.resume else []
-    # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
-    env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
-    env |= extra_env
-    # The plan's own dry run first: what it predicts each job and the whole study will take (made by the
-    # --build-only call where the study was built by one).
+
+def predicted_plan_of(args, work: Path, workdir: Path, command: list[str], env: dict) -> str:
+    """The plan's own dry run first: what it predicts each job and the whole study will take (made by
+    the --build-only call where the study was built by one)."""
     dry_run_file = work / "dry-run.txt"
     if args.resume and dry_run_file.exists():
-        predicted_plan = dry_run_file.read_text()
-    else:
-        dry_run = subprocess.run(
-            command + ["-n"], cwd=workdir, env=env | {"VLFT_WARM_START": "0"}, capture_output=True, text=True
-        )
-        predicted_plan = (
-            dry_run.stderr[dry_run.stderr.find("Predicted time of the jobs") :]
-            if "Predicted time" in dry_run.stderr
-            else dry_run.stderr[-3000:]
-        )
-        dry_run_file.write_text(predicted_plan)
-    if args.build_only:
-        print(predicted_plan)
-        print(f"data, model and the workflow's copy built in {build_s:.0f} s under {work}: run again with --resume")
-        return
+        return dry_run_file.read_text()
+    dry_run = subprocess.run(
+        command + ["-n"], cwd=workdir, env=env | {"VLFT_WARM_START": "0"}, capture_output=True, text=True
+    )
+    predicted_plan = (
+        dry_run.stderr[dry_run.stderr.find("Predicted time of the jobs") :]
+        if "Predicted time" in dry_run.stderr
+        else dry_run.stderr[-3000:]
+    )
+    dry_run_file.write_text(predicted_plan)
+    return predicted_plan
+
+
+def run_study(args, work: Path, workdir: Path, command: list[str], env: dict):
+    """Snakemake over the study, GPUs sampled where several: its log, exit, seconds and GPU samples."""
     started = time.time()
     snakemake_log = args.out / f"workflow_gpu-{args.study}-{args.arch}.log"
     busy_samples = work / "gpu-samples.csv"
@@ -472,16 +463,11 @@ def main():
     if sampler:
         sampler.terminate()
 
-    times = rule_times(results)
-    timeline = snakemake_timeline(snakemake_log)
-    warm_jobs = sum(
-        "run by a warm process" in log.read_text(errors="replace")[:4000]
-        for log in (results / "logs").rglob("*.log")
-        if not log.name.endswith(".attempts.log")  # a training job's log again, across its attempts
-    )
-    by_rule: dict[str, list[float]] = {}
-    for row in times:
-        by_rule.setdefault(row["rule"], []).append(row["wall_s"])
+    return snakemake_log, returncode, run_s, busy_samples if sampler else None
+
+
+def stage_and_evaluation_results(results: Path) -> tuple[dict, dict]:
+    """Each trained stage's summary and each evaluation's metrics, as the study wrote them."""
     summaries = {}
     for path in sorted((results / "train").rglob("summary.json")):
         summary = json.loads(path.read_text())
@@ -509,35 +495,10 @@ def main():
         evaluations[str(path.parent.relative_to(results / "eval"))] = {
             k: metrics.get(k) for k in ("n", "wall_time_s", "samples_per_s")
         }
-    jobs_csv = results / "report/jobs.csv"
-    result = {
-        "arch": args.arch,
-        "study": args.study,
-        "scale": (
-            {"kvasir_images": args.kvasir_images} if args.study == "kvasir" else {"train": args.train, "val": args.val}
-        ),
-        "command": " ".join(command[1:]),
-        "gpu_busy": gpu_busy(busy_samples) if sampler else None,
-        "build_data_and_model_s": round(build_s, 1),
-        "snakemake_s": round(run_s, 1),
-        "snakemake_exit": returncode,
-        "warm_start": args.warm_start,
-        "jobs_run_by_a_warm_process": warm_jobs,
-        "jobs": times,
-        "snakemake_timeline": timeline,
-        "train": summaries,
-        "evaluate": evaluations,
-        "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
-        "dry_run_before": predicted_plan,
-        "predicted_against_measured": predicted_against_measured(results, predicted_plan, args.gpus),
-    }
-    forecast = result["predicted_against_measured"]
-    predicted_wall = PREDICTED_WALL.search(predicted_plan)
-    result["predicted_wall_s"] = seconds_of(predicted_wall.group(1)) if predicted_wall else None
-    all_jobs = sum(1 for log in (results / "logs").rglob("*.log") if not log.name.endswith(".attempts.log"))
-    result["warm_share"] = round(warm_jobs / all_jobs, 3) if all_jobs else 0.0
-    result["promises"] = promises(result, forecast, returncode, args)
-    (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
+    return summaries, evaluations
+
+
+def keep_logs(args, results: Path) -> None:
     # The jobs' own logs and per-step training logs beside it, for where each job's time went.
     logs = args.out / f"workflow_gpu-{args.study}-{args.arch}-logs"
     subprocess.run(["cp", "-r", str(results / "logs"), str(logs)], check=False)
@@ -545,6 +506,17 @@ def main():
         target = logs / "train-steps" / path.parent.relative_to(results / "train")
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", str(path), str(target)], check=False)
+
+
+def print_summary(
+    result: dict, by_rule: dict, summaries: dict, evaluations: dict, build_s: float, run_s: float, args
+) -> None:
+    returncode, warm_jobs, timeline = (
+        result["snakemake_exit"],
+        result["jobs_run_by_a_warm_process"],
+        result["snakemake_timeline"],
+    )
+    predicted_plan = result["dry_run_before"]
     print(f"data and model built in {build_s:.0f} s; snakemake: exit {returncode} after {run_s:.0f} s")
     print(f"warm start {args.warm_start}: {warm_jobs} jobs run by a warm process")
     print(
@@ -568,10 +540,6 @@ def main():
         f"{forecast['worst_ratio']}x; whole study predicted {result['predicted_wall_s']} s, Snakemake took {run_s:.0f} s; "
         f"largest fixed cost after the GPU's first job {forecast['largest_fixed_s_after_the_gpus_first_job']} s"
     )
-    broken = [name for name, held in result["promises"].items() if not held]
-    if broken:
-        print(f"promises that no longer hold: {', '.join(broken)}")
-        sys.exit(1)
     accuracy = result["predicted_against_measured"]
     for job in accuracy["jobs"]:
         first = " (first of its kind or shape: the one-time costs)" if job["first_of_its_kind"] else ""
@@ -583,6 +551,84 @@ def main():
     )
     if result["gpu_busy"]:
         print(f"GPU busy (share of seconds with a job; mean utilization): {result['gpu_busy']}")
+
+
+def measured(args, results: Path, command, snakemake_log, busy_samples, build_s, run_s, returncode, predicted_plan):
+    """What the run did: each job's time, the timeline, warm jobs, the stages' and evaluations'
+    figures, the forecast against it, and which promises hold."""
+    times = rule_times(results)
+    timeline = snakemake_timeline(snakemake_log)
+    warm_jobs = sum(
+        "run by a warm process" in log.read_text(errors="replace")[:4000]
+        for log in (results / "logs").rglob("*.log")
+        if not log.name.endswith(".attempts.log")  # a training job's log again, across its attempts
+    )
+    by_rule: dict[str, list[float]] = {}
+    for row in times:
+        by_rule.setdefault(row["rule"], []).append(row["wall_s"])
+    summaries, evaluations = stage_and_evaluation_results(results)
+    jobs_csv = results / "report/jobs.csv"
+    result = {
+        "arch": args.arch,
+        "study": args.study,
+        "scale": (
+            {"kvasir_images": args.kvasir_images} if args.study == "kvasir" else {"train": args.train, "val": args.val}
+        ),
+        "command": " ".join(command[1:]),
+        "gpu_busy": gpu_busy(busy_samples) if busy_samples else None,
+        "build_data_and_model_s": round(build_s, 1),
+        "snakemake_s": round(run_s, 1),
+        "snakemake_exit": returncode,
+        "warm_start": args.warm_start,
+        "jobs_run_by_a_warm_process": warm_jobs,
+        "jobs": times,
+        "snakemake_timeline": timeline,
+        "train": summaries,
+        "evaluate": evaluations,
+        "report_jobs": list(csv.DictReader(jobs_csv.open())) if jobs_csv.exists() else None,
+        "dry_run_before": predicted_plan,
+        "predicted_against_measured": predicted_against_measured(results, predicted_plan, args.gpus),
+    }
+    forecast = result["predicted_against_measured"]
+    predicted_wall = PREDICTED_WALL.search(predicted_plan)
+    result["predicted_wall_s"] = seconds_of(predicted_wall.group(1)) if predicted_wall else None
+    all_jobs = sum(1 for log in (results / "logs").rglob("*.log") if not log.name.endswith(".attempts.log"))
+    result["warm_share"] = round(warm_jobs / all_jobs, 3) if all_jobs else 0.0
+    result["promises"] = promises(result, forecast, returncode, args)
+    return result, by_rule, summaries, evaluations
+
+
+def main():
+    args = parse_args()
+    work = args.work / args.arch
+    workdir = work / "workflow"
+    started = time.time()
+    config, extra_env = build_study(args, work, workdir)
+    build_s = time.time() - started
+    results = workdir / ("results/kvasir-smoke" if args.study == "kvasir-smoke" else "results")
+    command = [sys.executable, "-m", "snakemake", "all", "--configfile", str(config)]
+    command += ["--cores", str(args.cores), "--resources", f"gpu={args.gpus}"]
+    command += ["--rerun-incomplete"] if args.resume else []
+    # The jobs' scripts import vlft from this copy, whether or not the project is installed here.
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
+    env["VLFT_WARM_START"] = "1" if args.warm_start == "on" else "0"
+    env |= extra_env
+    predicted_plan = predicted_plan_of(args, work, workdir, command, env)
+    if args.build_only:
+        print(predicted_plan)
+        print(f"data, model and the workflow's copy built in {build_s:.0f} s under {work}: run again with --resume")
+        return
+    snakemake_log, returncode, run_s, busy_samples = run_study(args, work, workdir, command, env)
+    result, by_rule, summaries, evaluations = measured(
+        args, results, command, snakemake_log, busy_samples, build_s, run_s, returncode, predicted_plan
+    )
+    (args.out / f"workflow_gpu-{args.study}-{args.arch}.json").write_text(json.dumps(result, indent=1))
+    keep_logs(args, results)
+    print_summary(result, by_rule, summaries, evaluations, build_s, run_s, args)
+    broken = [name for name, held in result["promises"].items() if not held]
+    if broken:
+        print(f"promises that no longer hold: {', '.join(broken)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,23 @@ def test_measured_figures_live_in_the_benchmarks_log_not_in_code_comments():
         "1.1 ms of the 8B's 11.7 ms step.",
     ]
     assert measured_figures("# 9 questions an image, 8 answers each\n") == []
+
+
+# A benchmark's main reads as its steps: the work is in functions named for it.
+LONGEST_MAIN = 60
+
+
+def test_benchmarks_import_the_installed_package_and_their_mains_are_short():
+    import ast
+
+    edits, long_mains = [], []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        source = path.read_text()
+        if "sys.path" in source:
+            edits.append(path.name)
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                if node.end_lineno - node.lineno + 1 > LONGEST_MAIN:
+                    long_mains.append(f"{path.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not edits, f"benchmarks that edit sys.path: {edits}"
+    assert not long_mains, long_mains
