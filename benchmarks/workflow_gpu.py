@@ -540,14 +540,13 @@ def print_summary(
         f"{forecast['worst_ratio']}x; whole study predicted {result['predicted_wall_s']} s, Snakemake took {run_s:.0f} s; "
         f"largest fixed cost after the GPU's first job {forecast['largest_fixed_s_after_the_gpus_first_job']} s"
     )
-    accuracy = result["predicted_against_measured"]
-    for job in accuracy["jobs"]:
+    for job in forecast["jobs"]:
         first = " (first of its kind or shape: the one-time costs)" if job["first_of_its_kind"] else ""
         print(
             f"{job['job']}: predicted {job['predicted_s']} s, took {job['measured_s']} s, refined {job.get('refined_s')}{first}"
         )
     print(
-        f"median error {accuracy['median_error']}, refined {accuracy['median_error_refined']}, worst ratio {accuracy['worst_ratio']}"
+        f"median error {forecast['median_error']}, refined {forecast['median_error_refined']}, worst ratio {forecast['worst_ratio']}"
     )
     if result["gpu_busy"]:
         print(f"GPU busy (share of seconds with a job; mean utilization): {result['gpu_busy']}")
