@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from vlft.errors import InputError
+from vlft.families import family_problem
 
 # Each need, and the files of which any one meets it (transformers' own names and fallbacks).
 NEEDS = {
@@ -107,6 +108,17 @@ def hub_files_dir(hub_id: str, revision: str | None, names: tuple[str, ...]) -> 
         return None
 
 
+def model_config_file(model: dict) -> Path | None:
+    """The checkpoint's config.json: in `model.path`, or, for a Hub id not fetched yet, fetched alone
+    (a few KB, as the plan fetches the image processor's settings); None where neither can be had."""
+    local = Path(model["path"]) / "config.json"
+    if local.is_file():
+        return local
+    if "hub_id" in model and (fetched := hub_files_dir(model["hub_id"], model.get("revision"), ("config.json",))):
+        return fetched / "config.json"
+    return None
+
+
 def fetch_model(hub_id: str, revision: str | None, link: str | Path) -> Path:
     """The model `hub_id` at `revision` (its main branch where None) from the Hugging Face Hub, into
     Hugging Face's own cache (HF_HOME: shared with every other tool, downloaded once however many
@@ -118,6 +130,8 @@ def fetch_model(hub_id: str, revision: str | None, link: str | Path) -> Path:
     snapshot = Path(snapshot_download(hub_id, revision=revision))
     if problem := model_dir_problem(snapshot):
         raise InputError(snapshot, f"{hub_id} {problem}")
+    if problem := family_problem(snapshot / "config.json"):
+        raise InputError(snapshot / "config.json", problem)
     link = Path(link)
     link.parent.mkdir(parents=True, exist_ok=True)
     partial = link.with_name(f".{link.name}.partial")

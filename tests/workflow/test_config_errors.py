@@ -275,6 +275,35 @@ def test_a_model_directory_copied_in_part_is_one_sentence_before_any_job(
     assert result.returncode == 1 and result.stderr == f"error: {partial}: {problem}\n"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "llava"])
+def test_a_checkpoint_of_a_family_not_trained_here_is_one_sentence_before_any_job(workdir, tmp_path, family):
+    """A tiny Qwen3.5 (transformers' own classes) trained without a word, its packed samples mixed
+    by its DeltaNet layers, and then every evaluation died in the decode cache. Now the plan refuses
+    it, and a family it does not know at all, naming the file, the model_type and what it trains."""
+    from vlft.demo.tiny_model import make_tiny_model
+
+    model = tmp_path / "model"
+    make_tiny_model(model, family="qwen3_5")
+    if family == "llava":
+        settings = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(settings | {"model_type": "llava"}))
+
+    def use_model(config):
+        config.clear()
+        config["model"] = {"path": str(model)}
+        config["datasets"] = {"mine": {"image_root": "my/images", "splits": {"train": "my/train.jsonl"}}}
+        config["experiments"] = {"only": {"stages": [{"name": "main", "eval_splits": ["train"]}]}}
+
+    trained = "Qwen3-VL (qwen3_vl), Qwen3-VL (MoE) (qwen3_vl_moe), Qwen2.5-VL (qwen2_5_vl), Qwen2-VL (qwen2_vl)"
+    said = {
+        "qwen3_5": "names model_type 'qwen3_5' (Qwen3.5 / Qwen3.6), which this version does not train yet: its "
+        "Gated DeltaNet layers would carry one packed sample's convolution window and recurrent state into the "
+        "next, and evaluation has no decode cache for them yet",
+        "llava": "names model_type 'llava', a family this version does not know",
+    }[family]
+    assert config_error(workdir, use_model) == f"model: {model / 'config.json'} {said}; the families it trains are {trained}"
+
+
 def test_a_sharded_checkpoint_missing_a_shard_is_one_sentence(tiny_model_dir, tmp_path):
     from vlft.model_files import model_dir_problem
 

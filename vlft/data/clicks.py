@@ -17,15 +17,11 @@ from dataclasses import dataclass
 
 from vlft.data.answers import AnswerFormat, final_answer
 from vlft.errors import ConfigError, InputError
+from vlft.families import FAMILIES
 
 RELATIVE_GRID = 1000
 # The coordinates each family was pretrained to give (by the `model_type` of its config).
-COORDINATES_OF_FAMILY = {
-    "qwen3_vl": "relative",
-    "qwen3_vl_moe": "relative",
-    "qwen2_vl": "relative",
-    "qwen2_5_vl": "absolute",
-}
+COORDINATES_OF_FAMILY = {model_type: family.coordinates for model_type, family in FAMILIES.items()}
 # A number on its own: not part of a word such as "point_2d" or "bbox_2d".
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w])")
 

@@ -17,6 +17,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen3VLConfig,
 )
+from transformers.models.qwen3_5 import Qwen3_5Config
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlft.demo import screens, shapes
@@ -61,8 +62,12 @@ def make_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
 
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2_vl")
-# Vision patch size of each family (Qwen3-VL 16 pixels, the earlier ones 14).
-PATCH_SIZE = {"qwen3_vl": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
+# Families whose text model mixes linear-attention (Gated DeltaNet) layers with full attention: built
+# here (three DeltaNet layers, then one of attention, as the released models repeat them) for the
+# tests of what their layers need; not trained yet (vlft.families).
+HYBRID_FAMILIES = ("qwen3_5",)
+# Vision patch size of each family (Qwen3-VL and Qwen3.5 16 pixels, the earlier ones 14).
+PATCH_SIZE = {"qwen3_vl": 16, "qwen3_5": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
 
 
 def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_vl"):
@@ -79,7 +84,7 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         "num_key_value_heads": max(1, hidden_size // head_dim // 2),
         "head_dim": head_dim,
         "max_position_embeddings": 4096,
-        "rope_parameters": dict(rope, mrope_interleaved=True) if family == "qwen3_vl" else rope,
+        "rope_parameters": dict(rope, mrope_interleaved=True) if family in ("qwen3_vl", "qwen3_5") else rope,
         "bos_token_id": token("<|endoftext|>"),
         "pad_token_id": token("<|endoftext|>"),
         "eos_token_id": token("<|im_end|>"),
@@ -101,6 +106,25 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
             "num_position_embeddings": 256,
             "deepstack_visual_indexes": [1],
         }
+    elif family == "qwen3_5":
+        config_class = Qwen3_5Config
+        text |= {
+            "num_hidden_layers": 4 * max(1, layers // 2),  # each four: DeltaNet x3, then attention
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+        }
+        # The released models rotate a quarter of each head's dimensions: M-RoPE splits those 8 in 2, 1, 1.
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[2, 1, 1], partial_rotary_factor=0.25)
+        vision = {
+            **vision_common,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "out_hidden_size": hidden_size,
+            "num_position_embeddings": 256,
+        }
     elif family == "qwen2_5_vl":
         config_class = Qwen2_5_VLConfig
         vision = {
@@ -115,7 +139,7 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         config_class = Qwen2VLConfig
         vision = {**vision_common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}
     else:
-        raise ValueError(f"unknown model family {family!r}; one of {FAMILIES}")
+        raise ValueError(f"unknown model family {family!r}; one of {FAMILIES + HYBRID_FAMILIES}")
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -139,7 +163,7 @@ def make_tiny_model(
         model.lm_head.weight.mul_(10.0)
         # Likewise a random vision tower's learned position embeddings (0.02 scale) are some 25x
         # smaller than its patch embeddings of the pixels: where a thing is would be all but lost.
-        if family == "qwen3_vl":
+        if family in ("qwen3_vl", "qwen3_5"):
             model.model.visual.pos_embed.weight.mul_(25.0)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id

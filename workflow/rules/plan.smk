@@ -12,7 +12,8 @@ from vlft.config import check_config_files, resolve_config, results_directory
 from vlft.digests import DigestMemo, model_changes, model_digests
 from vlft.empty_outputs import TO_REMAKE, remove_empty_outputs, still_to_remake
 from vlft.errors import ConfigError
-from vlft.model_files import model_dir_problem
+from vlft.families import family_problem
+from vlft.model_files import model_config_file, model_dir_problem
 from vlft.plan import build_plan
 from vlft.study_costs import StudyCosts, capacity_of
 from vlft.trained_once import shared_lines, trained_once
@@ -31,6 +32,9 @@ try:
     model_path = Path(config["model"]["path"])
     if "model" not in config.get("demo", {}) and model_path.exists() and (problem := model_dir_problem(model_path)):
         raise ConfigError(f"model.path: {model_path} {problem}")
+    # A family whose layers our packed rows or decode cache would compute wrong trains nothing (vlft.families).
+    if (model_config := model_config_file(config["model"])) and (problem := family_problem(model_config)):
+        raise ConfigError(f"model: {model_config} {problem}")
     if missing := missing_packages(config["report_to"]):
         raise ConfigError(
             f"report_to: {', '.join(missing)} is not installed here (pip install -e '.[trackers]', or pip install "
