@@ -301,7 +301,10 @@ def test_a_checkpoint_of_a_family_not_trained_here_is_one_sentence_before_any_jo
         "next, and evaluation has no decode cache for them yet",
         "llava": "names model_type 'llava', a family this version does not know",
     }[family]
-    assert config_error(workdir, use_model) == f"model: {model / 'config.json'} {said}; the families it trains are {trained}"
+    assert (
+        config_error(workdir, use_model)
+        == f"model: {model / 'config.json'} {said}; the families it trains are {trained}"
+    )
 
 
 def test_a_sharded_checkpoint_missing_a_shard_is_one_sentence(tiny_model_dir, tmp_path):

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 
 from vlft.forward.batching import collate, pinned
 from vlft.forward.image_groups import ImageGroup, RowLayout, group_rows
+from vlft.forward.linear_attention import respect_segments
 from vlft.forward.prefix_attention import Parts, prefix_then_own
 from vlft.modeling import language_model, unwrapped
 from vlft.data.prompts import PromptBuilder, Sample
@@ -289,7 +290,10 @@ AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 def use_packed_attention(model) -> None:
     """The language model's attention layers take packed rows, and only those. For an attention
     implementation of this name transformers builds no attention mask, which a packed row must
-    not get; the vision tower keeps its own attention."""
+    not get; the vision tower keeps its own attention. A hybrid model's linear-attention layers
+    take the row's samples apart too (vlft.forward.linear_attention)."""
+    if "linear_attention" in (getattr(language_model(unwrapped(model)).config, "layer_types", None) or ()):
+        respect_segments()
     unwrapped(model).set_attn_implementation({"text_config": PACKED_ATTENTION})
 
 
