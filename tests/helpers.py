@@ -201,3 +201,37 @@ class StopAfter:
     def reason(self):
         self.calls += 1
         return "SIGTERM received" if self.calls == self.n else None
+
+
+def delta_rule_in_input_dtype(
+    query, key, value, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs
+):
+    """The gated delta rule token by token, as transformers' `torch_recurrent_gated_delta_rule` does
+    it, in the inputs' own dtype: transformers' torch functions compute in float32 whatever they are
+    given, so a float64 test of a hybrid model puts this in their place (and
+    tests/forward/test_hybrid_layers.py checks it against theirs) to keep its arithmetic float64
+    throughout."""
+    import torch
+
+    dtype = query.dtype
+    heads = value.shape[2]
+    if query.shape[2] != heads:  # each query/key head serves consecutive value heads
+        query, key = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (query, key))
+    query, key, value, beta, g = (t.transpose(1, 2).to(dtype) for t in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query, key = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (query, key))
+    query = query / query.shape[-1] ** 0.5
+    batch, _, length, k_dim = key.shape
+    state = (
+        torch.zeros(batch, heads, k_dim, value.shape[-1], dtype=dtype)
+        if initial_state is None
+        else initial_state.to(dtype)
+    )
+    out = []
+    for t in range(length):
+        state = state * g[:, :, t].exp()[..., None, None]
+        remembered = (state * key[:, :, t, :, None]).sum(-2)
+        delta = (value[:, :, t] - remembered) * beta[:, :, t, None]
+        state = state + key[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * query[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, dim=2).transpose(1, 2), state if output_final_state else None

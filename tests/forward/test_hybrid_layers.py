@@ -19,10 +19,17 @@ from vlft.forward.batching import collate, to_device
 from vlft.forward.loss import answer_loss_sum
 from vlft.forward.packing import pack, use_packed_attention
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
-from tests.helpers import FLOAT64_RTOL, assert_close_normwise, tiny_family_data
+from tests.helpers import FLOAT64_RTOL, assert_close_normwise, delta_rule_in_input_dtype, tiny_family_data
 
 FLOAT64 = torch.float64
 CPU = torch.device("cpu")
+# transformers' Gated DeltaNet computes its decay and its gated norm in float32 whatever the model's
+# dtype. A row with an image's prefix once rounds the prefix's gradient there summed over its
+# questions; each question alone rounds its own part before the weights' gradients sum them. Each
+# rounding is within float32's unit, so the two differ by at most that unit times the questions on
+# one prefix (3 here), normwise; a question that misses its prefix's state differs at 1e-3 and more.
+QUESTIONS_ON_A_PREFIX = 3
+GROUPED_RTOL = QUESTIONS_ON_A_PREFIX * torch.finfo(torch.float32).eps
 # The attention and MLP projections, and the DeltaNet layers' own (queries-keys-values, gate, output).
 LORA = {
     "lora_r": 8,
@@ -34,12 +41,17 @@ LORA = {
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """A tiny Qwen3.5 (three DeltaNet layers, then attention) with LoRA in float64, and 5 samples of
-    varied answer lengths with their images."""
+def hybrid_dir(tmp_path_factory):
+    """A tiny Qwen3.5 (three DeltaNet layers, then attention) and 5 records, prepared and cached."""
     root = tmp_path_factory.mktemp("qwen3_5")
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 5}, seed=1)
-    tiny_family_data(root, "qwen3_5", root / "train.jsonl")
+    return tiny_family_data(root, "qwen3_5", root / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_dir):
+    """The tiny Qwen3.5 with LoRA in float64, and 5 samples of varied answer lengths with their images."""
+    root = hybrid_dir
     torch.manual_seed(0)
     model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
     for name, param in model.named_parameters():
@@ -133,13 +145,14 @@ def test_the_segments_convolution_is_each_segments_own(lengths):
     torch.testing.assert_close(got, torch.cat(pieces, dim=-1), rtol=FLOAT64_RTOL, atol=0)
 
 
-def test_a_shared_prefix_on_deltanet_layers_is_refused_not_computed_wrong(hybrid):
-    """An image group's row hands each question no prefix state yet: said, not trained wrong."""
+def test_kept_prompts_on_deltanet_layers_are_refused_not_computed_wrong(hybrid):
+    """A reward stage's answers after kept prompts would need each prompt's state, which is not
+    handed on yet: said, not trained wrong."""
     model, samples, images, builder, _ = hybrid
     use_packed_attention(copy.deepcopy(model))
     modeling = importlib.import_module(linear_attention.HYBRID_MODELING[0])
     tokens = torch.zeros(1, 4, 2, 16, dtype=FLOAT64)
-    with pytest.raises(NotImplementedError, match="image groups and kept prompts do not yet run"):
+    with pytest.raises(NotImplementedError, match="kept prompts do not yet run"):
         getattr(modeling, linear_attention.DELTA_RULE)(
             tokens,
             tokens,
@@ -147,5 +160,150 @@ def test_a_shared_prefix_on_deltanet_layers_is_refused_not_computed_wrong(hybrid
             tokens[..., 0],
             tokens[..., 0],
             packed_cu_seqlens=torch.tensor([0, 4]),
-            packed_prefix_index=torch.tensor([0]),
+            packed_own_prompt_index=torch.tensor([0]),
         )
+
+
+@pytest.fixture
+def float64_delta_rule(monkeypatch):
+    """transformers' delta rule computes in float32 whatever it is given: in its place, for packed
+    rows and samples alone alike, the same rule in the inputs' dtype."""
+    linear_attention.respect_segments()
+    modeling = importlib.import_module(linear_attention.HYBRID_MODELING[0])
+    monkeypatch.setattr(getattr(modeling, linear_attention.DELTA_RULE), "vlft_plain", delta_rule_in_input_dtype)
+
+
+def test_the_float64_delta_rule_is_transformers_rule_in_float64():
+    """What the tests below put in place of transformers' function computes what it computes, to
+    float32's rounding (theirs): each output sums at most `length` tokens' contributions through a
+    state of `k_dim` rows, so their difference stays within length * k_dim * float32's unit."""
+    modeling = importlib.import_module(linear_attention.HYBRID_MODELING[0])
+    theirs = getattr(modeling, linear_attention.DELTA_RULE)
+    theirs = getattr(theirs, "vlft_plain", theirs)
+    torch.manual_seed(3)
+    length, k_heads, v_heads, k_dim, v_dim = 150, 2, 4, 16, 8  # past one 64-token chunk, grouped heads
+    query, key = (torch.randn(1, length, k_heads, k_dim, dtype=FLOAT64) for _ in range(2))
+    value = torch.randn(1, length, v_heads, v_dim, dtype=FLOAT64)
+    g = -torch.rand(1, length, v_heads, dtype=FLOAT64)
+    beta = torch.rand(1, length, v_heads, dtype=FLOAT64)
+    state = torch.randn(1, v_heads, k_dim, v_dim, dtype=FLOAT64)
+    options = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = theirs(query, key, value, g, beta, **options)
+    got_out, got_state = delta_rule_in_input_dtype(query, key, value, g, beta, **options)
+    bound = length * k_dim * torch.finfo(torch.float32).eps
+    assert_close_normwise(got_out, want_out, bound, "output")
+    assert_close_normwise(got_state, want_state, bound, "final state")
+    # Far below what a state carried wrong does: the same rule from no state.
+    wrong, _ = delta_rule_in_input_dtype(query, key, value, g, beta, output_final_state=True)
+    assert ((wrong - want_out).norm() / want_out.norm()).item() > 100 * bound
+
+
+@pytest.fixture(scope="module")
+def grouped(hybrid, hybrid_dir):
+    """Questions sharing images: three on the first image, two on the second, one alone on the third."""
+    _, samples, images, builder, _ = hybrid
+    records = {r["id"]: r for r in read_jsonl(hybrid_dir / "prepared.jsonl")}
+    asked = [("How many shapes are there?", "Two."), ("What colour is the largest?", "Red, because" + " it" * 5)]
+    grouped_samples, grouped_images, groups = [], dict(images), []
+    for first, extra in ((samples[0], asked), (samples[1], asked[:1]), (samples[2], [])):
+        group = [first]
+        cache, image = images[first.record_id]
+        for n, (question, answer) in enumerate(extra):
+            key = f"{first.record_id}-asked-{n}"
+            grouped_images[key] = (cache, image)
+            record = dict(records[first.record_id], question=question)
+            group.append(builder.sample(key, record, answer, cache.num_image_tokens(image), 1024))
+        groups.append(group)
+        grouped_samples += group
+    return groups, grouped_samples, grouped_images
+
+
+@pytest.mark.parametrize("prefix_once", [True, False], ids=["prefix once", "prefix gathered"])
+def test_an_image_groups_row_on_deltanet_layers_gives_each_question_its_loss_and_gradients_alone(
+    hybrid, grouped, float64_delta_rule, prefix_once
+):
+    """Each question after its image's prefix starts the DeltaNet layers from the prefix's
+    recurrent state and convolution window; the gradient through that state sums over the
+    questions. In float64 (but for transformers' own float32 parts: GROUPED_RTOL), against each
+    question run alone through the model's own path."""
+    from vlft.forward.image_groups import ImageGroup, RowLayout
+    from vlft.forward.packing import pack_groups
+
+    model, _, _, builder, pad_id = hybrid
+    groups, samples, images = grouped
+    alone, alone_grads = each_alone(model, samples, images, builder, pad_id)
+    image_groups = [ImageGroup.of(g) for g in groups]
+    assert [g.shared > 0 for g in image_groups] == [True, True, False]
+    row = pack_groups(image_groups, images, builder, rope_index(model))
+    if not prefix_once:  # as an evaluation's prefill lays it out: each question's keys gathered whole
+        row = {k: v for k, v in row.items() if not k.startswith("packed_")}
+        layout = RowLayout.of([(g.shared, [len(s.input_ids) for s in g.samples]) for g in image_groups])
+        row |= layout.attention_inputs(prefix_once=False)
+    assert row["input_ids"].shape[1] < sum(len(s.input_ids) for s in samples)  # the prefixes laid out once
+    grouped_model = copy.deepcopy(model)
+    grouped_model.zero_grad()
+    use_packed_attention(grouped_model)
+    loss, _ = answer_loss_sum(grouped_model, to_device(row, CPU, FLOAT64))
+    loss.backward()
+    assert loss.item() == pytest.approx(alone, rel=FLOAT64_RTOL)
+    grads = gradients(grouped_model)
+    assert max(len(g) for g in groups) == QUESTIONS_ON_A_PREFIX
+    for name, grad in alone_grads.items():
+        assert_close_normwise(grads[name], grad, GROUPED_RTOL, name)
+
+
+def test_without_the_prefix_state_the_questions_are_those_of_no_question_alone(hybrid, grouped, float64_delta_rule):
+    """The failure the test above guards against: the same row with every piece from zero (the
+    questions not handed the prefix's state) gives other losses."""
+    from vlft.forward.image_groups import ImageGroup
+    from vlft.forward.packing import pack_groups
+
+    model, _, _, builder, pad_id = hybrid
+    groups, samples, images = grouped
+    alone, _ = each_alone(model, samples, images, builder, pad_id)
+    row = pack_groups([ImageGroup.of(g) for g in groups], images, builder, rope_index(model))
+    row["packed_linear_parents"] = torch.full_like(row["packed_linear_parents"], -1)
+    grouped_model = copy.deepcopy(model)
+    use_packed_attention(grouped_model)
+    with torch.no_grad():
+        loss, _ = answer_loss_sum(grouped_model, to_device(row, CPU, FLOAT64))
+    assert abs(loss.item() - alone) > 1e4 * FLOAT64_RTOL * alone
+
+
+def test_a_row_with_shared_prefixes_and_no_pieces_is_refused():
+    """Segments that read a prefix beyond their own stretch, with no word of where their
+    DeltaNet state starts from, would start it from zero: refused."""
+    with pytest.raises(ValueError, match="needs its linear-attention pieces"):
+        linear_attention.LinearPieces.of({"packed_cu_seqlens": torch.tensor([0, 4]), "packed_key_index": torch.arange(4)})
+
+
+@pytest.mark.parametrize("prefix", [2, 7])
+def test_the_convolution_after_a_prefix_reads_the_prefixs_tail(prefix):
+    """Pieces [prefix][a][b][alone]: a and b each as the prefix and it computed alone, the prefix
+    shorter than the kernel's reach included."""
+    torch.manual_seed(2)
+    channels, kernel, own = 5, 4, [3, 1, 6]
+    lengths = [prefix] + own
+    row = torch.randn(1, channels, sum(lengths), dtype=FLOAT64)
+    weight, bias = torch.randn(channels, kernel, dtype=FLOAT64), torch.randn(channels, dtype=FLOAT64)
+    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+    pieces = linear_attention.LinearPieces(bounds, [-1, 0, 0, -1])
+    got = linear_attention.pieces_causal_conv1d(row, weight, bias, "silu", pieces)
+
+    def alone(inputs):
+        out = torch.nn.functional.conv1d(inputs, weight[:, None], bias, padding=kernel - 1, groups=channels)
+        return torch.nn.functional.silu(out[..., : inputs.shape[-1]])
+
+    stretch = [row[..., s:e] for s, e in zip(bounds[:-1], bounds[1:])]
+    want = [
+        alone(stretch[0]),
+        alone(torch.cat([stretch[0], stretch[1]], -1))[..., prefix:],
+        alone(torch.cat([stretch[0], stretch[2]], -1))[..., prefix:],
+        alone(stretch[3]),
+    ]
+    torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=FLOAT64_RTOL, atol=0)
+    # The window a piece hands on is the last `kernel` inputs it read, zeros before its sample.
+    source, valid = pieces.windows(kernel, CPU)
+    b_alone = torch.nn.functional.pad(torch.cat([stretch[0], stretch[2]], -1), (kernel, 0))
+    b_window = b_alone[..., -kernel:]
+    torch.testing.assert_close(row[0][:, source[2]] * valid[2], b_window[0], rtol=0, atol=0)

@@ -110,7 +110,7 @@ class RowLayout:
         if not self.prefixes:
             return _segments_inputs([end - start for start, end in self.segments])
         if not prefix_once:
-            return self._gathered_inputs()
+            return self._gathered_inputs() | self._linear_inputs()
         bounds = sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
         inputs = _segments_inputs([end - start for start, end in zip(bounds, bounds[1:] + [self.segments[-1][1]])])
         queries = [group_end - end for _, end, group_end in self.prefixes]
@@ -125,7 +125,23 @@ class RowLayout:
             "packed_prefix_max_seqlen_q": max(queries),
             "packed_prefix_max_seqlen_k": max(keys),
         }
-        return inputs
+        return inputs | self._linear_inputs()
+
+    def _linear_inputs(self) -> dict:
+        """Where a hybrid model's linear-attention layers start each piece of the row
+        (vlft.forward.linear_attention.LinearPieces): each group's prefix from zero, each of its
+        samples' own tokens from the prefix's end (its recurrent state and convolution window), a
+        sample alone from zero."""
+        bounds = sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
+        prefix_of = {}  # a piece's start -> the index of its group's prefix piece
+        for start, end, group_end in self.prefixes:
+            for piece_start in bounds:
+                if end <= piece_start < group_end:
+                    prefix_of[piece_start] = bounds.index(start)
+        return {
+            "packed_linear_cu_seqlens": torch.tensor(bounds + [self.segments[-1][1]], dtype=torch.int32),
+            "packed_linear_parents": torch.tensor([prefix_of.get(start, -1) for start in bounds]),
+        }
 
     def _gathered_inputs(self) -> dict:
         inputs = _segments_inputs([end - start for start, end in self.segments])

@@ -1,27 +1,34 @@
 """Packed rows through linear-attention layers (Qwen3.5's Gated DeltaNet): each sample's short
-convolution window and recurrent state start from zero at its first token, forward and backward,
-as when it runs alone.
+convolution window and recurrent state start where they would alone, forward and backward.
 
 A Gated DeltaNet layer carries information along the row by two means besides attention: a causal
 convolution over the last `kernel` tokens, and a recurrent state (the delta rule) updated token by
 token. transformers' torch path computes both over the whole row and ignores the samples' bounds
 (`causal_conv1d_fn` takes no boundaries; its delta rule's torch fallback drops `cu_seqlens`), so a
-packed sample would read the tail of the one before it. Here each is computed per sample:
+packed sample would read the tail of the one before it. Here the row is computed in pieces
+(`LinearPieces`): a piece starts from zero (a sample alone, an image's shared prefix) or from the end
+of an earlier piece (each question of an image group after the prefix they share, as if the prefix
+ran before it alone):
 
-- the convolution: one pass over the row, each of its `kernel` taps masked where it would reach
-  into the sample before (exact, and the row's tokens read once);
-- the delta rule: flash-linear-attention's varlen kernel with the samples' `cu_seqlens` where it is
-  installed (transformers then resolves its `chunk_gated_delta_rule` to it), else transformers' own
-  torch function once per sample.
+- the convolution: one pass over the row, each of its `kernel` taps reading the token it would read
+  alone (the piece's own, or its parent's tail; none before a sample's first token);
+- the delta rule: the pieces that start from zero first, then the others from their parents' final
+  states; through flash-linear-attention's varlen kernel (`cu_seqlens`, `initial_state` per
+  sequence) where it is installed (transformers then resolves its `chunk_gated_delta_rule` to it),
+  else transformers' own torch function once a piece. The gradient through a prefix's state sums
+  over the questions that start from it, as the autograd graph has them.
 
 Both replace the functions of transformers' modeling modules that the layer calls, and take effect
 only for a packed row (a call that carries `packed_cu_seqlens`, vlft.forward.packing); any other
-call goes to transformers' function unchanged.
+call goes to transformers' function unchanged. A packed call that keeps a cache (a prefill) gets
+every piece's final state as the layer's "final state"; vlft.generation.kv_cache hands each prompt's
+state and convolution window to its row.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from functools import wraps
 
 import torch
@@ -33,26 +40,79 @@ CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
 
 
-def offsets_in_segments(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """Each token's index within its own segment (0 at every segment's first token)."""
-    positions = torch.arange(length, device=cu_seqlens.device)
-    starts = cu_seqlens[:-1].to(positions.device)
-    segment = torch.searchsorted(starts, positions, right=True) - 1
-    return positions - starts[segment]
+def is_hybrid(text_config) -> bool:
+    """Whether a language model's layers include linear-attention ones."""
+    return "linear_attention" in (getattr(text_config, "layer_types", None) or ())
 
 
-def segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens):
+@dataclass
+class LinearPieces:
+    """How a packed row runs through linear-attention layers: consecutive pieces covering the row
+    (`bounds`, as cu_seqlens), each starting from zero (`parents` -1) or from the end of the earlier
+    piece of that index."""
+
+    bounds: list[int]
+    parents: list[int]
+
+    @classmethod
+    def of(cls, kwargs: dict) -> "LinearPieces | None":
+        """The pieces a packed call carries (vlft.forward.image_groups.RowLayout), or its segments
+        each from zero; None for a call that is not packed."""
+        cu_seqlens = kwargs.get("packed_linear_cu_seqlens", kwargs.get("packed_cu_seqlens"))
+        if cu_seqlens is None:
+            return None
+        if kwargs.get("packed_prompt_keys") is not None or kwargs.get("packed_own_prompt_index") is not None:
+            # Answers after kept prompts (a reward stage's update): each would need its prompt's
+            # state, which the kept prompts do not hold yet.
+            raise NotImplementedError("kept prompts do not yet run on linear-attention layers")
+        shares_keys = kwargs.get("packed_key_index") is not None or kwargs.get("packed_prefix_index") is not None
+        if shares_keys and kwargs.get("packed_linear_cu_seqlens") is None:
+            # Segments that read keys beyond their own stretch, with no word of where each starts from.
+            raise ValueError("a packed row with shared prefixes needs its linear-attention pieces (RowLayout)")
+        bounds = cu_seqlens.tolist()
+        parents = kwargs.get("packed_linear_parents")
+        return cls(bounds, parents.tolist() if parents is not None else [-1] * (len(bounds) - 1))
+
+    def taps(self, back: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For every row position, the position a convolution tap `back` tokens earlier reads when
+        the position's sample runs alone (its own piece, else its parent's tail), and whether it
+        reads one at all (not before the sample's first token)."""
+        starts = torch.tensor(self.bounds[:-1], device=device)
+        ends = torch.tensor(self.bounds[1:], device=device)
+        parents = torch.tensor(self.parents, device=device)
+        positions = torch.arange(self.bounds[-1], device=device)
+        piece = torch.searchsorted(starts, positions, right=True) - 1
+        into_parent = back - (positions - starts[piece])  # how far before the piece's start it reaches
+        parent = parents[piece]
+        has_parent = parent >= 0
+        parent_of = parent.clamp(min=0)
+        parent_length = torch.where(has_parent, ends[parent_of] - starts[parent_of], 0)
+        own, inherited = into_parent <= 0, (into_parent > 0) & (into_parent <= parent_length)
+        source = torch.where(own, positions - back, torch.where(inherited, ends[parent_of] - into_parent, 0))
+        return source, own | inherited
+
+    def windows(self, kernel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each piece's convolution window after its last token, as transformers' cache keeps it (the
+        last `kernel` inputs, oldest first, zero before the sample's start): the row positions
+        (pieces, kernel) and whether each is read."""
+        last = torch.tensor(self.bounds[1:], device=device) - 1
+        columns = [self.taps(back, device) for back in range(kernel - 1, -1, -1)]
+        source = torch.stack([s[last] for s, _ in columns], dim=1)
+        valid = torch.stack([v[last] for _, v in columns], dim=1)
+        return source, valid
+
+
+def pieces_causal_conv1d(hidden_states, weight, bias, activation, pieces: LinearPieces):
     """transformers' depthwise causal convolution (hidden_states (1, channels, tokens), weight
-    (channels, kernel)) over each segment alone: output t = sum over j < kernel of
-    weight[kernel - 1 - j] * input[t - j], the taps with t - j before t's segment left out (as the
-    zero padding of a segment computed alone leaves them)."""
-    kernel, length = weight.shape[-1], hidden_states.shape[-1]
+    (channels, kernel)) over each sample as it runs alone: output t = sum over j < kernel of
+    weight[kernel - 1 - j] * input[the token j before t in its sample], none before its first."""
+    kernel = weight.shape[-1]
     inputs = hidden_states.to(weight.dtype)
-    offsets = offsets_in_segments(cu_seqlens, length)
     out = inputs * weight[:, kernel - 1, None]
     for back in range(1, kernel):
-        shifted = torch.nn.functional.pad(inputs, (back, 0))[..., :length]
-        out = out + shifted * (weight[:, kernel - 1 - back, None] * (offsets >= back).to(inputs.dtype))
+        source, valid = pieces.taps(back, inputs.device)
+        tap = inputs.index_select(-1, source) * valid.to(inputs.dtype)
+        out = out + tap * weight[:, kernel - 1 - back, None]
     if bias is not None:
         out = out + bias[:, None]
     if activation is not None:
@@ -60,47 +120,75 @@ def segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens):
     return out.to(hidden_states.dtype)
 
 
-def _segments_conv(plain):
+def segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens):
+    """The convolution over segments that each start from zero."""
+    bounds = cu_seqlens.tolist()
+    return pieces_causal_conv1d(hidden_states, weight, bias, activation, LinearPieces(bounds, [-1] * (len(bounds) - 1)))
+
+
+def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces: LinearPieces, **options):
+    """The delta rule of each piece, the pieces from zero first, then the rest from their parents'
+    final states: through `plain` once a piece, or (`varlen`, flash-linear-attention's kernel) once
+    for each of the two sets. Returns the row's output and every piece's final state (pieces,
+    heads, key dim, value dim)."""
+    count = len(pieces.parents)
+    roots = [i for i in range(count) if pieces.parents[i] < 0]
+    children = [i for i in range(count) if pieces.parents[i] >= 0]
+    outputs, finals = [None] * count, [None] * count
+    tensors = (query, key, value, g, beta)
+    for ids in (roots, children):
+        if not ids:
+            continue
+        initial = torch.cat([finals[pieces.parents[i]] for i in ids]) if ids is children else None
+        spans = [(pieces.bounds[i], pieces.bounds[i + 1]) for i in ids]
+        if varlen:
+            whole = len(ids) == count
+            index = None if whole else torch.cat([torch.arange(s, e) for s, e in spans]).to(query.device)
+            inputs = tensors if whole else tuple(t.index_select(1, index) for t in tensors)
+            lengths = [e - s for s, e in spans]
+            cu = torch.tensor([0] + lengths, device=query.device).cumsum(0)
+            out, final = plain(*inputs, initial_state=initial, output_final_state=True, cu_seqlens=cu, **options)
+            for n, (i, piece_out) in enumerate(zip(ids, out.split(lengths, dim=1))):
+                outputs[i], finals[i] = piece_out, final[n : n + 1]
+        else:
+            for n, (i, (start, end)) in enumerate(zip(ids, spans)):
+                state = initial[n : n + 1] if initial is not None else None
+                piece = (t[:, start:end] for t in tensors)
+                outputs[i], finals[i] = plain(*piece, initial_state=state, output_final_state=True, **options)
+    return torch.cat(outputs, dim=1), torch.cat(finals)
+
+
+def _pieces_conv(plain):
     @wraps(plain)
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        cu_seqlens = kwargs.get("packed_cu_seqlens")
-        if cu_seqlens is None:
-            return plain(hidden_states, weight, bias, activation, **kwargs)
-        return segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
+        pieces = LinearPieces.of(kwargs)
+        if pieces is None:
+            return conv.vlft_plain(hidden_states, weight, bias, activation, **kwargs)
+        return pieces_causal_conv1d(hidden_states, weight, bias, activation, pieces)
 
     conv.vlft_plain = plain
     return conv
 
 
-def _segments_delta_rule(plain, per_segment: bool):
+def _pieces_delta_rule(plain, varlen: bool):
     @wraps(plain)
     def delta_rule(query, key, value, g, beta, **kwargs):
-        cu_seqlens = kwargs.pop("packed_cu_seqlens", None)
-        if cu_seqlens is None:
-            return plain(query, key, value, g, beta, **kwargs)
+        pieces = LinearPieces.of(kwargs)
+        if pieces is None:
+            return delta_rule.vlft_plain(query, key, value, g, beta, **kwargs)
         if kwargs.get("initial_state") is not None:
             raise ValueError("a packed row's linear-attention layers start from no state")
-        if kwargs.get("packed_key_index") is not None or kwargs.get("packed_prefix_index") is not None:
-            # A shared prefix laid out once (an image group, kept prompts): each segment after it
-            # would need the prefix's state, which these functions do not hand on yet.
-            raise NotImplementedError("image groups and kept prompts do not yet run on linear-attention layers")
-        options = {name: kwargs[name] for name in ("output_final_state", "use_qk_l2norm_in_kernel") if name in kwargs}
-        if not per_segment:  # flash-linear-attention's kernel: the segments' bounds are its own input
-            return plain(query, key, value, g, beta, cu_seqlens=cu_seqlens, **options)
-        bounds = cu_seqlens.tolist()
-        pieces = [
-            plain(*(t[:, start:end] for t in (query, key, value, g, beta)), **options)[0]
-            for start, end in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat(pieces, dim=1), None
+        options = {name: kwargs[name] for name in ("use_qk_l2norm_in_kernel",) if name in kwargs}
+        out, finals = delta_rule_in_pieces(delta_rule.vlft_plain, varlen, query, key, value, g, beta, pieces, **options)
+        return out, finals if kwargs.get("output_final_state") else None
 
     delta_rule.vlft_plain = plain
     return delta_rule
 
 
 def respect_segments() -> None:
-    """Every hybrid family's DeltaNet layers compute a packed row's samples apart (once a process:
-    the replaced functions keep transformers' own for every other call)."""
+    """Every hybrid family's DeltaNet layers compute a packed row's samples as each runs alone (once
+    a process: the replaced functions keep transformers' own for every other call)."""
     for name in HYBRID_MODELING:
         module = importlib.import_module(name)
         if hasattr(getattr(module, CONV), "vlft_plain"):
@@ -108,6 +196,6 @@ def respect_segments() -> None:
         delta_rule = getattr(module, DELTA_RULE)
         # transformers' own torch function (defined in the modeling module), or the kernel it
         # resolved in its place (flash-linear-attention's, which takes cu_seqlens).
-        per_segment = delta_rule.__module__ == module.__name__
-        setattr(module, CONV, _segments_conv(getattr(module, CONV)))
-        setattr(module, DELTA_RULE, _segments_delta_rule(delta_rule, per_segment))
+        varlen = delta_rule.__module__ != module.__name__
+        setattr(module, CONV, _pieces_conv(getattr(module, CONV)))
+        setattr(module, DELTA_RULE, _pieces_delta_rule(delta_rule, varlen))
