@@ -274,7 +274,9 @@ def test_a_row_with_shared_prefixes_and_no_pieces_is_refused():
     """Segments that read a prefix beyond their own stretch, with no word of where their
     DeltaNet state starts from, would start it from zero: refused."""
     with pytest.raises(ValueError, match="needs its linear-attention pieces"):
-        linear_attention.LinearPieces.of({"packed_cu_seqlens": torch.tensor([0, 4]), "packed_key_index": torch.arange(4)})
+        linear_attention.LinearPieces.of(
+            {"packed_cu_seqlens": torch.tensor([0, 4]), "packed_key_index": torch.arange(4)}
+        )
 
 
 @pytest.mark.parametrize("prefix", [2, 7])

@@ -45,18 +45,7 @@ def family(request, tmp_path_factory):
     """A tiny model of one family, 14 demo records asking 1 to 4 questions each about 5 images,
     their pixel cache, and an adapter trained on them (60 steps; its answers are the demo's, not
     the untrained model's)."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp(request.param)
-    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": 14}, seed=2)
-    records = read_jsonl(root / "raw.jsonl")
-    for record, owner in zip(records, IMAGE_OF_RECORD):
-        record["image"] = records[owner]["image"]
-    for owner, size in IMAGE_SIZES.items():
-        path = root / "images" / records[owner]["image"]
-        Image.open(path).resize(size).save(path)
-    write_jsonl(root / "train.jsonl", records)
-    tiny_family_data(root, request.param, root / "train.jsonl")
+    root = images_asked_about(tmp_path_factory.mktemp(request.param), request.param)
     settings = tiny_stage_settings(
         answer_format="cot", dataset="shapes", micro_batch=7, max_steps=60, learning_rate=3e-3
     )
@@ -89,7 +78,28 @@ def stage_data(root, model):
 @pytest.mark.parametrize("adapter", ["none", "untrained", "trained"])
 def test_answer_requests_are_generates_token_for_token(family, adapter):
     name, root = family
-    model = model_with(root, adapter)
+    assert_answers_are_generates(name, root, model_with(root, adapter), trained=adapter == "trained")
+
+
+def images_asked_about(root, family: str):
+    """A tiny model of `family` and 14 demo records asking 1 to 4 questions each about 5 images
+    (IMAGE_OF_RECORD, of three sizes), prepared and pixel-cached in `root`."""
+    from PIL import Image
+
+    make_dataset({"train": root / "raw.jsonl"}, root / "images", {"train": 14}, seed=2)
+    records = read_jsonl(root / "raw.jsonl")
+    for record, owner in zip(records, IMAGE_OF_RECORD):
+        record["image"] = records[owner]["image"]
+    for owner, size in IMAGE_SIZES.items():
+        path = root / "images" / records[owner]["image"]
+        Image.open(path).resize(size).save(path)
+    write_jsonl(root / "train.jsonl", records)
+    return tiny_family_data(root, family, root / "train.jsonl")
+
+
+def assert_answers_are_generates(name, root, model, trained: bool) -> None:
+    """The engine's greedy answers to the records' prompts (rows refilled as answers end, prompts on
+    one image prefilled with its prefix once; alone and scored) are `generate`'s, token for token."""
     tokenizer, builder, data = stage_data(root, model)
     samples = [data.samples[r["key"]] for r in data.records]
     pad_id, longest = tokenizer.pad_token_id, max(LIMITS)
@@ -151,7 +161,7 @@ def test_answer_requests_are_generates_token_for_token(family, adapter):
         assert losses == ({i: len(s.input_ids) - s.prompt_length for i, s in enumerate(samples)} if scored else {})
     lengths = [len(ids) for ids in answers.values()]
     assert len(set(lengths)) >= 3, lengths  # rows did finish at different steps
-    if adapter == "trained":  # the demo's chain of thought, ended by the model itself
+    if trained:  # the demo's chain of thought, ended by the model itself
         assert sum(ids[-1] == builder.end_of_turn for ids in answers.values()) >= 2
         assert any("Final answer" in tokenizer.decode(ids) for ids in answers.values())
 

@@ -75,21 +75,29 @@ class LinearPieces:
 
     def taps(self, back: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """For every row position, the position a convolution tap `back` tokens earlier reads when
-        the position's sample runs alone (its own piece, else its parent's tail), and whether it
-        reads one at all (not before the sample's first token)."""
+        the position's sample runs alone (its own piece, else up its pieces' parents), and whether
+        it reads one at all (not before the sample's first token)."""
         starts = torch.tensor(self.bounds[:-1], device=device)
         ends = torch.tensor(self.bounds[1:], device=device)
         parents = torch.tensor(self.parents, device=device)
         positions = torch.arange(self.bounds[-1], device=device)
-        piece = torch.searchsorted(starts, positions, right=True) - 1
-        into_parent = back - (positions - starts[piece])  # how far before the piece's start it reaches
-        parent = parents[piece]
-        has_parent = parent >= 0
-        parent_of = parent.clamp(min=0)
-        parent_length = torch.where(has_parent, ends[parent_of] - starts[parent_of], 0)
-        own, inherited = into_parent <= 0, (into_parent > 0) & (into_parent <= parent_length)
-        source = torch.where(own, positions - back, torch.where(inherited, ends[parent_of] - into_parent, 0))
-        return source, own | inherited
+        current = torch.searchsorted(starts, positions, right=True) - 1
+        missing = back - (positions - starts[current])  # tokens to go back past the piece's start
+        found = missing <= 0
+        source = torch.where(found, positions - back, 0)
+        for _ in range(back):  # a parent holds one token at least
+            active = ~found & (current >= 0)
+            if not active.any():
+                break
+            parent = torch.where(active, parents[current.clamp(min=0)], -1)
+            at = parent.clamp(min=0)
+            length = ends[at] - starts[at]
+            inside = (parent >= 0) & (missing <= length)
+            source = torch.where(inside, ends[at] - missing, source)
+            found = found | inside
+            missing = torch.where((parent >= 0) & ~inside, missing - length, missing)
+            current = parent
+        return source, found
 
     def windows(self, kernel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each piece's convolution window after its last token, as transformers' cache keeps it (the
@@ -127,19 +135,18 @@ def segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens):
 
 
 def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces: LinearPieces, **options):
-    """The delta rule of each piece, the pieces from zero first, then the rest from their parents'
-    final states: through `plain` once a piece, or (`varlen`, flash-linear-attention's kernel) once
-    for each of the two sets. Returns the row's output and every piece's final state (pieces,
-    heads, key dim, value dim)."""
+    """The delta rule of each piece, the pieces from zero first, then those whose parents are done,
+    each from its parent's final state: through `plain` once a piece, or (`varlen`,
+    flash-linear-attention's kernel) once for each such set. Returns the row's output and every
+    piece's final state (pieces, heads, key dim, value dim)."""
     count = len(pieces.parents)
-    roots = [i for i in range(count) if pieces.parents[i] < 0]
-    children = [i for i in range(count) if pieces.parents[i] >= 0]
     outputs, finals = [None] * count, [None] * count
     tensors = (query, key, value, g, beta)
-    for ids in (roots, children):
-        if not ids:
-            continue
-        initial = torch.cat([finals[pieces.parents[i]] for i in ids]) if ids is children else None
+    while None in finals:
+        parents = pieces.parents
+        ready = [i for i in range(count) if finals[i] is None and (parents[i] < 0 or finals[parents[i]] is not None)]
+        ids = [i for i in ready if parents[i] < 0] or ready  # those from zero first
+        initial = torch.cat([finals[parents[i]] for i in ids]) if parents[ids[0]] >= 0 else None
         spans = [(pieces.bounds[i], pieces.bounds[i + 1]) for i in ids]
         if varlen:
             whole = len(ids) == count

@@ -108,17 +108,17 @@ class Engine:
 
     @staticmethod
     def cache_bytes(model, slots: int, max_length: int, cascade: Cascade | None) -> int:
-        """The bytes of the KV cache (its rows, and its prefix slots) that an engine of these
+        """The bytes of the KV cache (its rows, their linear-attention states, and its prefix slots) that an engine of these
         arguments allocates: what a reward stage's kept engine holds beside its update."""
         padded, row_length = _lengths(max_length, cascade)
         tokens = slots * row_length + (cascade.prefixes * padded if cascade else 0)
-        return tokens * SlotCache.bytes_per_token(model)
+        return tokens * SlotCache.bytes_per_token(model) + slots * SlotCache.bytes_per_row(model)
 
     @property
     def bytes(self) -> int:
         """What it holds on the device: its KV cache (rows and prefix slots) and its folded adapter."""
         prefixes = self.cache.prefixes
-        tensors = self.cache.keys + self.cache.values + (prefixes.keys + prefixes.values if prefixes else [])
+        tensors = self.cache.tensors + (prefixes.keys + prefixes.values if prefixes else [])
         return sum(t.nbytes for t in tensors) + (self.step.folded.bytes if self.step.folded else 0)
 
     def fits(self, slots: int, max_length: int, cascade: Cascade | None) -> bool:
@@ -264,10 +264,10 @@ class Generation:
             self.prefixes.fill(prefilled, plan, skip, slots_of)
         for slot, length in zip([s for s in slots_of if s is not None], self.cache.fill(slots_of, prefilled, skip)):
             rows[slot].written = length
-            if length + rows[slot].request.max_new_tokens > self.cache.keys[0].shape[2]:
+            if length + rows[slot].request.max_new_tokens > self.cache.length:
                 raise ValueError(
                     f"a prompt's {length} tokens past its shared prefix and its {rows[slot].request.max_new_tokens}"
-                    f" answer tokens do not fit the {self.cache.keys[0].shape[2]} a row holds (Cascade.own_length)"
+                    f" answer tokens do not fit the {self.cache.length} a row holds (Cascade.own_length)"
                 )
         self.timer.add("prefill_tokens", prefilled.tokens)  # shared prefixes once
         del prefilled
@@ -289,7 +289,7 @@ class Generation:
         """One token of each row up to the last that answers, over the cache up to the longest;
         idle rows among them compute on what they hold, and nothing reads it."""
         answering, rows = self.scheduler.answering(), self.scheduler.rows
-        count, length = self.scheduler.slots, self.cache.keys[0].shape[2]
+        count, length = self.scheduler.slots, self.cache.length
         if not self.whole:
             count, length = answering[-1] + 1, max(rows[slot].written for slot in answering) + 1
         self.timer.stop("schedule_s")

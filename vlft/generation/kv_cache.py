@@ -5,19 +5,25 @@ GPU's step reads each row only up to its own length."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionLayer
 
+from vlft.forward.linear_attention import LinearPieces
 from vlft.modeling import head_dim, language_model
 
 
 class SlotCache:
-    """Keys and values of `slots` sequences, each up to `length` tokens, for every layer.
+    """Keys and values of `slots` sequences, each up to `length` tokens, for every attention layer;
+    for every linear-attention layer (a hybrid model's Gated DeltaNet), each row's convolution
+    window and recurrent state (`RowStates`).
 
     A decode step writes one token of each row at that row's own position (`write_at`) and
     attends over the whole row through a mask of its length: what the model's attention layers
-    call as `past_key_values.update`.
+    call as `past_key_values.update`; a linear-attention layer reads and updates its rows' states.
     """
 
     def __init__(self, model, slots: int, length: int):
@@ -25,8 +31,13 @@ class SlotCache:
         text = language_model(model)
         config, weight = text.config, text.embed_tokens.weight
         shape = (slots, config.num_key_value_heads, length, head_dim(config))
-        self.keys = [torch.zeros(shape, device=weight.device, dtype=weight.dtype) for _ in text.layers]
-        self.values = [torch.zeros(shape, device=weight.device, dtype=weight.dtype) for _ in text.layers]
+        linear = linear_layers(config)
+        zeros = partial(torch.zeros, shape, device=weight.device, dtype=weight.dtype)
+        # None at a linear-attention layer: it keeps no keys.
+        self.keys = [None if i in linear else zeros() for i in range(len(text.layers))]
+        self.values = [None if i in linear else zeros() for i in range(len(text.layers))]
+        self.states = {i: RowStates.of(text.layers[i].linear_attn, slots) for i in linear}
+        self.slots, self.length = slots, length
         self.rows = torch.arange(slots, device=weight.device)
         self.write_at = torch.zeros(slots, dtype=torch.long, device=weight.device)
         # Where the rows' shared prefixes lie once (vlft.generation.shared_prefixes); None: each row holds its own.
@@ -34,10 +45,24 @@ class SlotCache:
 
     @staticmethod
     def bytes_per_token(model) -> int:
-        """One token's keys and values over all layers of `model`'s language model."""
+        """One token's keys and values over all attention layers of `model`'s language model."""
         text = language_model(model)
         config = text.config
-        return 2 * len(text.layers) * config.num_key_value_heads * head_dim(config) * text.embed_tokens.weight.itemsize
+        layers = len(text.layers) - len(linear_layers(config))
+        return 2 * layers * config.num_key_value_heads * head_dim(config) * text.embed_tokens.weight.itemsize
+
+    @staticmethod
+    def bytes_per_row(model) -> int:
+        """One row's states over all linear-attention layers of `model`'s language model (0 for
+        a model of attention layers alone): they do not grow with its length."""
+        text = language_model(model)
+        return sum(RowStates.bytes_of(text.layers[i].linear_attn) for i in linear_layers(text.config))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything it holds on the device."""
+        keys = [t for t in self.keys + self.values if t is not None]
+        return keys + [t for states in self.states.values() for t in (states.conv, states.recurrent)]
 
     def fill(self, slots: list[int], prefilled, skip: list[int] | None = None) -> list[int]:
         """Copy each prompt of a packed prefill (vlft.generation.runner.Prefilled) into its row of
@@ -55,21 +80,29 @@ class SlotCache:
         if pieces:
             kept = torch.tensor([slot for slot, _ in pieces], device=self.rows.device)
             self.write_at[kept] = torch.tensor(lengths, device=self.rows.device)
+            prompts = torch.tensor([n for n, slot in enumerate(slots) if slot is not None], device=self.rows.device)
+            for index, states in self.states.items():
+                states.fill(kept, prefilled.cache.layers[index], prompts)
         return lengths
 
     def move(self, source: int, target: int) -> None:
-        """Row `source`'s keys and values, up to where its next token goes, into row `target`."""
+        """Row `source`'s keys and values, up to where its next token goes, and its states, into row `target`."""
         length = int(self.write_at[source])
         for keys, values in zip(self.keys, self.values):
-            keys[target, :, :length] = keys[source, :, :length]
-            values[target, :, :length] = values[source, :, :length]
+            if keys is not None:
+                keys[target, :, :length] = keys[source, :, :length]
+                values[target, :, :length] = values[source, :, :length]
+        for states in self.states.values():
+            states.conv[target] = states.conv[source]
+            states.recurrent[target] = states.recurrent[source]
         self.write_at[target] = length
 
     def release(self) -> None:
-        """Its keys and values freed now, though the engine's objects that hold it sit in reference
-        cycles (the decode step's layer calls) that only a collection would free."""
+        """Its keys, values and states freed now, though the engine's objects that hold it sit in
+        reference cycles (the decode step's layer calls) that only a collection would free."""
         self.keys.clear()
         self.values.clear()
+        self.states.clear()
         if self.prefixes is not None:
             self.prefixes.keys.clear()
             self.prefixes.values.clear()
@@ -91,7 +124,22 @@ class CacheWindow:
         # Whatever else transformers passes (cache_kwargs, or kwargs= since 5.24) a slot cache does not use.
         return self.layer(layer_idx).update(key_states, value_states)
 
-    def layer(self, index: int) -> "LayerWindow":
+    # A linear-attention layer's calls, on its rows' states.
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.layer(layer_idx).get_conv_state(layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.layer(layer_idx).get_recurrent_state(layer_idx)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        return self.layer(layer_idx).update_recurrent_state(recurrent_states, layer_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def layer(self, index: int) -> "LayerWindow | StatesWindow":
+        if index in self.cache.states:
+            return StatesWindow(self.cache.states[index], self.rows.shape[0])
         return LayerWindow(self.cache.keys[index], self.cache.values[index], self.rows, self.write_at, self.length)
 
 
@@ -113,6 +161,96 @@ class LayerWindow:
         self.values[self.rows, :, self.write_at] = value_states[:, :, 0]
         rows = self.rows.shape[0]
         return self.keys[:rows, :, : self.length], self.values[:rows, :, : self.length]
+
+
+@dataclass
+class RowStates:
+    """A linear-attention layer's state of each row: the last `kernel` inputs of its convolution
+    (in the model's dtype, as transformers' cache keeps them) and its recurrent state (float32, as
+    transformers' delta rule returns it whatever the model's dtype)."""
+
+    conv: torch.Tensor  # (slots, channels, kernel)
+    recurrent: torch.Tensor  # (slots, value heads, key dim, value dim)
+
+    @classmethod
+    def of(cls, layer, slots: int) -> "RowStates":
+        """For a Gated DeltaNet layer of transformers (its sizes), on its device."""
+        weight = layer.in_proj_qkv.weight
+        conv = torch.zeros(slots, layer.conv_dim, layer.conv_kernel_size, device=weight.device, dtype=weight.dtype)
+        shape = (slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+        return cls(conv, torch.zeros(shape, device=weight.device, dtype=torch.float32))
+
+    @staticmethod
+    def bytes_of(layer) -> int:
+        conv = layer.conv_dim * layer.conv_kernel_size * layer.in_proj_qkv.weight.itemsize
+        return conv + layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
+
+    def fill(self, slots: torch.Tensor, prefilled, prompts: torch.Tensor) -> None:
+        """Rows `slots` from a prefill's states (PromptStates) of the prompts at `prompts`."""
+        self.conv[slots] = prefilled.conv_states[0].index_select(0, prompts).to(self.conv.dtype)
+        self.recurrent[slots] = prefilled.recurrent_states[0].index_select(0, prompts).to(self.recurrent.dtype)
+
+
+@dataclass
+class StatesWindow:
+    """A linear-attention layer's part of a CacheWindow: its first `rows` rows' states, which the
+    layer's decode reads and updates in place (its convolution window through
+    transformers' `causal_conv1d_update`, its recurrent state here)."""
+
+    states: RowStates
+    rows: int
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.states.conv[: self.rows]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.states.recurrent[: self.rows]
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        return self.states.recurrent[: self.rows].copy_(recurrent_states)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+class PromptStates(LinearAttentionLayer):
+    """A packed prefill's cache at one linear-attention layer: of every prompt, the convolution
+    window and recurrent state it ends with (the states of the row's pieces that end at the
+    prompts' last tokens, `ends`; vlft.forward.linear_attention), for SlotCache.fill. The row's
+    own states, which transformers' layer would keep, mean nothing for a packed row."""
+
+    def __init__(self, pieces: LinearPieces, ends: list[int], kernel: int):
+        super().__init__()
+        self.ends = ends
+        self.windows = pieces.windows(kernel, "cpu")
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        source, valid = (t[self.ends].to(conv_states.device) for t in self.windows)
+        # (1, channels, tokens) -> each prompt's window (prompts, channels, kernel), zero before its start.
+        self.conv_states[state_idx] = conv_states[0][:, source].transpose(0, 1) * valid[:, None].to(conv_states.dtype)
+        self.has_previous_state[state_idx] = True
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent_states[state_idx] = recurrent_states.index_select(
+            0, torch.tensor(self.ends, device=recurrent_states.device)
+        )
+        return recurrent_states
+
+
+def prompt_states_cache(model, pieces: LinearPieces, ends: list[int]):
+    """The cache a hybrid model's packed prefill fills: transformers' own for its attention layers,
+    PromptStates at its linear-attention layers."""
+    text = language_model(model)
+    cache = DynamicCache(config=text.config)
+    for index in linear_layers(text.config):
+        cache.layers[index] = PromptStates(pieces, ends, text.layers[index].linear_attn.conv_kernel_size)
+    return cache
+
+
+def linear_layers(config) -> set[int]:
+    """The indices of a language model's linear-attention layers (none for attention alone)."""
+    return {i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "linear_attention"}
 
 
 # The cache in blocks of this many positions: a GPU's step reads a row's blocks up to its length.
@@ -160,11 +298,13 @@ def write_positions(keys: list[torch.Tensor], values: list[torch.Tensor], source
     lengths = [len(positions) for _, positions in pieces]
     if not pieces or not sum(lengths):
         return lengths
-    device = keys[0].device
+    device = next(k for k in keys if k is not None).device
     slot = torch.cat([torch.full_like(positions, slot) for slot, positions in pieces]).to(device)
     to = torch.cat([torch.arange(len(positions)) for _, positions in pieces]).to(device)
     at = torch.cat([positions for _, positions in pieces]).to(device)
     for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+        if layer_keys is None:  # a linear-attention layer: its states are RowStates'
+            continue
         written = source.layers[layer]
         # (heads, positions, dim) gathered, written as (positions, heads, dim) at (slot, position).
         layer_keys[slot, :, to] = written.keys[0].index_select(1, at).transpose(0, 1)

@@ -14,12 +14,13 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
-from vlft.generation.kv_cache import SlotCache, live_blocks, refresh_live_blocks
+from vlft.generation.kv_cache import SlotCache, live_blocks, prompt_states_cache, refresh_live_blocks
 from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
 from vlft.modeling import language_model, unwrapped
 from vlft.forward.image_groups import RowLayout, common_prefix
+from vlft.forward.linear_attention import is_hybrid
 from vlft.forward.loss import linear_cross_entropy_sums
 
 DECODE_ATTENTION = "vlft_slot_decode"
@@ -105,7 +106,7 @@ class DecodeStep:
         self.folded = folded
         self.text = language_model(model)
         device = cache.rows.device
-        slots, length = cache.keys[0].shape[0], cache.keys[0].shape[2]
+        slots, length = cache.slots, cache.length
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # each row's latest token
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # its next text position
         self.chosen = torch.zeros(slots, dtype=torch.long, device=device)
@@ -288,9 +289,17 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     device = pieces["input_ids"][0].device
     # Each image's prefix read once where gradients flow back through it (a reward stage's prefill);
     # an evaluation's, without them, gathers it for each request (vlft.forward.image_groups).
-    inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled())
-    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     outer = unwrapped(model)
+    # A hybrid model's linear-attention layers hand each prompt's state on from its last token, so
+    # a piece ends there (before a scored request's reference answer).
+    hybrid = is_hybrid(language_model(outer).config)
+    ends = [last + 1 for last in lasts]
+    inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled(), cuts=tuple(ends) if hybrid else ())
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if hybrid:
+        pieces_of_row = layout.linear_pieces(tuple(ends))
+        states = [pieces_of_row.bounds.index(end) - 1 for end in ends]  # the piece each prompt ends
+        attention["past_key_values"] = prompt_states_cache(outer, pieces_of_row, states)
     output = outer.model(
         input_ids=torch.cat(pieces["input_ids"], dim=1),
         mm_token_type_ids=torch.cat(pieces["mm_token_type_ids"], dim=1),
