@@ -78,6 +78,23 @@ def planned_outputs(workdir: Path, *args: str) -> set[str]:
 FLOAT64_RTOL = 1e-8
 
 
+def image_groups_rtol(family: str, questions_on_a_prefix: int) -> float:
+    """The tolerance of an image group's loss and gradients against each question alone, in float64.
+
+    transformers' Gated DeltaNet (a hybrid family's, vlft.demo.tiny_model.HYBRID_FAMILIES) computes
+    its decay and its gated norm in float32 whatever the model's dtype. A row with an image's prefix
+    once rounds the prefix's gradient there summed over its questions; each question alone rounds
+    its own part before the weights' gradients sum them. Each rounding is within float32's unit, so
+    the two differ by at most that unit times the questions on one prefix, normwise; a question that
+    misses its prefix's state differs at 1e-3 and more. Other families compute in float64 throughout."""
+    import torch
+    from vlft.demo.tiny_model import HYBRID_FAMILIES
+
+    if family not in HYBRID_FAMILIES:
+        return FLOAT64_RTOL
+    return max(FLOAT64_RTOL, questions_on_a_prefix * torch.finfo(torch.float32).eps)
+
+
 def assert_close_normwise(got, want, rtol: float, msg: str = "") -> None:
     """|got - want| <= rtol * |want| over the whole tensor: an element that cancels to near zero
     carries the rounding of its terms, not of itself, so elementwise relative error says nothing there."""

@@ -32,8 +32,8 @@ NOT_YET = {
     "qwen3_5_moe": "Qwen3.5 / Qwen3.6 (MoE)",
 }
 NOT_YET_REASON = (
-    "its Gated DeltaNet layers would carry one packed sample's convolution window and recurrent state into "
-    "the next, and evaluation has no decode cache for them yet"
+    "its Gated DeltaNet layers compute packed rows, image groups and evaluation's answers exactly here, "
+    "but a reward stage's rollouts and updates do not hand their states on yet and not every rule has run on it"
 )
 
 

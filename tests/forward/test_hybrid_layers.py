@@ -19,17 +19,19 @@ from vlft.forward.batching import collate, to_device
 from vlft.forward.loss import answer_loss_sum
 from vlft.forward.packing import pack, use_packed_attention
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
-from tests.helpers import FLOAT64_RTOL, assert_close_normwise, delta_rule_in_input_dtype, tiny_family_data
+from tests.helpers import (
+    FLOAT64_RTOL,
+    assert_close_normwise,
+    delta_rule_in_input_dtype,
+    image_groups_rtol,
+    tiny_family_data,
+)
 
 FLOAT64 = torch.float64
 CPU = torch.device("cpu")
-# transformers' Gated DeltaNet computes its decay and its gated norm in float32 whatever the model's
-# dtype. A row with an image's prefix once rounds the prefix's gradient there summed over its
-# questions; each question alone rounds its own part before the weights' gradients sum them. Each
-# rounding is within float32's unit, so the two differ by at most that unit times the questions on
-# one prefix (3 here), normwise; a question that misses its prefix's state differs at 1e-3 and more.
+# At most this many questions on one image's prefix in the fixture (tests.helpers.image_groups_rtol).
 QUESTIONS_ON_A_PREFIX = 3
-GROUPED_RTOL = QUESTIONS_ON_A_PREFIX * torch.finfo(torch.float32).eps
+GROUPED_RTOL = image_groups_rtol("qwen3_5", QUESTIONS_ON_A_PREFIX)
 # The attention and MLP projections, and the DeltaNet layers' own (queries-keys-values, gate, output).
 LORA = {
     "lora_r": 8,
@@ -309,3 +311,16 @@ def test_the_convolution_after_a_prefix_reads_the_prefixs_tail(prefix):
     b_alone = torch.nn.functional.pad(torch.cat([stretch[0], stretch[2]], -1), (kernel, 0))
     b_window = b_alone[..., -kernel:]
     torch.testing.assert_close(row[0][:, source[2]] * valid[2], b_window[0], rtol=0, atol=0)
+
+
+def test_a_piece_cut_after_a_short_one_reads_back_through_its_parents():
+    """[prefix][prompt, 1 token, from the prefix][answer, from the prompt] (a prefill's scored
+    request on an image group): the answer's taps reach past its one-token parent into the prefix."""
+    torch.manual_seed(4)
+    channels, kernel, lengths = 3, 4, [5, 1, 4]
+    row = torch.randn(1, channels, sum(lengths), dtype=FLOAT64)
+    weight = torch.randn(channels, kernel, dtype=FLOAT64)
+    pieces = linear_attention.LinearPieces(torch.tensor([0] + lengths).cumsum(0).tolist(), [-1, 0, 1])
+    got = linear_attention.pieces_causal_conv1d(row, weight, None, None, pieces)
+    alone = torch.nn.functional.conv1d(row, weight[:, None], padding=kernel - 1, groups=channels)[..., : row.shape[-1]]
+    torch.testing.assert_close(got, alone, rtol=FLOAT64_RTOL, atol=0)  # one sample, in three pieces

@@ -297,8 +297,8 @@ def test_a_checkpoint_of_a_family_not_trained_here_is_one_sentence_before_any_jo
     trained = "Qwen3-VL (qwen3_vl), Qwen3-VL (MoE) (qwen3_vl_moe), Qwen2.5-VL (qwen2_5_vl), Qwen2-VL (qwen2_vl)"
     said = {
         "qwen3_5": "names model_type 'qwen3_5' (Qwen3.5 / Qwen3.6), which this version does not train yet: its "
-        "Gated DeltaNet layers would carry one packed sample's convolution window and recurrent state into the "
-        "next, and evaluation has no decode cache for them yet",
+        "Gated DeltaNet layers compute packed rows, image groups and evaluation's answers exactly here, but a "
+        "reward stage's rollouts and updates do not hand their states on yet and not every rule has run on it",
         "llava": "names model_type 'llava', a family this version does not know",
     }[family]
     assert (
