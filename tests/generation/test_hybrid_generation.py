@@ -46,3 +46,25 @@ def model_with_attention_only():
 
     torch.manual_seed(0)
     return Qwen3VLForConditionalGeneration(make_config(make_tokenizer(), 64, 2))
+
+
+def test_a_rows_window_serves_both_ways_transformers_reads_a_layers_states(hybrid):
+    """transformers 5.2x asks the cache for a layer's states (`get_conv_state(i)`); earlier 5.x ask
+    `has_previous_state(i)` and read `cache.layers[i].conv_states[0]`. Both reach the same rows,
+    and an update through either lands in the slot cache."""
+    model = model_with(hybrid, "none")
+    cache = SlotCache(model, slots=3, length=256)
+    index = next(iter(cache.states))
+    cache.states[index].conv.normal_()
+    window = cache.window(2, 256)
+    for view in (window, window.layer(index)):
+        assert view.has_previous_state(index, state_idx=0) and not view.is_recording_past(index)
+        assert not view.layers[index].record_past
+        newer, older = view.get_conv_state(index), view.layers[index].conv_states[0]
+        assert newer.shape[0] == older.shape[0] == 2 and torch.equal(newer, older)
+        older.add_(1.0)  # transformers' decode updates the window in place
+        assert torch.equal(cache.states[index].conv[:2], older)
+        state = torch.randn_like(view.layers[index].recurrent_states[0])
+        view.update_recurrent_state(state, index)
+        assert torch.equal(cache.states[index].recurrent[:2], state)
+    assert torch.all(cache.states[index].recurrent[2] == 0)  # the row past the window untouched

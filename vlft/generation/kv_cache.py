@@ -137,6 +137,14 @@ class CacheWindow:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    # transformers before 5.2x: the layer asks whether states exist, then reads them from `layers`.
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    @property
+    def layers(self) -> "_ByIndex":
+        return _ByIndex(self.layer)
+
     def layer(self, index: int) -> "LayerWindow | StatesWindow":
         if index in self.cache.states:
             return StatesWindow(self.cache.states[index], self.rows.shape[0])
@@ -211,6 +219,35 @@ class StatesWindow:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    # transformers before 5.2x read a layer's states as `cache.layers[i].conv_states[0]` (and
+    # `recurrent_states`, `record_past`) once `has_previous_state(i)` says they exist.
+    record_past = False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
+
+    @property
+    def layers(self) -> "_ByIndex":
+        return _ByIndex(lambda index: self)
+
+    @property
+    def conv_states(self) -> dict:
+        return {0: self.get_conv_state(0)}
+
+    @property
+    def recurrent_states(self) -> dict:
+        return {0: self.get_recurrent_state(0)}
+
+
+@dataclass
+class _ByIndex:
+    """`layers[i]` of a window: its layer i (a StatesWindow's: itself, whatever i)."""
+
+    layer: object
+
+    def __getitem__(self, index: int):
+        return self.layer(index)
 
 
 class PromptStates(LinearAttentionLayer):
