@@ -49,7 +49,7 @@ def model_with_attention_only():
 
 
 def test_a_rows_window_serves_both_ways_transformers_reads_a_layers_states(hybrid):
-    """transformers 5.2x asks the cache for a layer's states (`get_conv_state(i)`); earlier 5.x ask
+    """Newer transformers releases ask the cache for a layer's states (`get_conv_state(i)`); older ones ask
     `has_previous_state(i)` and read `cache.layers[i].conv_states[0]`. Both reach the same rows,
     and an update through either lands in the slot cache."""
     model = model_with(hybrid, "none")

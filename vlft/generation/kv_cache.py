@@ -137,7 +137,7 @@ class CacheWindow:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    # transformers before 5.2x: the layer asks whether states exist, then reads them from `layers`.
+    # Older transformers releases: the layer asks whether states exist, then reads them from `layers`.
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return True
 
@@ -220,7 +220,7 @@ class StatesWindow:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    # transformers before 5.2x read a layer's states as `cache.layers[i].conv_states[0]` (and
+    # Older transformers releases read a layer's states as `cache.layers[i].conv_states[0]` (and
     # `recurrent_states`, `record_past`) once `has_previous_state(i)` says they exist.
     record_past = False
 
