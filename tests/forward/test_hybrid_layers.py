@@ -137,7 +137,8 @@ def test_the_segments_convolution_is_each_segments_own(lengths):
     row = torch.randn(1, channels, sum(lengths), dtype=FLOAT64)
     weight, bias = torch.randn(channels, kernel, dtype=FLOAT64), torch.randn(channels, dtype=FLOAT64)
     cu_seqlens = torch.tensor([0] + lengths).cumsum(0)
-    got = linear_attention.segment_causal_conv1d(row, weight, bias, "silu", cu_seqlens)
+    each_alone = linear_attention.LinearPieces(cu_seqlens.tolist(), [-1] * len(lengths))
+    got = linear_attention.pieces_causal_conv1d(row, weight, bias, "silu", each_alone)
     pieces = []
     for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         alone = torch.nn.functional.conv1d(

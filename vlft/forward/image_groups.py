@@ -100,22 +100,22 @@ class RowLayout:
                 prefixes.append((*prefix, start))
         return cls(segments, key_spans, prefixes)
 
-    def attention_inputs(self, prefix_once: bool = True, cuts: tuple[int, ...] = ()) -> dict:
+    def attention_inputs(self, prefix_once: bool = True, linear: LinearPieces | None = None) -> dict:
         """What vlft.forward.packing.packed_attention takes for this row (on the host): the segments'
         bounds; with shared prefixes, attention in two parts (vlft.forward.prefix_attention): each
         group's prefix a segment of its own, read once by the queries of all its samples' own
         tokens, which attend causally to their own segments besides. Without `prefix_once`, each
         sample's keys gathered whole (its group's prefix, then its own tokens): where no backward
         pass follows, the copies cost less than the two parts' merge (an 8B evaluation's prefills:
-        benchmarks/README.md). `cuts`: row positions where a hybrid model's linear-attention layers
-        end a piece and go on from its state (a prefill's prompts before their scored answers,
-        whose states the decode starts from)."""
-        linear = self.linear_inputs(cuts) if self.prefixes or cuts else {}
+        benchmarks/README.md). With shared prefixes, or `linear` given, where a hybrid model's
+        linear-attention layers start each piece (`linear_pieces`)."""
+        linear = linear or (self.linear_pieces() if self.prefixes else None)
+        linear_inputs = linear.as_inputs() if linear else {}
         if not self.prefixes:
-            return _segments_inputs([end - start for start, end in self.segments]) | linear
+            return _segments_inputs([end - start for start, end in self.segments]) | linear_inputs
         if not prefix_once:
-            return self._gathered_inputs() | linear
-        bounds = sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
+            return self._gathered_inputs() | linear_inputs
+        bounds = self._piece_starts()
         inputs = _segments_inputs([end - start for start, end in zip(bounds, bounds[1:] + [self.segments[-1][1]])])
         queries = [group_end - end for _, end, group_end in self.prefixes]
         keys = [end - start for start, end, _ in self.prefixes]
@@ -129,31 +129,28 @@ class RowLayout:
             "packed_prefix_max_seqlen_q": max(queries),
             "packed_prefix_max_seqlen_k": max(keys),
         }
-        return inputs | linear
+        return inputs | linear_inputs
+
+    def _piece_starts(self) -> list[int]:
+        """Where each sample's own stretch and each group's prefix start, in order."""
+        return sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
 
     def linear_pieces(self, cuts: tuple[int, ...] = ()) -> LinearPieces:
         """Where a hybrid model's linear-attention layers start each piece of the row: each group's
         prefix from zero, each of its samples' own tokens from the prefix's end (its recurrent
         state and convolution window), a sample alone from zero; a piece cut at one of `cuts` goes
         on from the piece before the cut."""
-        starts = sorted({start for start, _ in self.segments} | {end for _, end, _ in self.prefixes})
-        end = self.segments[-1][1]
+        starts, end = self._piece_starts(), self.segments[-1][1]
         bounds = sorted(set(starts) | {cut for cut in cuts if 0 < cut < end}) + [end]
-        parents = []
-        for n, start in enumerate(bounds[:-1]):
-            prefix = next((p for p in self.prefixes if p[1] <= start < p[2] and start in starts), None)
-            if start not in starts:  # a cut: the sample goes on
-                parents.append(n - 1)
-            else:
-                parents.append(bounds.index(prefix[0]) if prefix else -1)
+        piece_at = {start: n for n, start in enumerate(bounds[:-1])}
+        parents = [n - 1 for n in range(len(bounds) - 1)]  # a cut: the sample goes on
+        for start in starts:
+            parents[piece_at[start]] = -1
+        for prefix_start, prefix_end, group_end in self.prefixes:
+            for start in starts:
+                if prefix_end <= start < group_end:
+                    parents[piece_at[start]] = piece_at[prefix_start]
         return LinearPieces(bounds, parents)
-
-    def linear_inputs(self, cuts: tuple[int, ...] = ()) -> dict:
-        pieces = self.linear_pieces(cuts)
-        return {
-            "packed_linear_cu_seqlens": torch.tensor(pieces.bounds, dtype=torch.int32),
-            "packed_linear_parents": torch.tensor(pieces.parents),
-        }
 
     def _gathered_inputs(self) -> dict:
         inputs = _segments_inputs([end - start for start, end in self.segments])

@@ -28,7 +28,7 @@ state and convolution window to its row.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import wraps
 
 import torch
@@ -45,6 +45,10 @@ def is_hybrid(text_config) -> bool:
     return "linear_attention" in (getattr(text_config, "layer_types", None) or ())
 
 
+# The last packed call's pieces, with the tensors they were read from: [cu_seqlens, parents, pieces].
+_last_read: list = [None, None, None]
+
+
 @dataclass
 class LinearPieces:
     """How a packed row runs through linear-attention layers: consecutive pieces covering the row
@@ -53,6 +57,7 @@ class LinearPieces:
 
     bounds: list[int]
     parents: list[int]
+    _taps_read: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, kwargs: dict) -> "LinearPieces | None":
@@ -69,11 +74,33 @@ class LinearPieces:
         if shares_keys and kwargs.get("packed_linear_cu_seqlens") is None:
             # Segments that read keys beyond their own stretch, with no word of where each starts from.
             raise ValueError("a packed row with shared prefixes needs its linear-attention pieces (RowLayout)")
-        bounds = cu_seqlens.tolist()
         parents = kwargs.get("packed_linear_parents")
-        return cls(bounds, parents.tolist() if parents is not None else [-1] * (len(bounds) - 1))
+        # Every layer of one forward is handed the same tensors: read them (from the device) once.
+        if _last_read[0] is not cu_seqlens or _last_read[1] is not parents:
+            bounds = cu_seqlens.tolist()
+            pieces = cls(bounds, parents.tolist() if parents is not None else [-1] * (len(bounds) - 1))
+            _last_read[:] = [cu_seqlens, parents, pieces]
+        return _last_read[2]
+
+    def as_inputs(self) -> dict:
+        """What a packed call carries of them (read back by `of`)."""
+        return {
+            "packed_linear_cu_seqlens": torch.tensor(self.bounds, dtype=torch.int32),
+            "packed_linear_parents": torch.tensor(self.parents),
+        }
+
+    def piece_ending_at(self, position: int) -> int:
+        """The index of the piece that ends at row position `position`."""
+        return self.bounds.index(position) - 1
 
     def taps(self, back: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_taps`, computed once a row (its layers all read them)."""
+        key = (back, str(device))
+        if key not in self._taps_read:
+            self._taps_read[key] = self._taps(back, device)
+        return self._taps_read[key]
+
+    def _taps(self, back: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """For every row position, the position a convolution tap `back` tokens earlier reads when
         the position's sample runs alone (its own piece, else up its pieces' parents), and whether
         it reads one at all (not before the sample's first token)."""
@@ -126,12 +153,6 @@ def pieces_causal_conv1d(hidden_states, weight, bias, activation, pieces: Linear
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(hidden_states.dtype)
-
-
-def segment_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens):
-    """The convolution over segments that each start from zero."""
-    bounds = cu_seqlens.tolist()
-    return pieces_causal_conv1d(hidden_states, weight, bias, activation, LinearPieces(bounds, [-1] * (len(bounds) - 1)))
 
 
 def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces: LinearPieces, **options):

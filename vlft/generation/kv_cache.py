@@ -80,7 +80,9 @@ class SlotCache:
         if pieces:
             kept = torch.tensor([slot for slot, _ in pieces], device=self.rows.device)
             self.write_at[kept] = torch.tensor(lengths, device=self.rows.device)
-            prompts = torch.tensor([n for n, slot in enumerate(slots) if slot is not None], device=self.rows.device)
+            if self.states:
+                prompts = [n for n, slot in enumerate(slots) if slot is not None]
+                prompts = torch.tensor(prompts, device=self.rows.device)
             for index, states in self.states.items():
                 states.fill(kept, prefilled.cache.layers[index], prompts)
         return lengths
@@ -253,25 +255,23 @@ class _ByIndex:
 class PromptStates(LinearAttentionLayer):
     """A packed prefill's cache at one linear-attention layer: of every prompt, the convolution
     window and recurrent state it ends with (the states of the row's pieces that end at the
-    prompts' last tokens, `ends`; vlft.forward.linear_attention), for SlotCache.fill. The row's
-    own states, which transformers' layer would keep, mean nothing for a packed row."""
+    prompts' last tokens, `ends`, and their windows' row positions and whether each is read,
+    `windows`; vlft.forward.linear_attention), for SlotCache.fill. The row's own states, which
+    transformers' layer would keep, mean nothing for a packed row."""
 
-    def __init__(self, pieces: LinearPieces, ends: list[int], kernel: int):
+    def __init__(self, ends: torch.Tensor, windows: tuple[torch.Tensor, torch.Tensor]):
         super().__init__()
-        self.ends = ends
-        self.windows = pieces.windows(kernel, "cpu")
+        self.ends, self.windows = ends, windows
 
     def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        source, valid = (t[self.ends].to(conv_states.device) for t in self.windows)
+        source, valid = self.windows
         # (1, channels, tokens) -> each prompt's window (prompts, channels, kernel), zero before its start.
         self.conv_states[state_idx] = conv_states[0][:, source].transpose(0, 1) * valid[:, None].to(conv_states.dtype)
         self.has_previous_state[state_idx] = True
         return conv_states
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        self.recurrent_states[state_idx] = recurrent_states.index_select(
-            0, torch.tensor(self.ends, device=recurrent_states.device)
-        )
+        self.recurrent_states[state_idx] = recurrent_states.index_select(0, self.ends)
         return recurrent_states
 
 
@@ -280,8 +280,14 @@ def prompt_states_cache(model, pieces: LinearPieces, ends: list[int]):
     PromptStates at its linear-attention layers."""
     text = language_model(model)
     cache = DynamicCache(config=text.config)
-    for index in linear_layers(text.config):
-        cache.layers[index] = PromptStates(pieces, ends, text.layers[index].linear_attn.conv_kernel_size)
+    linear = linear_layers(text.config)
+    device = text.embed_tokens.weight.device
+    # The prompts' windows, as row positions, once for all layers (they share one kernel size).
+    kernel = text.layers[min(linear)].linear_attn.conv_kernel_size
+    windows = tuple(t[ends].to(device) for t in pieces.windows(kernel, "cpu"))
+    ends_at = torch.tensor(ends, device=device)
+    for index in linear:
+        cache.layers[index] = PromptStates(ends_at, windows)
     return cache
 
 

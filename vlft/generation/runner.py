@@ -287,19 +287,8 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
                 targets.append(request.loss_targets)
                 owners.append(torch.full_like(request.loss_targets, len(lasts) - 1))
     device = pieces["input_ids"][0].device
-    # Each image's prefix read once where gradients flow back through it (a reward stage's prefill);
-    # an evaluation's, without them, gathers it for each request (vlft.forward.image_groups).
     outer = unwrapped(model)
-    # A hybrid model's linear-attention layers hand each prompt's state on from its last token, so
-    # a piece ends there (before a scored request's reference answer).
-    hybrid = is_hybrid(language_model(outer).config)
-    ends = [last + 1 for last in lasts]
-    inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled(), cuts=tuple(ends) if hybrid else ())
-    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if hybrid:
-        pieces_of_row = layout.linear_pieces(tuple(ends))
-        states = [pieces_of_row.bounds.index(end) - 1 for end in ends]  # the piece each prompt ends
-        attention["past_key_values"] = prompt_states_cache(outer, pieces_of_row, states)
+    attention = _attention_inputs(outer, layout, lasts, device)
     output = outer.model(
         input_ids=torch.cat(pieces["input_ids"], dim=1),
         mm_token_type_ids=torch.cat(pieces["mm_token_type_ids"], dim=1),
@@ -313,18 +302,39 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     # Each prompt's last token predicts its first answer token.
     last_hidden = hidden[torch.tensor(lasts, device=device)]
     firsts = (sampler or Greedy()).first(outer.lm_head(last_hidden), group).tolist()
-    losses: list[tuple[float, int] | None] = [None] * len(group)
-    if scored:
-        owners = torch.cat(owners)
-        sums = linear_cross_entropy_sums(
-            hidden.index_select(0, torch.cat(scored)), outer.lm_head.weight, torch.cat(targets), owners, len(group)
-        ).tolist()
-        counts = torch.bincount(owners, minlength=len(group)).tolist()
-        losses = [(sums[i], counts[i]) if r.loss_targets is not None else None for i, r in enumerate(group)]
+    losses = _scored_losses(outer, hidden, group, scored, targets, owners)
     # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
     prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
     shared = [prefix for prefix, run in runs for _ in run]
     return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1], shared, last_hidden)
+
+
+def _attention_inputs(outer, layout: RowLayout, lasts: list[int], device) -> dict:
+    """What the prefill's layers take besides its tokens: the row's layout, each image's prefix read
+    once where gradients flow back through it (a reward stage's prefill), gathered for each request
+    in an evaluation's, without them (vlft.forward.image_groups). A hybrid model's linear-attention
+    layers hand each prompt's state on from its last token (`lasts`), so a piece ends there
+    (before a scored request's reference answer), and its cache keeps those states."""
+    ends = [last + 1 for last in lasts]
+    linear = layout.linear_pieces(tuple(ends)) if is_hybrid(language_model(outer).config) else None
+    inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled(), linear=linear)
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if linear:
+        attention["past_key_values"] = prompt_states_cache(outer, linear, [linear.piece_ending_at(e) for e in ends])
+    return attention
+
+
+def _scored_losses(outer, hidden, group: list[Request], scored, targets, owners) -> list[tuple[float, int] | None]:
+    """Each scored request's (loss sum, answer tokens) from the prefill's hidden states at its
+    reference answer's positions (`scored`); None for the others."""
+    if not scored:
+        return [None] * len(group)
+    owners = torch.cat(owners)
+    sums = linear_cross_entropy_sums(
+        hidden.index_select(0, torch.cat(scored)), outer.lm_head.weight, torch.cat(targets), owners, len(group)
+    ).tolist()
+    counts = torch.bincount(owners, minlength=len(group)).tolist()
+    return [(sums[i], counts[i]) if r.loss_targets is not None else None for i, r in enumerate(group)]
 
 
 def _cut(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
