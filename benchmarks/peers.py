@@ -207,7 +207,10 @@ def swift_model_and_lora(model_dir: Path, data: Path) -> dict:
     aligner frozen), shared by its SFT, DPO (here) and GRPO (grpo_speed.py) runs."""
     return {
         "model": model_dir,
-        "model_type": "qwen3_vl",
+        "model_type": (model_type := json.loads((Path(model_dir) / "config.json").read_text())["model_type"]),
+        # ms-swift 4.6 finds two templates for a Qwen3.5 checkpoint it does not know by name; its own
+        # model list pairs Qwen3.5 with `qwen3_5`.
+        **({"template": "qwen3_5"} if model_type == "qwen3_5" else {}),
         "check_model": "false",
         "dataset": data,
         "split_dataset_ratio": 0,

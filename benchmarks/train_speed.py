@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from vlft.demo.tiny_model import make_tokenizer
 from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.forward.linear_attention import LINEAR_ATTENTION_PROJECTIONS
 from vlft.modeling import lora_config
 from vlft.config import stage_defaults
 from vlft.errors import ConfigError
@@ -50,6 +51,14 @@ SIZES = [(720, 576), (1024, 768), (1280, 720), (1280, 1024), (1600, 900), (1920,
 MAX_PIXELS = 1036 * 1288  # the largest image ends near 1,300 image tokens
 MIN_PIXELS = 3136
 SAMPLES_PER_STEP = 16  # micro-batch 4 x accumulation 4 in the reference
+# LoRA r=16 on every linear layer of the language model: attention's, the MLP's and, on a hybrid
+# model, its Gated DeltaNet layers' (names a model lacks match nothing).
+LORA_EVERY_LINEAR = dict(
+    lora_r=16,
+    lora_alpha=32,
+    lora_dropout=0.0,
+    lora_target_modules=[*stage_defaults()["lora_target_modules"], *LINEAR_ATTENTION_PROJECTIONS],
+)
 WORDS = "the red blue green circle square triangle left right top bottom count one two three is of and".split()
 
 
@@ -206,7 +215,7 @@ def run_reference(model, records, image_processor, builder, pad_id, steps, warmu
     from peft import get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model = get_peft_model(model, lora_config(dict(stage_defaults(), lora_r=16, lora_alpha=32, lora_dropout=0.0)))
+    model = get_peft_model(model, lora_config(dict(stage_defaults(), **LORA_EVERY_LINEAR)))
     timings = []
 
     class StepTimer(TrainerCallback):
@@ -315,9 +324,7 @@ def our_settings(steps: int) -> dict:
     settings = {k: v for k, v in stage_defaults().items() if k not in ("resources", "checkpoint_every")}
     settings.update(
         answer_format="cot",
-        lora_r=16,
-        lora_alpha=32,
-        lora_dropout=0.0,
+        **LORA_EVERY_LINEAR,
         learning_rate=1e-4,
         micro_batch=SAMPLES_PER_STEP,
         grad_accum=1,

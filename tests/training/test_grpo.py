@@ -42,6 +42,7 @@ from vlft.training.train import Preempted, _out_of_memory_said
 from tests.helpers import (
     FLOAT64_RTOL,
     REPO,
+    image_groups_rtol,
     StopAfter,
     plan_of_stages,
     tiny_family_data,
@@ -390,6 +391,33 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
 
+@pytest.fixture(scope="module")
+def hybrid_shared_images(tmp_path_factory):
+    """shared_images' questions on a tiny Qwen3.5 (Gated DeltaNet layers beside attention)."""
+    root = tmp_path_factory.mktemp("grpo-hybrid")
+    return tiny_family_data(root, "qwen3_5", questions_on_shared_images(root, images=2, per_image=2))
+
+
+def test_a_grpo_step_on_a_hybrid_model_equals_trls_loss_over_separate_sequences(hybrid_shared_images):
+    """On a Qwen3.5, a step's answers to two questions on each of two images, sampled by the
+    engine (each row's DeltaNet states beside the attention layers' keys) and learned in one packed
+    row each image's prefix and each question's prompt once (each answer's DeltaNet layers starting
+    from its prompt's state), equal TRL's GRPO loss over each answer alone, in loss and LoRA
+    gradients. The prompts are computed twice a step there (`prompts_once_unless` says why), and a
+    GPU's rollout keeps each row's prompt whole (`prefixes_shareable`). Tolerance: a prefix's state
+    serves 8 answers (tests.helpers.image_groups_rtol)."""
+    from vlft.generation.shared_prefixes import prefixes_shareable
+    from vlft.training.shared_prompts import prompts_once_unless
+
+    on = MethodOn(hybrid_shared_images, "final", loss_type="dapo")
+    assert "linear-attention layers" in prompts_once_unless(on.model, on.method.settings)
+    assert not prefixes_shareable(on.model)
+    keys = [r["key"] for r in on.data.records[:4]]
+    groups = on.method.step_groups([keys[:2], keys[2:]], 0, keep_prompts=False)
+    assert [len(g.samples) for g in groups] == [8, 8] and all(g.shared > 0 for g in groups)
+    on.step_equals_trls(groups, "dapo", old=None, rtol=max(SHARED_BY_EIGHT_RTOL, image_groups_rtol("qwen3_5", 8)))
+
+
 def test_the_backward_pass_takes_each_prompt_layer_right_after_its_answers_layer(screens):
     """With each prompt computed once a step, the backward pass goes down the layers taking each
     one's answers (a few tokens: their host's work outweighs their kernels), then the same layer's
@@ -478,7 +506,8 @@ def test_a_rollouts_passes_without_gradients_go_a_row_at_a_time_in_the_updates_r
 
 
 class MethodOn:
-    """A grpo method over a tiny float64 Qwen3-VL with a random adapter, and TRL's loss beside it."""
+    """A grpo method over a tiny float64 model (of the family `root` holds) with a random adapter,
+    and TRL's loss beside it."""
 
     def __init__(self, root, answer_format: str, prompts_once: bool = False, **overrides):
         tokenizer = load_tokenizer(root / "model")
@@ -521,11 +550,13 @@ class MethodOn:
             for s in samples
         ]
 
-    def step_equals_trls(self, groups, loss_type: str, old, clipped: bool = False, kept: bool = False) -> torch.Tensor:
+    def step_equals_trls(
+        self, groups, loss_type: str, old, clipped: bool = False, kept: bool = False, rtol: float = SHARED_BY_EIGHT_RTOL
+    ) -> torch.Tensor:
         """Our step's loss and LoRA gradients (each prompt once for its answers; `kept`: from the
         rollout's prefill) against TRL's GRPO loss over every answer as a padded sequence of its own
-        (`old`: the rollout's token log-probabilities, None: the current ones, detached); the
-        step's advantages."""
+        (`old`: the rollout's token log-probabilities, None: the current ones, detached), within
+        `rtol` of the gradient's parts; the step's advantages."""
         method, model = self.method, self.model
         weight = method.step_weight(groups)
         batch = method.rollout.kept
@@ -560,12 +591,12 @@ class MethodOn:
         # ones below push (advantages sum to 0 in a group). Its rounding is relative to those parts.
         pulled = torch.autograd.grad(trl_loss(advantages.clamp(min=0)), trainable, retain_graph=True)
         pushed = torch.autograd.grad(trl_loss(advantages.clamp(max=0)), trainable)
-        assert torch.allclose(loss, expected, rtol=FLOAT64_RTOL, atol=1e-15)
+        assert torch.allclose(loss, expected, rtol=max(FLOAT64_RTOL, rtol), atol=1e-15)
         assert any(float(g.abs().max()) > 0 for g in separate)  # some answers' rewards differ: a real gradient
         for a, b, up, down in zip(shared, separate, pulled, pushed):
             # A question's prompt serves its answers in one copy: tests/training/test_preferences.py's bound for a
             # prefix shared by up to 8 answers (measured here: 4.0e-8 of the parts, with 4 answers).
-            assert (a - b).norm() <= SHARED_BY_EIGHT_RTOL * (up.norm() + down.norm())
+            assert (a - b).norm() <= rtol * (up.norm() + down.norm())
         ratio = torch.exp(per_token - per_token_old)[mask.bool()]
         assert bool(((ratio < 0.8) | (ratio > 1.2)).any()) == clipped
         return advantages

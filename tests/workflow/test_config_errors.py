@@ -275,15 +275,20 @@ def test_a_model_directory_copied_in_part_is_one_sentence_before_any_job(
     assert result.returncode == 1 and result.stderr == f"error: {partial}: {problem}\n"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "llava"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "llava"])
 def test_a_checkpoint_of_a_family_not_trained_here_is_one_sentence_before_any_job(workdir, tmp_path, family):
-    """A tiny Qwen3.5 (transformers' own classes) trained without a word, its packed samples mixed
-    by its DeltaNet layers, and then every evaluation died in the decode cache. Now the plan refuses
-    it, and a family it does not know at all, naming the file, the model_type and what it trains."""
+    """A tiny Qwen3.5 (transformers' own classes) once trained without a word, its packed samples
+    mixed by its DeltaNet layers, and then every evaluation died in the decode cache. A family not
+    trained here yet (the Qwen3.5 MoE: its published config, which transformers loads) and a family
+    it does not know at all are refused, naming the file, the model_type and what it trains."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
     from vlft.demo.tiny_model import make_tiny_model
 
     model = tmp_path / "model"
-    make_tiny_model(model, family="qwen3_5")
+    make_tiny_model(model, family="qwen3_5")  # its tokenizer and processor; the MoE's config in place of its own
+    Qwen3_5MoeConfig().save_pretrained(model)
+    assert AutoConfig.from_pretrained(model).text_config.num_experts > 1
     if family == "llava":
         settings = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps(settings | {"model_type": "llava"}))
@@ -294,11 +299,14 @@ def test_a_checkpoint_of_a_family_not_trained_here_is_one_sentence_before_any_jo
         config["datasets"] = {"mine": {"image_root": "my/images", "splits": {"train": "my/train.jsonl"}}}
         config["experiments"] = {"only": {"stages": [{"name": "main", "eval_splits": ["train"]}]}}
 
-    trained = "Qwen3-VL (qwen3_vl), Qwen3-VL (MoE) (qwen3_vl_moe), Qwen2.5-VL (qwen2_5_vl), Qwen2-VL (qwen2_vl)"
+    trained = (
+        "Qwen3-VL (qwen3_vl), Qwen3-VL (MoE) (qwen3_vl_moe), Qwen2.5-VL (qwen2_5_vl), Qwen2-VL (qwen2_vl), "
+        "Qwen3.5 / Qwen3.6 (qwen3_5)"
+    )
     said = {
-        "qwen3_5": "names model_type 'qwen3_5' (Qwen3.5 / Qwen3.6), which this version does not train yet: its "
-        "Gated DeltaNet layers compute packed rows, image groups and evaluation's answers exactly here, but a "
-        "reward stage's rollouts and updates do not hand their states on yet and not every rule has run on it",
+        "qwen3_5_moe": "names model_type 'qwen3_5_moe' (Qwen3.5 / Qwen3.6 (MoE)), which this version does not train "
+        "yet: its experts beside the Gated DeltaNet layers have not run through these rules yet; the dense "
+        "Qwen3.5 / Qwen3.6 models (qwen3_5) train",
         "llava": "names model_type 'llava', a family this version does not know",
     }[family]
     assert (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -393,6 +394,58 @@ def run_click_plan(command, fixture, tmp_path):
     assert {"results/clicks/train/click/main/adapter", *evaluations} <= planned, planned
 
 
+def run_demo_qwen3_5(command, fixture, tmp_path):
+    """The demo's chain on a tiny Qwen3.5, beside the demo's data: every stage beats the untrained
+    base model, GRPO beats the SFT stage it starts from (its prompts computed twice a step, as the
+    log says), the report compares them all; then its stages answer through predict and chat as
+    their evaluations did, and one exports to a Qwen3.5 checkpoint transformers loads."""
+    import json
+
+    from transformers import AutoConfig
+
+    workdir = copy_demo_upstream(fixture("demo_workdir"), tmp_path / "demo")
+    shell(command, workdir)
+    results = workdir / "results/demo-qwen3_5"
+    assert AutoConfig.from_pretrained(results / "tiny-qwen3_5").model_type == "qwen3_5"
+
+    def accuracy(job: str, split: str) -> float:
+        return json.loads((results / "eval" / job / split / "metrics.json").read_text())["accuracy"]
+
+    for job, splits, base in [
+        ("exp1/main", ["val", "test"], "base/base"),
+        ("exp6/main", ["val", "test"], "base/base"),
+        ("exp7/main", ["val", "test"], "base/base"),
+        ("click_grpo/sft", ["test"], "base/screens"),
+        ("click_grpo/grpo", ["test"], "base/screens"),
+    ]:
+        for split in splits:
+            assert accuracy(job, split) > accuracy(base, split) + 0.3, (job, split)
+    assert accuracy("click_grpo/grpo", "test") > accuracy("click_grpo/sft", "test")
+    said = (results / "logs/train/click_grpo/grpo.log").read_text()
+    assert "each prompt computed twice a step (the model's linear-attention layers" in said
+    page = (results / "report/index.html").read_text()
+    assert all(job in page for job in ("exp1/main", "exp6/main", "exp7/main", "click_grpo/grpo"))
+
+    stage, record = "results/demo-qwen3_5/train/exp1/main", "results/demo/shapes/images/test/00000.png"
+    evaluated = json.loads((results / "eval/exp1/main/test/predictions.jsonl").open().readline())
+    question = json.loads((workdir / "results/demo/shapes/test.jsonl").open().readline())["question"]
+    predicted = shell(f"vlft predict {stage} --image {record} --question {shlex.quote(question)}", workdir)
+    assert [json.loads(line)["answer"] for line in predicted.splitlines() if line.startswith("{")] == [
+        evaluated["prediction"]
+    ]
+    said = subprocess.run(
+        f"vlft chat {stage} --image {record}",
+        shell=True,
+        cwd=workdir,
+        input=f"{question}\n/quit\n",
+        capture_output=True,
+        text=True,
+    )
+    assert said.returncode == 0 and said.stdout.splitlines()[-1] == evaluated["prediction"], said.stderr
+    shell(f"{command.replace('--cores all', '--cores 2')} results/demo-qwen3_5/export/exp6/main", workdir)
+    assert AutoConfig.from_pretrained(results / "export/exp6/main").model_type == "qwen3_5"
+
+
 def run_export(command, fixture, tmp_path):
     """In the demo's directory (an output no other job reads); what it holds is checked in
     tests/workflow/test_demo_pipeline.py."""
@@ -440,6 +493,7 @@ RUNNERS = {
     FAST_PART: run_fast_part,
     "snakemake -n": run_dry_run,
     "snakemake --configfile config/examples/demo-keep-best.yaml --cores all": run_keep_best,
+    "snakemake --configfile config/examples/demo-qwen3_5.yaml --cores all": run_demo_qwen3_5,
     "snakemake --dag | dot -Tsvg > dag.svg": run_dag,
     f"snakemake --configfile {EXAMPLE} -n": run_kvasir_plan,
     f"snakemake --configfile {EXAMPLE} --cores all": run_kvasir_plan,

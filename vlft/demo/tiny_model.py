@@ -63,8 +63,7 @@ def make_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2_vl")
 # Families whose text model mixes linear-attention (Gated DeltaNet) layers with full attention: built
-# here (three DeltaNet layers, then one of attention, as the released models repeat them) for the
-# tests of what their layers need; not trained yet (vlft.families).
+# here (three DeltaNet layers, then one of attention, as the released models repeat them).
 HYBRID_FAMILIES = ("qwen3_5",)
 # Vision patch size of each family (Qwen3-VL and Qwen3.5 16 pixels, the earlier ones 14).
 PATCH_SIZE = {"qwen3_vl": 16, "qwen3_5": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}

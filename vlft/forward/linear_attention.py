@@ -14,8 +14,8 @@ ran before it alone):
   alone (the piece's own, or its parent's tail; none before a sample's first token);
 - the delta rule: the pieces that start from zero first, then the others from their parents' final
   states; through flash-linear-attention's varlen kernel (`cu_seqlens`, `initial_state` per
-  sequence) where it is installed (transformers then resolves its `chunk_gated_delta_rule` to it),
-  else transformers' own torch function once a piece. The gradient through a prefix's state sums
+  sequence) where it is installed and its backward computes right here (`flash_delta_rule`), else
+  transformers' own torch function once a piece. The gradient through a prefix's state sums
   over the questions that start from it, as the autograd graph has them.
 
 Both replace the functions of transformers' modeling modules that the layer calls, and take effect
@@ -28,6 +28,8 @@ state and convolution window to its row.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from functools import wraps
 
@@ -36,6 +38,9 @@ from transformers.activations import ACT2FN
 
 # transformers' modeling modules of the families with Gated DeltaNet layers.
 HYBRID_MODELING = ("transformers.models.qwen3_5.modeling_qwen3_5",)
+# A Gated DeltaNet layer's own projections that LoRA reaches where a stage's lora_target_modules
+# name them (as ms-swift's all-linear does; in_proj_a and in_proj_b, a few outputs a head, it leaves out).
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "out_proj")
 CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
 
@@ -214,6 +219,20 @@ def _pieces_delta_rule(plain, varlen: bool):
     return delta_rule
 
 
+def flash_delta_rule():
+    """flash-linear-attention's chunked delta rule where it is installed and its backward computes
+    right on this machine, else None. It refuses its gated backward on Hopper GPUs under Triton 3.4
+    up to 3.7.1, whose results there are wrong (its issue #640), unless tilelang serves it: a stage
+    would run its first forward and stop at its first backward."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:
+        return None
+    refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+    return None if refused and importlib.util.find_spec("tilelang") is None else chunk_gated_delta_rule
+
+
 def respect_segments() -> None:
     """Every hybrid family's DeltaNet layers compute a packed row's samples as each runs alone (once
     a process: the replaced functions keep transformers' own for every other call)."""
@@ -221,9 +240,9 @@ def respect_segments() -> None:
         module = importlib.import_module(name)
         if hasattr(getattr(module, CONV), "vlft_plain"):
             continue
-        delta_rule = getattr(module, DELTA_RULE)
-        # transformers' own torch function (defined in the modeling module), or the kernel it
-        # resolved in its place (flash-linear-attention's, which takes cu_seqlens).
-        varlen = delta_rule.__module__ != module.__name__
+        # transformers' own torch function, behind the wrapper that would hand the call to a kernel it
+        # resolved (flash-linear-attention's whether or not its backward computes right here).
+        torch_rule = inspect.unwrap(getattr(module, DELTA_RULE))
+        flash = flash_delta_rule()
         setattr(module, CONV, _pieces_conv(getattr(module, CONV)))
-        setattr(module, DELTA_RULE, _pieces_delta_rule(delta_rule, varlen))
+        setattr(module, DELTA_RULE, _pieces_delta_rule(flash or torch_rule, varlen=flash is not None))

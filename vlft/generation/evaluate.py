@@ -20,11 +20,10 @@ from vlft.data.answers import AnswerFormat, final_answer, is_correct
 from vlft.forward.batching import NOT_MODEL_INPUTS, collate, to_device
 from vlft.files import write_json, write_jsonl
 from vlft.generation.engine import answer_requests
-from vlft.generation.shared_prefixes import Cascade, cascade_for
+from vlft.generation.shared_prefixes import Cascade, cascade_for, prefixes_shareable
 from vlft.generation.text_metrics import text_metrics
 from vlft.generation.requests import Request
-from vlft.forward.linear_attention import is_hybrid
-from vlft.modeling import language_model, load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
+from vlft.modeling import load_base_model, load_tokenizer, pick_device, rope_index, with_adapter
 from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import StageData, load_stage_data
 
@@ -196,9 +195,7 @@ def answer_records(
             on_loss=lambda index, loss, tokens: losses.__setitem__(index, (loss, tokens)),
             cascade=(
                 shared_prefixes(data, indices, slots, max_new_tokens)
-                # A hybrid model's rows hold their own linear-attention states; its attention layers'
-                # shared prefixes are not laid out apart yet.
-                if share_images and device.type == "cuda" and not is_hybrid(language_model(model).config)
+                if share_images and device.type == "cuda" and prefixes_shareable(model)
                 else None
             ),
         )

@@ -38,7 +38,8 @@ from vlft.generation.kv_cache import (
 )
 from vlft.generation.requests import Request
 from vlft.forward.image_groups import common_prefix
-from vlft.modeling import head_dim, language_model
+from vlft.forward.linear_attention import is_hybrid
+from vlft.modeling import head_dim, language_model, unwrapped
 
 CASCADE_ATTENTION = "vlft_cascade_decode"
 
@@ -52,6 +53,13 @@ class Cascade:
     seats: int
     prefixes: int
     own_length: int | None = None
+
+
+def prefixes_shareable(model) -> bool:
+    """Whether a generation on `model` may keep its shared prefixes once: not on a hybrid model,
+    whose rows each hold their linear-attention layers' states, while a prefix slot lays out only
+    the attention layers' keys (each row then holds its prompt whole, as without a cascade)."""
+    return not is_hybrid(language_model(unwrapped(model)).config)
 
 
 def cascade_for(prompts: list[tuple[str | None, list[int]]], slots: int, answer_room: int) -> Cascade | None:

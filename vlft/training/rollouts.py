@@ -44,7 +44,7 @@ from vlft.generation.engine import Engine
 from vlft.generation.evaluate import prompt_inputs, prompt_request
 from vlft.generation.folded_adapter import FoldedAdapter
 from vlft.generation.sampling import Sampling
-from vlft.generation.shared_prefixes import cascade_for
+from vlft.generation.shared_prefixes import cascade_for, prefixes_shareable
 from vlft.jobs import distributed
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
 from vlft.training import token_budget
@@ -92,7 +92,7 @@ class Rollouts:
         self.longest: int | None = None  # the stage's longest prompt and answer
         # Why the rollouts decode on the adapter as it is where it would fold (`prompts_once_or_folded`).
         self.not_folded: str | None = None
-        self.share_prompts = device.type in SHARED_PROMPT_DEVICES
+        self.share_prompts = device.type in SHARED_PROMPT_DEVICES and prefixes_shareable(model)
         # `prompts_once` (vlft.training.shared_prompts.prompts_once_unless): a step whose prompts
         # fit its token budget computes them once, in the rollout's prefill, for its update too.
         compiled = settings.compile and device.type == "cuda"

@@ -16,8 +16,10 @@ The log-probabilities and gradients are those of the full forward over prompt an
 (tests/training/test_grpo.py, float64, against TRL's loss over separate sequences), wherever the rollout and
 the update compute the same prompts: one update a rollout, no LoRA dropout (a prefill in training
 mode would draw the masks the answers are then sampled under), and no activation checkpointing (its
-recomputation would not keep the prompts' keys). `prompts_once_unless` says which of those a stage
-lacks. With several processes each keeps the prompts of its own share of the step, which it then
+recomputation would not keep the prompts' keys), on a model of attention layers alone (a hybrid
+model's linear-attention layers would hand each answer its prompt's recurrent state and
+convolution window, which the kept prompts do not hold yet). `prompts_once_unless` says which of
+those a stage lacks. With several processes each keeps the prompts of its own share of the step, which it then
 learns (vlft.training.grpo).
 """
 
@@ -30,6 +32,7 @@ from functools import partial
 
 import torch
 
+from vlft.forward.linear_attention import is_hybrid
 from vlft.generation.kv_cache import prompt_positions
 from vlft.generation.runner import Prefilled, layer_calls, prefill
 from vlft.modeling import adapter_autocast, language_model, unwrapped
@@ -47,6 +50,8 @@ def prompts_once_unless(model, settings) -> str | None:
         return f"the adapter's LoRA dropout {max(dropout)}: the answers are drawn without it"
     if getattr(language_model(unwrapped(model)), "gradient_checkpointing", False):
         return "activation checkpointing recomputes the prompts' forward"
+    if is_hybrid(language_model(unwrapped(model)).config):
+        return "the model's linear-attention layers: the prompts kept hold their attention layers' keys alone"
     return None
 
 

@@ -1,4 +1,5 @@
-# The built-in demo: synthetic datasets and a tiny Qwen3-VL, made here, so the same DAG runs with no downloads.
+# The built-in demo: synthetic datasets and a tiny model (a Qwen3-VL unless it names another
+# family), made here, so the same DAG runs with no downloads.
 
 # One rule a demo dataset (make_demo_<name>): changing one dataset's sizes remakes that one alone.
 for demo_name, demo_spec in DEMO_DATASETS.items():
@@ -37,6 +38,11 @@ for demo_name, demo_spec in DEMO_DATASETS.items():
             "2>&1 | tee {log:q}"
 
 
+# The tiny model's family is a param only where it is not the first demo's (qwen3_vl), so that a
+# demo study made before the key existed keeps its model (a new param would make it again).
+TINY_FAMILY = config["demo"]["model"]["family"]
+
+
 rule make_tiny_model:
     output:
         directory(MODEL),
@@ -46,6 +52,7 @@ rule make_tiny_model:
         mem_mb=rule_memory("make_tiny_model", 2000),
         runtime=10,
     params:
+        **({} if TINY_FAMILY == "qwen3_vl" else {"family": TINY_FAMILY}),
         seed=config["demo"]["model"]["seed"],
         hidden_size=config["demo"]["model"]["hidden_size"],
         layers=config["demo"]["model"]["layers"],
@@ -53,6 +60,7 @@ rule make_tiny_model:
         "python -m vlft.jobs.launch "
         "scripts/make_tiny_model.py "
         "--output {output:q} "
+        f"--family {TINY_FAMILY} "
         "--seed {params.seed} "
         "--hidden-size {params.hidden_size} "
         "--layers {params.layers} "
