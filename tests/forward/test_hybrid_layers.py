@@ -19,6 +19,7 @@ from vlft.forward.batching import collate, to_device
 from vlft.forward.loss import answer_loss_sum
 from vlft.forward.packing import pack, use_packed_attention
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
+from vlft.training.train import compile_decoder_layers
 from tests.helpers import (
     FLOAT64_RTOL,
     assert_close_normwise,
@@ -325,3 +326,32 @@ def test_a_piece_cut_after_a_short_one_reads_back_through_its_parents():
     got = linear_attention.pieces_causal_conv1d(row, weight, None, None, pieces)
     alone = torch.nn.functional.conv1d(row, weight[:, None], padding=kernel - 1, groups=channels)[..., : row.shape[-1]]
     torch.testing.assert_close(got, alone, rtol=FLOAT64_RTOL, atol=0)  # one sample, in three pieces
+
+
+def test_compiled_deltanet_layers_run_new_rows_without_compiling_again(hybrid):
+    """A training job compiles its decoder layers once (vlft.training.train.compile_decoder_layers):
+    a packed row's pieces are Python numbers that differ every step, and traced into the layer's
+    graph they made it compile again for every row (a 9B's first steps never ended on the GPU).
+    Rows of other lengths and piece bounds reuse what the first rows compiled."""
+    from torch._dynamo.testing import CompileCounter
+
+    model, samples, images, builder, _ = hybrid
+    model = copy.deepcopy(model)
+    use_packed_attention(model)
+    counter = CompileCounter()
+    compile_decoder_layers(model, backend=counter)
+
+    def row(chosen):
+        batch = to_device(pack(chosen, images, builder, rope_index(model)), CPU, FLOAT64)
+        answer_loss_sum(model, batch)[0].backward()
+
+    try:
+        row(samples[:2])
+        row(samples[1:4])  # the first rows compile for dynamic shapes
+        compiled = counter.frame_count
+        assert compiled > 0
+        row(samples[2:])
+        row(samples[::2])
+        assert counter.frame_count == compiled
+    finally:
+        torch._dynamo.reset()

@@ -191,7 +191,11 @@ def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces
     return torch.cat(outputs, dim=1), torch.cat(finals)
 
 
+# The wrappers below run eagerly inside a compiled decoder layer (a graph break each): their loops
+# over a row's pieces, whose bounds are Python numbers that differ every step, would otherwise be
+# traced into the graph and compiled again for each new row.
 def _pieces_conv(plain):
+    @torch.compiler.disable
     @wraps(plain)
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
         pieces = LinearPieces.of(kwargs)
@@ -204,6 +208,7 @@ def _pieces_conv(plain):
 
 
 def _pieces_delta_rule(plain, varlen: bool):
+    @torch.compiler.disable
     @wraps(plain)
     def delta_rule(query, key, value, g, beta, **kwargs):
         pieces = LinearPieces.of(kwargs)
