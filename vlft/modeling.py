@@ -195,5 +195,11 @@ def language_model(model):
     return model.model.language_model
 
 
+def is_hybrid_model(model) -> bool:
+    """Whether the model's language layers include linear-attention ones (Qwen3.5's Gated DeltaNet),
+    whose rows carry a recurrent state and a convolution window besides attention keys."""
+    return "linear_attention" in (getattr(language_model(unwrapped(model)).config, "layer_types", None) or ())
+
+
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

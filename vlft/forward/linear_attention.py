@@ -45,11 +45,6 @@ CONV = "causal_conv1d_fn"
 DELTA_RULE = "torch_chunk_gated_delta_rule"
 
 
-def is_hybrid(text_config) -> bool:
-    """Whether a language model's layers include linear-attention ones."""
-    return "linear_attention" in (getattr(text_config, "layer_types", None) or ())
-
-
 # The last packed call's pieces, with the tensors they were read from: [cu_seqlens, parents, pieces].
 _last_read: list = [None, None, None]
 

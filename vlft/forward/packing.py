@@ -25,9 +25,9 @@ from transformers import AttentionInterface
 
 from vlft.forward.batching import collate, pinned
 from vlft.forward.image_groups import ImageGroup, RowLayout, group_rows
-from vlft.forward.linear_attention import is_hybrid, respect_segments
+from vlft.forward.linear_attention import respect_segments
 from vlft.forward.prefix_attention import Parts, prefix_then_own
-from vlft.modeling import language_model, unwrapped
+from vlft.modeling import is_hybrid_model, language_model, unwrapped
 from vlft.data.prompts import PromptBuilder, Sample
 
 try:
@@ -292,7 +292,7 @@ def use_packed_attention(model) -> None:
     implementation of this name transformers builds no attention mask, which a packed row must
     not get; the vision tower keeps its own attention. A hybrid model's linear-attention layers
     take the row's samples apart too (vlft.forward.linear_attention)."""
-    if is_hybrid(language_model(unwrapped(model)).config):
+    if is_hybrid_model(model):
         respect_segments()
     unwrapped(model).set_attn_implementation({"text_config": PACKED_ATTENTION})
 

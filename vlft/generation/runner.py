@@ -18,9 +18,8 @@ from vlft.generation.kv_cache import SlotCache, live_blocks, prompt_states_cache
 from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
-from vlft.modeling import language_model, unwrapped
+from vlft.modeling import is_hybrid_model, language_model, unwrapped
 from vlft.forward.image_groups import RowLayout, common_prefix
-from vlft.forward.linear_attention import is_hybrid
 from vlft.forward.loss import linear_cross_entropy_sums
 
 DECODE_ATTENTION = "vlft_slot_decode"
@@ -316,7 +315,7 @@ def _attention_inputs(outer, layout: RowLayout, lasts: list[int], device) -> dic
     layers hand each prompt's state on from its last token (`lasts`), so a piece ends there
     (before a scored request's reference answer), and its cache keeps those states."""
     ends = [last + 1 for last in lasts]
-    linear = layout.linear_pieces(tuple(ends)) if is_hybrid(language_model(outer).config) else None
+    linear = layout.linear_pieces(tuple(ends)) if is_hybrid_model(outer) else None
     inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled(), linear=linear)
     attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     if linear:

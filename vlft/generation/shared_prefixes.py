@@ -38,8 +38,7 @@ from vlft.generation.kv_cache import (
 )
 from vlft.generation.requests import Request
 from vlft.forward.image_groups import common_prefix
-from vlft.forward.linear_attention import is_hybrid
-from vlft.modeling import head_dim, language_model, unwrapped
+from vlft.modeling import head_dim, is_hybrid_model, language_model
 
 CASCADE_ATTENTION = "vlft_cascade_decode"
 
@@ -59,7 +58,7 @@ def prefixes_shareable(model) -> bool:
     """Whether a generation on `model` may keep its shared prefixes once: not on a hybrid model,
     whose rows each hold their linear-attention layers' states, while a prefix slot lays out only
     the attention layers' keys (each row then holds its prompt whole, as without a cascade)."""
-    return not is_hybrid(language_model(unwrapped(model)).config)
+    return not is_hybrid_model(model)
 
 
 def cascade_for(prompts: list[tuple[str | None, list[int]]], slots: int, answer_room: int) -> Cascade | None:

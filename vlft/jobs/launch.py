@@ -58,9 +58,6 @@ def scripts_fetched(sources: dict[str, str], directory: str) -> str:
     return str(root)
 
 
-NO_HUB_KERNELS = ("USE_HUB_KERNELS", "0")
-
-
 def workflow_script(script: str) -> str:
     root = os.environ.get(WORKFLOW_DIR)
     return os.path.join(root, script) if root and not os.path.isabs(script) else script
@@ -79,7 +76,7 @@ def main(argv: list[str]) -> None:
     # Hub as a model loads (a Qwen3.5's Gated DeltaNet and norms among them): a job runs what is
     # installed (flash-attn, flash-linear-attention) or torch, and fetches nothing. Read by
     # transformers when imported, so set before the job (or its warm process) imports it.
-    os.environ[NO_HUB_KERNELS[0]] = NO_HUB_KERNELS[1]
+    os.environ["USE_HUB_KERNELS"] = "0"
     if count > 0:
         gpus.claim(count, os.getpid())
         # Its time from here: a wait for a GPU another job held is none of its own (the forecast's

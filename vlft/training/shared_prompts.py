@@ -32,10 +32,9 @@ from functools import partial
 
 import torch
 
-from vlft.forward.linear_attention import is_hybrid
 from vlft.generation.kv_cache import prompt_positions
 from vlft.generation.runner import Prefilled, layer_calls, prefill
-from vlft.modeling import adapter_autocast, language_model, unwrapped
+from vlft.modeling import adapter_autocast, is_hybrid_model, language_model, unwrapped
 from vlft.forward.batching import host_to_device
 from vlft.forward.loss import token_logps
 from vlft.training.step_evals import swapped_data
@@ -50,7 +49,7 @@ def prompts_once_unless(model, settings) -> str | None:
         return f"the adapter's LoRA dropout {max(dropout)}: the answers are drawn without it"
     if getattr(language_model(unwrapped(model)), "gradient_checkpointing", False):
         return "activation checkpointing recomputes the prompts' forward"
-    if is_hybrid(language_model(unwrapped(model)).config):
+    if is_hybrid_model(model):
         return "the model's linear-attention layers: the prompts kept hold their attention layers' keys alone"
     return None
 
