@@ -202,6 +202,52 @@ def test_the_float64_delta_rule_is_transformers_rule_in_float64():
     assert ((wrong - want_out).norm() / want_out.norm()).item() > 100 * bound
 
 
+@pytest.mark.parametrize("rule", ["transformers' chunked rule", "float64 token by token"])
+def test_pieces_side_by_side_are_each_piece_alone(rule):
+    """Pieces of a row padded into one call of the delta rule, two of them from a parent's state:
+    each piece's output and final state are those of its own call. The chunked rule (float32
+    inside) rounds its chunks' sums by up to length * k_dim * float32's unit, as above; the
+    token-by-token one in float64 adds the padding's exact zeros alone."""
+    modeling = importlib.import_module(linear_attention.HYBRID_MODELING[0])
+    theirs = getattr(modeling, linear_attention.DELTA_RULE)
+    plain = getattr(theirs, "vlft_plain", theirs) if rule.startswith("transformers") else delta_rule_in_input_dtype
+    torch.manual_seed(4)
+    lengths, k_heads, v_heads, k_dim, v_dim = [150, 40, 97], 2, 4, 16, 8
+    row = sum(lengths)
+    query, key = (torch.randn(1, row, k_heads, k_dim, dtype=FLOAT64) for _ in range(2))
+    value = torch.randn(1, row, v_heads, v_dim, dtype=FLOAT64)
+    g = -torch.rand(1, row, v_heads, dtype=FLOAT64)
+    beta = torch.rand(1, row, v_heads, dtype=FLOAT64)
+    states = torch.randn(3, v_heads, k_dim, v_dim, dtype=FLOAT64)
+    bounds = [0, 150, 190, 287]
+    spans = list(zip(bounds, bounds[1:]))
+    tensors = (query, key, value, g, beta)
+    options = dict(use_qk_l2norm_in_kernel=True)
+    outs, finals = linear_attention.side_by_side(plain, tensors, spans, states, len(spans), **options)
+    bound = (
+        FLOAT64_RTOL if plain is delta_rule_in_input_dtype else max(lengths) * k_dim * torch.finfo(torch.float32).eps
+    )
+    for n, (start, end) in enumerate(spans):
+        piece = (t[:, start:end] for t in tensors)
+        want_out, want_state = plain(*piece, initial_state=states[n : n + 1], output_final_state=True, **options)
+        assert outs[n].shape == want_out.shape
+        assert_close_normwise(outs[n], want_out, bound, f"piece {n}'s output")
+        assert_close_normwise(finals[n : n + 1], want_state, bound, f"piece {n}'s final state")
+
+
+@pytest.mark.parametrize("lengths", [[5], [100, 90, 10, 9, 300, 80], [64] * 7])
+def test_pieces_batched_side_by_side_pad_at_most_a_quarter(lengths):
+    """Every piece in one batch exactly, the longest first, a batch's padded tokens within 1.25
+    times its own."""
+    batches = linear_attention.similar_lengths(lengths)
+    assert sorted(n for batch in batches for n in batch) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[n] for n in batch)
+        assert lengths[batch[0]] == longest
+        assert longest * len(batch) <= 1.25 * sum(lengths[n] for n in batch)
+    assert len(linear_attention.similar_lengths([64] * 7)) == 1
+
+
 @pytest.fixture(scope="module")
 def grouped(hybrid, hybrid_dir):
     """Questions sharing images: three on the first image, two on the second, one alone on the third."""

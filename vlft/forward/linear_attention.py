@@ -157,9 +157,10 @@ def pieces_causal_conv1d(hidden_states, weight, bias, activation, pieces: Linear
 
 def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces: LinearPieces, **options):
     """The delta rule of each piece, the pieces from zero first, then those whose parents are done,
-    each from its parent's final state: through `plain` once a piece, or (`varlen`,
-    flash-linear-attention's kernel) once for each such set. Returns the row's output and every
-    piece's final state (pieces, heads, key dim, value dim)."""
+    each from its parent's final state: through `plain` once for each such set, as
+    flash-linear-attention's varlen kernel (`varlen`) or as transformers' torch function over the
+    pieces side by side (`side_by_side`). Returns the row's output and every piece's final state
+    (pieces, heads, key dim, value dim)."""
     count = len(pieces.parents)
     outputs, finals = [None] * count, [None] * count
     tensors = (query, key, value, g, beta)
@@ -167,23 +168,60 @@ def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces
         parents = pieces.parents
         ready = [i for i in range(count) if finals[i] is None and (parents[i] < 0 or finals[parents[i]] is not None)]
         ids = [i for i in ready if parents[i] < 0] or ready  # those from zero first
-        initial = torch.cat([finals[parents[i]] for i in ids]) if parents[ids[0]] >= 0 else None
         spans = [(pieces.bounds[i], pieces.bounds[i + 1]) for i in ids]
-        if varlen:
-            whole = len(ids) == count
-            index = None if whole else torch.cat([torch.arange(s, e) for s, e in spans]).to(query.device)
-            inputs = tensors if whole else tuple(t.index_select(1, index) for t in tensors)
-            lengths = [e - s for s, e in spans]
-            cu = torch.tensor([0] + lengths, device=query.device).cumsum(0)
-            out, final = plain(*inputs, initial_state=initial, output_final_state=True, cu_seqlens=cu, **options)
-            for n, (i, piece_out) in enumerate(zip(ids, out.split(lengths, dim=1))):
-                outputs[i], finals[i] = piece_out, final[n : n + 1]
-        else:
-            for n, (i, (start, end)) in enumerate(zip(ids, spans)):
-                state = initial[n : n + 1] if initial is not None else None
-                piece = (t[:, start:end] for t in tensors)
-                outputs[i], finals[i] = plain(*piece, initial_state=state, output_final_state=True, **options)
+        for batch in [list(range(len(ids)))] if varlen else similar_lengths([e - s for s, e in spans]):
+            batch_ids = [ids[n] for n in batch]
+            initial = torch.cat([finals[parents[i]] for i in batch_ids]) if parents[batch_ids[0]] >= 0 else None
+            run = _varlen if varlen else side_by_side
+            out, final = run(plain, tensors, [spans[n] for n in batch], initial, count, **options)
+            for n, i in enumerate(batch_ids):
+                outputs[i], finals[i] = out[n], final[n : n + 1]
     return torch.cat(outputs, dim=1), torch.cat(finals)
+
+
+def similar_lengths(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
+    """The pieces (by index into `lengths`) in batches of similar length, longest first: a batch
+    laid side by side takes its longest piece's length for each, at most `waste` times its tokens."""
+    order = sorted(range(len(lengths)), key=lambda n: -lengths[n])
+    batches: list[list[int]] = []
+    for n in order:
+        batch = batches[-1] if batches else None
+        if batch and lengths[batch[0]] * (len(batch) + 1) <= waste * (sum(lengths[m] for m in batch) + lengths[n]):
+            batch.append(n)
+        else:
+            batches.append([n])
+    return batches
+
+
+def side_by_side(plain, tensors, spans, initial, count, **options):
+    """transformers' torch delta rule once over several pieces, each a batch row of its own padded
+    with zeros after its end: a zero key, value, β and gate leave the recurrent state as it was
+    (the function pads each chunk so itself), so each row's output and final state are its piece's
+    alone. Returns each piece's output (1, tokens, heads, dim) and the final states."""
+    if len(spans) == 1:
+        (start, end), state = spans[0], initial
+        out, final = plain(*(t[:, start:end] for t in tensors), initial_state=state, output_final_state=True, **options)
+        return [out], final
+    device = tensors[0].device
+    lengths = torch.tensor([e - s for s, e in spans], device=device)
+    steps = torch.arange(max(e - s for s, e in spans), device=device)
+    inside = steps < lengths[:, None]  # (pieces, longest)
+    index = torch.where(inside, torch.tensor([s for s, _ in spans], device=device)[:, None] + steps, 0)
+    rows = [t[0][index] * inside.view(*inside.shape, *[1] * (t.dim() - 2)).to(t.dtype) for t in tensors]
+    out, final = plain(*rows, initial_state=initial, output_final_state=True, **options)
+    return [row[:length][None] for row, length in zip(out, lengths.tolist())], final
+
+
+def _varlen(plain, tensors, spans, initial, count, **options):
+    """flash-linear-attention's kernel once over the pieces, each its own sequence (`cu_seqlens`)."""
+    query = tensors[0]
+    whole = len(spans) == count
+    index = None if whole else torch.cat([torch.arange(s, e) for s, e in spans]).to(query.device)
+    inputs = tensors if whole else tuple(t.index_select(1, index) for t in tensors)
+    lengths = [e - s for s, e in spans]
+    cu = torch.tensor([0] + lengths, device=query.device).cumsum(0)
+    out, final = plain(*inputs, initial_state=initial, output_final_state=True, cu_seqlens=cu, **options)
+    return out.split(lengths, dim=1), final
 
 
 # The wrappers below run eagerly inside a compiled decoder layer (a graph break each): their loops
