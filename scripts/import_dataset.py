@@ -61,7 +61,7 @@ def main():
     vqa.add_argument("--split-field", help="the field naming each row's split; else the file's name says it")
     vqa.add_argument("--split-map", nargs="+", default=[], metavar="VALUE=SPLIT", help="split-field values mapped")
     vqa.add_argument("--keep", nargs="+", default=[], metavar="FIELD=VALUE", help="import only these rows")
-    vqa.add_argument("--split", default="train", help="the split of a file whose name names none")
+    vqa.add_argument("--split", help="the split of a file whose name says none (train, val or test)")
     pairs = formats.add_parser("pairs", help="flat preference pairs as RLAIF-V publishes them (parquet)")
     pairs.add_argument("--parquet", nargs="+", required=True, help="rows of image, question, chosen, rejected")
     pairs.add_argument("--split", default="train", help="the split the records form")

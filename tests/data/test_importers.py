@@ -1047,6 +1047,83 @@ def test_llava_meds_evaluation_file_names_its_fields_and_a_missing_field_is_name
         )
 
 
+def mevf_vqa_rad(root):
+    """VQA-RAD as MEVF releases it: data_RAD/trainset.json and testset.json (JSON arrays), images by
+    name under data_RAD/images, `phrase_type` on every row."""
+    (root / "images").mkdir(parents=True)
+    (root / "images/synpic1.jpg").write_bytes(jpeg_bytes(0))
+
+    def row(qid, question, answer, phrase):
+        return {
+            "qid": qid,
+            "image_name": "synpic1.jpg",
+            "image_organ": "HEAD",
+            "answer": answer,
+            "answer_type": "CLOSED",
+            "question_type": "PRES",
+            "question": question,
+            "phrase_type": phrase,
+        }
+
+    files = {"trainset.json": [row(1, "Is there a mass?", "yes", "freeform")]}
+    files["testset.json"] = [row(2, "Is the brain normal?", "no", "test_freeform")]
+    for name, rows in files.items():
+        (root / name).write_text(json.dumps(rows))
+    return [root / name for name in files]
+
+
+def test_mevfs_vqa_rad_files_land_in_the_splits_their_names_say(tmp_path):
+    """testset.json is the test split, with or without the phrase_type recipe; a file whose name
+    says no split stops the import, naming the file and the option that decides it."""
+    from vlft.data.importers import import_flat_vqa
+
+    files = mevf_vqa_rad(tmp_path / "data_RAD")
+    images = tmp_path / "data_RAD/images"
+    summary = import_flat_vqa(files, tmp_path / "by-name", images)
+    assert summary["splits"] == {"train": 1, "test": 1}
+    assert read_jsonl(tmp_path / "by-name/test.jsonl")[0]["question"] == "Is the brain normal?"
+    recipe = {"freeform": "train", "para": "train", "test_freeform": "test", "test_para": "test"}
+    summary = import_flat_vqa(files, tmp_path / "recipe", images, split_field="phrase_type", split_map=recipe)
+    assert summary["splits"] == {"train": 1, "test": 1}
+    (tmp_path / "data_RAD/rad_all.json").write_text(files[1].read_text())
+    with pytest.raises(InputError, match=r"rad_all.json: its name says no split .*give --split"):
+        import_flat_vqa([tmp_path / "data_RAD/rad_all.json"], tmp_path / "none", images)
+    assert not (tmp_path / "none").exists()
+    summary = import_flat_vqa([tmp_path / "data_RAD/rad_all.json"], tmp_path / "given", images, split="test")
+    assert summary["splits"] == {"test": 1}
+
+
+def test_the_image_marker_llava_med_leaves_in_its_questions_is_taken_out_and_counted(tmp_path):
+    """LLaVA-Med's evaluation file writes "<question>\n<image>": the record's question is the text
+    alone, the summary counts the rows; a question that shows two images is refused as such."""
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/fig1.jpg").write_bytes(jpeg_bytes(0))
+    rows = [
+        {
+            "question_id": 1,
+            "image": "fig1.jpg",
+            "text": "What is the organ in the image?\n<image>",
+            "gpt4_answer": "Liver.",
+        },
+        {"question_id": 2, "image": "fig1.jpg", "text": "Is there a mass?", "gpt4_answer": "No."},
+    ]
+    (tmp_path / "llava_med_eval_qa50_qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = import_flat_vqa(
+        [tmp_path / "llava_med_eval_qa50_qa.jsonl"], tmp_path / "med", tmp_path / "images", split="test"
+    )
+    assert [r["question"] for r in read_jsonl(tmp_path / "med/test.jsonl")] == [
+        "What is the organ in the image?",
+        "Is there a mass?",
+    ]
+    assert summary["image_markers_removed"] == 1
+    rows[1]["text"] = "<image>\nCompare <image>"
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(InputError, match=r"two.jsonl:2: field 'text': 2 <image> markers: a record shows one image"):
+        import_flat_vqa([tmp_path / "two.jsonl"], tmp_path / "two", tmp_path / "images", split="test")
+
+
 @pytest.mark.parametrize(
     "answer, coordinates, expected",
     [

@@ -29,10 +29,9 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.data.clicks import Frame, released_frame, written_targets
-from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
+from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, write_splits
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
-IMAGE_MARKER = "<image>"
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
 WHOLE_CONVERSATION_PAIRS = ("rejected_messages", "chosen_messages")
 IMAGE_PART_TYPES = ("image", "image_url")

@@ -12,6 +12,9 @@ from pathlib import Path
 from vlft.errors import InputError
 from vlft.files import atomic_path, read_text, write_jsonl
 
+# Where LLaVA-style text shows a row's image: taken out of the text by the importers that read it.
+IMAGE_MARKER = "<image>"
+
 
 def json_rows(path: str | Path, refusals: "Refusals | None" = None) -> list[tuple[tuple, dict]]:
     """A JSON array (row = 1-based index) or JSONL (row = line number), each row with its place; a

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path, read_text
-from vlft.data.importers.common import Refusals, UniqueIds, json_rows, plain, text, write_splits
+from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, plain, text, write_splits
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
 
 # The names each field goes by in the published sets, looked for in this order where none is given.
@@ -51,7 +52,7 @@ def import_flat_vqa(
     fields: dict[str, str] | None = None,
     category: str | None = None,
     split_field: str | None = None,
-    split: str = "train",
+    split: str | None = None,
     keep: dict[str, str] | None = None,
     split_map: dict[str, str] | None = None,
     skip_bad_rows: bool = False,
@@ -70,7 +71,13 @@ def import_flat_vqa(
         for path in files:
             rows = list(_rows(path, refusals))
             names = fields_read[str(path)] = _field_names([row for _, row in rows], fields or {}, path)
-            file_split = None if split_field else _split_of_file(path, split)
+            file_split = None if split_field else _split_of_file(path) or split
+            if file_split is None and not split_field:
+                raise InputError(
+                    path,
+                    "its name says no split (train, val or test): give --split for its rows, "
+                    "or --split-field where a field names each row's",
+                )
             for where, row in rows:
                 with refusals.row(where):
                     if not isinstance(row, dict):
@@ -89,9 +96,7 @@ def import_flat_vqa(
                         image, embedded = images.add(hashlib.sha256(data).hexdigest()[:16], cell, where), True
                     else:
                         image = _image_path(cell, image_root, where, names["image"])
-                    question = text(row.get(names["question"]))
-                    if question is None:
-                        raise InputError(where[0], "missing or empty", where[1], names["question"])
+                    question = _question(row.get(names["question"]), where, names["question"], counts)
                     row_split = file_split or _split_value(row.get(split_field), where, split_field, split_names)
                     record_id = text(row.get(names["id"])) if names["id"] else None
                     record = {
@@ -166,11 +171,31 @@ def _field_names(rows: list[dict], given: dict[str, str], path) -> dict[str, str
     return names
 
 
-def _split_of_file(path, default: str) -> str:
-    """The split a published file holds, from its name: `train.json`, `validate.json`,
-    `test-00000-of-00001.parquet`; else `default`."""
-    stem = Path(path).name.split(".")[0].lower()
-    return SPLIT_NAMES.get(stem.split("-")[0].split("_")[0], default)
+def _split_of_file(path) -> str | None:
+    """The split a published file holds, from the words of its name: `train.json`, `validate.json`,
+    `test-00000-of-00001.parquet`, MEVF's `testset.json`, `slake_train.jsonl`; None where its name
+    says none, or several."""
+    words = re.split(r"[-_. ]+", Path(path).name.split(".")[0].lower())
+    said = {SPLIT_NAMES.get(word) or SPLIT_NAMES.get(word.removesuffix("set")) for word in words}
+    said.discard(None)
+    return said.pop() if len(said) == 1 else None
+
+
+def _question(value, where, field: str, counts: Counter) -> str:
+    """A row's question without the `<image>` marker that LLaVA-style files leave in it (the image
+    is the row's own: LLaVA-Med's evaluation takes the marker out too), counted."""
+    question = text(value)
+    if question is None:
+        raise InputError(where[0], "missing or empty", where[1], field)
+    markers = question.count(IMAGE_MARKER)
+    if markers > 1:
+        raise InputError(where[0], f"{markers} {IMAGE_MARKER} markers: a record shows one image", where[1], field)
+    if markers:
+        counts["image_markers_removed"] += 1
+        question = question.replace(IMAGE_MARKER, "").strip()
+        if not question:
+            raise InputError(where[0], f"holds only {IMAGE_MARKER}", where[1], field)
+    return question
 
 
 def _split_value(value, where, field: str, names: dict[str, str]) -> str:
