@@ -1124,6 +1124,52 @@ def test_the_image_marker_llava_med_leaves_in_its_questions_is_taken_out_and_cou
         import_flat_vqa([tmp_path / "two.jsonl"], tmp_path / "two", tmp_path / "images", split="test")
 
 
+def test_a_structured_answer_is_refused_as_what_it_is_never_imported_as_python_text(tmp_path):
+    """An action object (AndroidControl's `gt`) and a box of four numbers (GUI-R1's and VLM-R1's
+    `solution`) as a flat row's answer: each row refused, named with its field and what the cell
+    is; with --skip-bad-rows the text rows import and the refused ones are listed."""
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/screen.png").write_bytes(jpeg_bytes(0))
+    rows = [
+        {
+            "image": "screen.png",
+            "problem": "Open the settings.",
+            "solution": {"action_type": "click", "x": 10, "y": 20},
+        },
+        {"image": "screen.png", "problem": "Where is the OK button?", "solution": [10, 20, 30, 40]},
+        {"image": "screen.png", "problem": "What app is open?", "solution": "Settings"},
+    ]
+    (tmp_path / "rl_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = dict(image_root=tmp_path / "images", fields={"question": "problem", "answer": "solution"})
+    with pytest.raises(InputError) as refused:
+        import_flat_vqa([tmp_path / "rl_test.jsonl"], tmp_path / "out", **options)
+    said = str(refused.value)
+    assert (
+        "rl_test.jsonl:1: field 'solution': the answer is an object (its fields: action_type, x, y), not text" in said
+    )
+    assert "rl_test.jsonl:2: field 'solution': the answer is a list of 4 values (a box?), not text" in said
+    assert "{'action_type'" not in said and not (tmp_path / "out").exists()
+    summary = import_flat_vqa([tmp_path / "rl_test.jsonl"], tmp_path / "out", skip_bad_rows=True, **options)
+    assert summary["records"] == 1 and summary["refused"] == 2
+    assert [r["answer"] for r in read_jsonl(tmp_path / "out/test.jsonl")] == ["Settings"]
+
+
+def test_a_file_of_rows_without_answers_names_the_first_of_them(tmp_path):
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/a.png").write_bytes(jpeg_bytes(0))
+    rows = [{"image": "a.png", "question": "Q?", "answer": ""}, {"image": "a.png", "question": "Q2?", "answer": []}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        InputError,
+        match=r"no row to import: 2 dropped without answer \(the first without answer: .*test.jsonl:1, field 'answer'\)",
+    ):
+        import_flat_vqa([tmp_path / "test.jsonl"], tmp_path / "out", tmp_path / "images")
+
+
 @pytest.mark.parametrize(
     "answer, coordinates, expected",
     [

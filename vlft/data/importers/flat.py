@@ -65,7 +65,7 @@ def import_flat_vqa(
     split_names = SPLIT_NAMES | {k.lower(): v for k, v in (split_map or {}).items()}
     fields_read = {}
     ids, refusals, counts = UniqueIds(), Refusals(out_dir, skip_bad_rows), Counter()
-    embedded = False
+    embedded, dropped = False, []
     with atomic_path(out_dir) as tmp:
         images = None
         for path in files:
@@ -85,9 +85,10 @@ def import_flat_vqa(
                     if keep and any(str(plain(row.get(k))) != v for k, v in keep.items()):
                         counts["skipped_by_keep"] += 1
                         continue
-                    answer = _answer(row.get(names["answer"]))
+                    answer = _answer(row.get(names["answer"]), where, names["answer"])
                     if answer is None:
                         counts["dropped_without_answer"] += 1
+                        dropped.append(where)
                         continue
                     cell = row.get(names["image"])
                     if _is_bytes(cell):
@@ -111,7 +112,9 @@ def import_flat_vqa(
                     splits.setdefault(row_split, []).append(record | kept)
         refused = refusals.finish()
         if not splits:
-            raise InputError(files[0], "no row to import (every one was skipped or dropped; see the options)")
+            why = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in counts.items())
+            first = f" (the first without answer: {dropped[0][0]}:{dropped[0][1]}, field {names['answer']!r})"
+            raise InputError(files[0], f"no row to import: {why or 'no rows'}{first if dropped else ''}")
         write_splits(tmp, splits, new=False)
     where_images = f"{out_dir}/images" if embedded else str(image_root)
     return {
@@ -213,11 +216,18 @@ def _split_value(value, where, field: str, names: dict[str, str]) -> str:
     return names[name.lower()]
 
 
-def _answer(value) -> str | None:
-    """A row's answer as text: numbers (VQA-RAD's counts) as written, a list of one as its item."""
+def _answer(value, where, field: str) -> str | None:
+    """A row's answer as text: numbers (VQA-RAD's counts) as written, a list of one as its item;
+    None where missing or empty. A structured answer (an action's object, a box's numbers) is
+    refused as what it is, never imported as Python's text of it."""
     value = plain(value)
+    if isinstance(value, list) and len(value) <= 1:
+        value = value[0] if value else None
+    if isinstance(value, dict):
+        fields = ", ".join(map(str, value)) or "none"
+        raise InputError(where[0], f"the answer is an object (its fields: {fields}), not text", where[1], field)
     if isinstance(value, list):
-        value = value[0] if len(value) == 1 else None
+        raise InputError(where[0], f"the answer is a list of {len(value)} values (a box?), not text", where[1], field)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return text(value)
