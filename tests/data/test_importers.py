@@ -1170,6 +1170,38 @@ def test_a_file_of_rows_without_answers_names_the_first_of_them(tmp_path):
         import_flat_vqa([tmp_path / "test.jsonl"], tmp_path / "out", tmp_path / "images")
 
 
+def test_easyr1s_images_column_imports_its_one_embedded_image_and_no_message_carries_bytes(tmp_path):
+    """EasyR1's geometry3k and verl's RL parquet: `images` a list of the Hub's {bytes, path},
+    `problem` with an <image> marker, `answer`. One image: imported from its bytes; two: refused as
+    two images. The chat importer, given the same column, says it holds bytes, and shows none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlft.data.importers import import_flat_vqa
+
+    png = jpeg_bytes(3)
+    rows = [
+        {"images": [{"bytes": png, "path": None}], "problem": "<image>Find x.", "answer": "3"},
+        {"images": [{"bytes": png, "path": None}] * 2, "problem": "<image><image>Compare.", "answer": "4"},
+    ]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data/train-00000-of-00001.parquet")
+    summary = import_flat_vqa([tmp_path / "data/train-00000-of-00001.parquet"], tmp_path / "out", skip_bad_rows=True)
+    (record,) = read_jsonl(tmp_path / "out/train.jsonl")
+    assert (record["question"], record["answer"]) == ("Find x.", "3")
+    assert (tmp_path / "out/images" / record["image"]).read_bytes() == png
+    refused = read_jsonl(tmp_path / "out.refused.jsonl")
+    assert summary["refused"] == 1 and "2 images: a record shows one image" in json.dumps(refused)
+    (tmp_path / "images").mkdir()
+    row = {"messages": [{"role": "user", "content": "<image>Find x."}, {"role": "assistant", "content": "3"}]}
+    row["images"] = [{"bytes": png.decode("latin-1"), "path": None}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(InputError) as said:
+        import_chat([tmp_path / "chat.jsonl"], tmp_path / "images", tmp_path / "chat")
+    assert "chat.jsonl:1: field 'images': holds its images' bytes, not their paths" in str(said.value)
+    assert "\\x" not in str(said.value)
+
+
 @pytest.mark.parametrize(
     "answer, coordinates, expected",
     [

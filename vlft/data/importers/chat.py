@@ -29,7 +29,7 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.data.clicks import Frame, released_frame, written_targets
-from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, write_splits
+from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, holds_bytes, json_rows, shown, write_splits
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
@@ -160,8 +160,16 @@ class Conversation:
         media |= {kind for kind, (_, _, marker) in MEDIA.items() if any(marker in t for t in texts)}
         listed = row.get("images", row.get("image", []))
         listed = [listed] if isinstance(listed, str) else listed
+        if holds_bytes(listed):
+            raise InputError(
+                path,
+                "holds its images' bytes, not their paths: this importer reads image files under --image-root "
+                "(`vqa` reads a row's embedded image)",
+                number,
+                "images",
+            )
         if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
-            raise InputError(path, f"must be a list of paths, not {listed!r}", number, "images")
+            raise InputError(path, f"must be a list of paths, not {shown(listed)}", number, "images")
         images = listed + [image for turn in images_by_turn for image in turn]
         if media:
             kinds = " and ".join(sorted(media))
@@ -190,11 +198,11 @@ class Conversation:
             )
         first_shown = next((n for n, t in enumerate(texts) if IMAGE_MARKER in t), None)
         parts_first = next((n for n, imgs in enumerate(images_by_turn) if imgs), None)
-        shown = [n for n in (first_shown, parts_first) if n is not None]
-        if shown and min(shown) != 0:
+        first_turns = [n for n in (first_shown, parts_first) if n is not None]
+        if first_turns and min(first_turns) != 0:
             raise InputError(
                 path,
-                f"its image is first shown in turn {min(shown) + 1}; a record shows its image in its first question",
+                f"its image is first shown in turn {min(first_turns) + 1}; a record shows its image in its first question",
                 number,
             )
         markers = sum(t.count(IMAGE_MARKER) for t in texts) + sum(map(len, images_by_turn))
@@ -314,7 +322,7 @@ def _content(content, where, what: str) -> tuple[str, list[str], set[str]]:
         inline = INLINE_IMAGE.findall(content)
         return INLINE_IMAGE.sub("", content) if inline else content, [i.strip() for i in inline], set()
     if not isinstance(content, list):
-        raise InputError(where[0], f"{what}: content must be text or a list of parts, not {content!r}", where[1])
+        raise InputError(where[0], f"{what}: content must be text or a list of parts, not {shown(content)}", where[1])
     texts, images, media = [], [], set()
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -327,7 +335,7 @@ def _content(content, where, what: str) -> tuple[str, list[str], set[str]]:
             value = part.get("value", part.get(kind))
             value = value.get("url") if isinstance(value, dict) else value
             if not isinstance(value, str):
-                raise InputError(where[0], f"{what}: an image part without a path: {part!r}", where[1])
+                raise InputError(where[0], f"{what}: an image part without a path: {shown(part)}", where[1])
             images.append(value)
         else:
             raise InputError(

@@ -63,6 +63,32 @@ def plain(value):
     return value
 
 
+def shown(value, limit: int = 120) -> str:
+    """A cell as a message shows it: bytes as their count, never themselves; long text cut."""
+
+    def without_bytes(v):
+        if isinstance(v, (bytes, bytearray)):
+            return f"<{len(v):,} bytes>"
+        if isinstance(v, dict):
+            return {k: without_bytes(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [without_bytes(x) for x in v]
+        return v
+
+    said = repr(without_bytes(plain(value)))
+    return said if len(said) <= limit else said[: limit - 3] + "..."
+
+
+def holds_bytes(value) -> bool:
+    """Whether a cell carries an image's bytes (raw, or as the Hub's {bytes, path}), at any depth."""
+    value = plain(value)
+    if isinstance(value, (bytes, bytearray)):
+        return True
+    if isinstance(value, dict):  # JSON holds the Hub's {bytes, path} with its bytes as text
+        return bool(value.get("bytes")) or any(holds_bytes(v) for v in value.values())
+    return isinstance(value, list) and any(holds_bytes(v) for v in value)
+
+
 class UniqueIds:
     """Record ids, each unique: a repeated one gets an id of its own (`<id>-2`, `-3`, ...), and the
     renames are kept for the summary."""

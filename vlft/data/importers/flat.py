@@ -21,13 +21,13 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path, read_text
-from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, plain, text, write_splits
+from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, plain, shown, text, write_splits
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
 
 # The names each field goes by in the published sets, looked for in this order where none is given.
 FIELD_NAMES = {
-    "image": ("image", "img_name", "image_name", "img", "file_name", "image_path", "img_path"),
-    "question": ("question", "text", "query"),
+    "image": ("image", "img_name", "image_name", "img", "file_name", "image_path", "img_path", "images"),
+    "question": ("question", "text", "query", "problem"),
     "answer": ("answer", "answers", "gpt4_answer", "label"),
     "id": ("id", "qid", "question_id"),
 }
@@ -90,7 +90,7 @@ def import_flat_vqa(
                         counts["dropped_without_answer"] += 1
                         dropped.append(where)
                         continue
-                    cell = row.get(names["image"])
+                    cell = _one_image(row.get(names["image"]), where, names["image"])
                     if _is_bytes(cell):
                         images = images or ImageWriter(tmp / "images")
                         data = cell.get("bytes") if isinstance(cell, dict) else cell
@@ -233,6 +233,17 @@ def _answer(value, where, field: str) -> str | None:
     return text(value)
 
 
+def _one_image(cell, where, field: str):
+    """A row's image cell; a list of one (EasyR1's and verl's `images` column) is its item. A list of
+    several is refused: a record shows one image."""
+    cell = plain(cell)
+    if isinstance(cell, list):
+        if len(cell) != 1:
+            raise InputError(where[0], f"{len(cell)} images: a record shows one image", where[1], field)
+        cell = cell[0]
+    return cell
+
+
 def _is_bytes(cell) -> bool:
     data = cell.get("bytes") if isinstance(cell, dict) else cell
     return isinstance(data, (bytes, bytearray)) and len(data) > 0
@@ -240,7 +251,10 @@ def _is_bytes(cell) -> bool:
 
 def _image_path(cell, image_root, where, field: str) -> str:
     """An image named by its path, relative to `image_root` (which must hold it)."""
-    name = text(cell.get("path") if isinstance(cell, dict) else cell)
+    name = cell.get("path") if isinstance(cell, dict) else cell
+    if not isinstance(name, (str, type(None))):
+        raise InputError(where[0], f"names no image file: {shown(cell)}", where[1], field)
+    name = text(name)
     if name is None:
         raise InputError(where[0], "names no image (no path, no bytes)", where[1], field)
     if "://" in name:
