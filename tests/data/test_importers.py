@@ -243,6 +243,46 @@ def test_chat_formats_become_one_record_a_conversation(tmp_path, name):
     prepare_split(tmp_path / "out/train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
 
 
+def test_mantis_conversations_of_role_content_turns_are_read_several_images_refused_as_such(tmp_path):
+    """Mantis-Instruct's rows: `conversation` as role / content turns (ms-swift's field name, the
+    messages layout). One image imports; several are refused for what they are; a video row is
+    skipped and counted."""
+    chat_fixtures(tmp_path)
+
+    def turns(question):
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": "The second."}]
+
+    rows = [
+        {"id": "m1", "images": ["a.jpg"], "conversation": turns("<image> Which shape is it?")},
+        {"id": "m2", "images": ["a.jpg", "b.jpg"], "conversation": turns("<image><image> Which differs?")},
+        {"id": "m3", "video": "clip.mp4", "conversation": turns("<video> What happens?")},
+    ]
+    (tmp_path / "mantis.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = import_chat([tmp_path / "mantis.jsonl"], tmp_path / "images", tmp_path / "out", skip_bad_rows=True)
+    assert [(r["image"], r["question"]) for r in read_jsonl(tmp_path / "out/train.jsonl")] == [
+        ("a.jpg", "Which shape is it?")
+    ]
+    assert summary["skipped_video"] == 1 and summary["refused"] == 1
+    (refused,) = read_jsonl(tmp_path / "out.refused.jsonl")
+    assert "needs one image, has 2: a.jpg, b.jpg" in json.dumps(refused)
+
+
+def test_ms_swifts_pairs_with_a_rejected_message_list_and_the_same_image_named_again_import(tmp_path):
+    """ms-swift's preference rows: `rejected_response` as a list of one assistant message, and
+    `rejected_images` naming the chosen answer's image again (by its absolute path): one pair."""
+    chat_fixtures(tmp_path)
+    row = {
+        "messages": [{"role": "user", "content": "<image>What is a?"}, {"role": "assistant", "content": "It is a."}],
+        "images": ["a.jpg"],
+        "rejected_response": [{"role": "assistant", "content": "It is b."}],
+        "rejected_images": [str((tmp_path / "images/a.jpg").resolve())],
+    }
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(row) + "\n")
+    import_chat([tmp_path / "pairs.jsonl"], tmp_path / "images", tmp_path / "out")
+    (record,) = read_jsonl(tmp_path / "out/train.jsonl")
+    assert (record["image"], record["answer"], record["rejected"]) == ("a.jpg", "It is a.", "It is b.")
+
+
 def test_chat_files_as_windows_tools_write_them_read_the_same(tmp_path):
     """A byte-order mark and CRLF line ends (Notepad, Excel, PowerShell), and a U+2028 that JSON
     text may hold unescaped: the same records as the plain file, none split or refused."""

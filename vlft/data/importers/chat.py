@@ -188,7 +188,9 @@ class Conversation:
         distinct = list(dict.fromkeys(images))
         if len(distinct) > 1:
             raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
-        if "rejected_images" in row and _listed(row["rejected_images"]) != distinct:
+        if "rejected_images" in row and _files(row["rejected_images"], image_root, where) != _files(
+            distinct, image_root, where
+        ):
             # ms-swift's field: the same image again names the pair's one image; another would not.
             raise InputError(
                 path,
@@ -263,13 +265,30 @@ def _rejected(row: dict, where) -> str | None:
     return None
 
 
+def _files(images, image_root: Path, where) -> list[str]:
+    """The distinct image files a row's image field names, as paths under `image_root` (the same
+    file named relatively and absolutely is one)."""
+    listed = _listed(images)
+    if not all(isinstance(i, str) for i in listed):
+        raise InputError(where[0], f"must name image files, not {shown(images)}", where[1], "rejected_images")
+    return list(dict.fromkeys(_relative(i, image_root, where) for i in listed))
+
+
 def _listed(value) -> list:
     """A row's image field as a list of its distinct entries (one path may be given bare)."""
     return list(dict.fromkeys([value] if isinstance(value, str) else value if isinstance(value, list) else [value]))
 
 
+def _role_turns(value) -> bool:
+    """Whether a list holds role / content (or from / value) turns, as `messages` does."""
+    return isinstance(value, list) and any(isinstance(t, dict) and ("role" in t or "from" in t) for t in value)
+
+
 def _answer_turn(value, where, field: str) -> str:
-    """An answer given beside the conversation: text, or an assistant turn ({from/role, value/content})."""
+    """An answer given beside the conversation: text, or an assistant turn ({from/role, value/content}),
+    alone or as a list of that one turn (as ms-swift's messages write it)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
     if isinstance(value, dict):
         if ROLES.get(value.get("role", value.get("from"))) != "assistant":
             raise InputError(where[0], "must be an assistant turn", where[1], field)
@@ -285,7 +304,7 @@ def _turns(row: dict, where) -> tuple[list[tuple[str, object]], set[int]]:
     `conversation` ([{human, assistant}]) and its query / response / history ([[query, response]]);
     and the rounds (counted from 0, a system turn apart) whose answers are marked not to be learned."""
     path, number = where
-    if "conversation" in row and "conversations" not in row:
+    if "conversation" in row and "conversations" not in row and not _role_turns(row["conversation"]):
         pairs = row["conversation"]
         if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
             raise InputError(path, "must be a list of {human, assistant}", number, "conversation")
@@ -300,6 +319,8 @@ def _turns(row: dict, where) -> tuple[list[tuple[str, object]], set[int]]:
         raw = row["messages"]
     elif "conversations" in row:
         raw = row["conversations"]
+    elif "conversation" in row:  # Mantis's: role / content turns under ms-swift's field name
+        raw = row["conversation"]
     else:
         raise InputError(path, "none of 'messages', 'conversations', 'conversation' or 'query'", number)
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
