@@ -807,7 +807,27 @@ def test_the_hub_mirrors_boxes_in_fractions_of_the_image_become_pixels_by_its_ow
         json.dumps([{"img_filename": "mobile_1.jpg", "bbox": [50, 10, 60, 20], "instruction": "x"}])
     )
     with pytest.raises(InputError, match=r"wide.json:1: field 'bbox': .* outside the 96x64 image \(its file\)"):
-        import_screenspot([tmp_path / "wide.json"], tmp_path / "bad", image_root=tmp_path / "shots")
+        import_screenspot([tmp_path / "wide.json"], tmp_path / "bad", bbox="xywh", image_root=tmp_path / "shots")
+
+
+def test_ui_r1s_corner_boxes_without_img_size_stop_for_the_layout_option_and_import_by_it(tmp_path):
+    """UI-R1's test.json: corner boxes, no img_size, nothing that names the layout; one box fits its
+    screenshot read either way. Read as x, y, width, height, it would land elsewhere silently: the
+    import stops naming the option, and with it imports the corners as they are."""
+    (tmp_path / "shots").mkdir()
+    (tmp_path / "shots/mobile_1.jpg").write_bytes(jpeg_bytes(0))  # 96 x 64
+    rows = [
+        {"img_filename": "mobile_1.jpg", "bbox": [10, 10, 30, 20], "instruction": "open the menu"},
+        {"img_filename": "mobile_1.jpg", "bbox": [50, 10, 60, 20], "instruction": "search"},
+    ]
+    (tmp_path / "test.json").write_text(json.dumps(rows))
+    with pytest.raises(
+        InputError, match=r"test.json: its boxes read both as corners and .* give --bbox xyxy or --bbox xywh"
+    ):
+        import_screenspot([tmp_path / "test.json"], tmp_path / "out", image_root=tmp_path / "shots")
+    assert not (tmp_path / "out").exists()
+    import_screenspot([tmp_path / "test.json"], tmp_path / "out", bbox="xyxy", image_root=tmp_path / "shots")
+    assert [r["box"] for r in read_jsonl(tmp_path / "out/test.jsonl")] == [[10, 10, 30, 20], [50, 10, 60, 20]]
 
 
 @pytest.mark.parametrize(

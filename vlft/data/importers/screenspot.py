@@ -28,14 +28,24 @@ CATEGORY_FIELDS = ("data_type", "ui_type")
 RECORD_FIELDS = ("id", "image", "question", "answer", "box", "point", "category", "width", "height", "image_path")
 
 
-def box_layout(rows: list[dict], asked: str) -> str:
+def box_layout(rows: list[dict], asked: str) -> str | None:
     """How a file's boxes are written: as asked, or (auto) corners where the file is ScreenSpot-Pro
-    (its rows carry `img_size` and `ui_type`) or the Hub mirror (`file_name`), else x, y, w, h."""
+    (its rows carry `img_size` and `ui_type`) or the Hub mirror (`file_name`); x, y, width, height
+    where it is SeeClick's ScreenSpot or a republication of it (`data_type`, `data_source`) or where
+    a box cannot be corners (its second corner not beyond its first); else None: corners and
+    x, y, width, height would both read (UI-R1's test.json), and guessing would move its boxes."""
     if asked != "auto":
         return asked
-    pro = any(isinstance(r, dict) and ("img_size" in r or "ui_type" in r) for r in rows)
-    mirror = any(isinstance(r, dict) and "file_name" in r for r in rows)
-    return "xyxy" if pro or mirror else "xywh"
+    rows = [r for r in rows if isinstance(r, dict)]
+    if any("img_size" in r or "ui_type" in r or "file_name" in r for r in rows):
+        return "xyxy"
+    if any("data_type" in r or "data_source" in r for r in rows):
+        return "xywh"
+    boxes = [r.get("bbox") for r in rows]
+    boxes = [b for b in boxes if isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) for v in b)]
+    if any(b[2] <= b[0] or b[3] <= b[1] for b in boxes):
+        return "xywh"
+    return None
 
 
 def box_units(rows: list[dict], asked: str) -> str:
@@ -76,6 +86,12 @@ def import_screenspot(
                 else json_rows(path)
             )
             layout = layouts[str(path)] = box_layout([row for _, row in rows], bbox)
+            if layout is None:
+                raise InputError(
+                    path,
+                    "its boxes read both as corners and as x, y, width, height, and nothing in the file says "
+                    "which: give --bbox xyxy or --bbox xywh",
+                )
             unit = all_units[str(path)] = box_units([row for _, row in rows], units)
             for where, row in rows:
                 with refusals.row(where):
