@@ -283,6 +283,45 @@ def test_ms_swifts_pairs_with_a_rejected_message_list_and_the_same_image_named_a
     assert (record["image"], record["answer"], record["rejected"]) == ("a.jpg", "It is a.", "It is b.")
 
 
+def test_ms_swifts_grpo_rows_take_their_solution_as_the_answer_its_r1_tags_read(tmp_path):
+    """ms-swift's GRPO rows: a user turn, `images`, `solution` (R1-style tags, with or without
+    reasoning). The answer is the tags' text (reasoning, then 'Final answer:'), which answer_match
+    scores against a plain '3'; counted; a box solution is refused as such."""
+    from vlft.data.answers import is_correct
+
+    chat_fixtures(tmp_path)
+
+    def row(solution):
+        return {
+            "messages": [{"role": "user", "content": "<image>How many shapes?"}],
+            "images": ["a.jpg"],
+            "solution": solution,
+        }
+
+    rows = [row("<answer> 3 </answer>"), row("<think>I count them.</think> <answer>3</answer>"), row([1, 2, 30, 40])]
+    (tmp_path / "grpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = import_chat([tmp_path / "grpo.jsonl"], tmp_path / "images", tmp_path / "out", skip_bad_rows=True)
+    answers = [r["answer"] for r in read_jsonl(tmp_path / "out/train.jsonl")]
+    assert answers == ["3", "I count them.\nFinal answer: 3"]
+    assert all(is_correct("3", answer) for answer in answers) and not is_correct("3", "<answer> 3 </answer>")
+    assert summary["answers_from_solution"] == 2 and summary["refused"] == 1
+    (refused,) = read_jsonl(tmp_path / "out.refused.jsonl")
+    assert (refused["row"], refused["field"]) == (3, "solution")
+    assert refused["reason"].startswith("is a list of numbers (a box?), not text")
+
+
+def test_r1_v_rows_import_through_vqa_their_solution_tags_read_and_counted(tmp_path):
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/a.png").write_bytes(jpeg_bytes(0))
+    rows = [{"image": "a.png", "problem": "How many?", "solution": "<answer> 3 </answer>"}]
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    summary = import_flat_vqa([tmp_path / "train.jsonl"], tmp_path / "out", tmp_path / "images")
+    assert [r["answer"] for r in read_jsonl(tmp_path / "out/train.jsonl")] == ["3"]
+    assert summary["answer_tags_read"] == 1 and summary["fields"][str(tmp_path / "train.jsonl")]["answer"] == "solution"
+
+
 def test_chat_files_as_windows_tools_write_them_read_the_same(tmp_path):
     """A byte-order mark and CRLF line ends (Notepad, Excel, PowerShell), and a U+2028 that JSON
     text may hold unescaped: the same records as the plain file, none split or refused."""

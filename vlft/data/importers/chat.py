@@ -29,7 +29,16 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.data.clicks import Frame, released_frame, written_targets
-from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, holds_bytes, json_rows, shown, write_splits
+from vlft.data.importers.common import (
+    IMAGE_MARKER,
+    Refusals,
+    UniqueIds,
+    holds_bytes,
+    json_rows,
+    shown,
+    tagged_answer,
+    write_splits,
+)
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
@@ -69,6 +78,7 @@ def import_chat(
         "grounding_rows": 0,
         "preference_pairs": 0,
         "rounds_not_learned": 0,
+        "answers_from_solution": 0,
     }
     for path in files:
         for where, row in json_rows(path, refusals):
@@ -82,6 +92,7 @@ def import_chat(
                 counts["grounding_rows"] += bool(conversation.extra)
                 counts["preference_pairs"] += conversation.rejected is not None
                 counts["rounds_not_learned"] += len(conversation.not_learned)
+                counts["answers_from_solution"] += conversation.from_solution
                 base_id = ids.add(str(row.get("id", f"{Path(path).stem}-{where[1]}")), where)
                 for record in conversation.records(base_id):
                     if record["id"] != base_id:  # a round's own id: unique too
@@ -94,6 +105,8 @@ def import_chat(
 
 class Conversation:
     """One image, an optional system prompt and rounds of (question, answer)."""
+
+    from_solution = False  # its last answer is the row's `solution` (a GRPO row's reference)
 
     def __init__(
         self,
@@ -139,6 +152,9 @@ class Conversation:
             raise InputError(path, "each record must be a JSON object", number)
         rejected = _rejected(row, where)
         turns, not_learned = _turns(row, where)
+        solution = "solution" in row and bool(turns) and turns[-1][0] == "user"
+        if solution:  # ms-swift's GRPO rows: the question alone, its reference answer as `solution`
+            turns.append(("assistant", _solution(row["solution"], where)))
         if rejected is not None and "chosen" in row:  # LLaMA-Factory's: the conversation ends with the question
             turns.append(("assistant", _answer_turn(row["chosen"], where, "chosen")))
         system = row.get("system")
@@ -230,7 +246,9 @@ class Conversation:
             raise InputError(path, "a pair whose chosen answer is marked not to be learned (loss)", number)
         if len(not_learned) == len(rounds) and rejected is None:
             return "skipped_not_learned"  # every answer marked not to be learned: nothing to learn from it
-        return cls(image, system, rounds, max(0, markers - 1), extra, rejected, frozenset(not_learned))
+        conversation = cls(image, system, rounds, max(0, markers - 1), extra, rejected, frozenset(not_learned))
+        conversation.from_solution = solution
+        return conversation
 
 
 def _rejected(row: dict, where) -> str | None:
@@ -277,6 +295,17 @@ def _files(images, image_root: Path, where) -> list[str]:
 def _listed(value) -> list:
     """A row's image field as a list of its distinct entries (one path may be given bare)."""
     return list(dict.fromkeys([value] if isinstance(value, str) else value if isinstance(value, list) else [value]))
+
+
+def _solution(value, where) -> str:
+    """A GRPO row's reference answer: text, its R1-style tags read (importers.common.tagged_answer).
+    A box or an action (GUI-R1's, VLM-R1's REC solutions) is refused as what it is."""
+    if isinstance(value, (list, dict)):
+        kind = "a list of numbers (a box?)" if isinstance(value, list) else "an object (an action?)"
+        raise InputError(where[0], f"is {kind}, not text: this importer reads text solutions", where[1], "solution")
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(where[0], "must be a non-empty answer", where[1], "solution")
+    return tagged_answer(value) or value.strip()
 
 
 def _role_turns(value) -> bool:

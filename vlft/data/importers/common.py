@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -61,6 +62,22 @@ def plain(value):
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     return value
+
+
+# R1-style answers (R1-V's, VLM-R1's and EasyR1's `solution`): reasoning in think tags, the answer in answer tags.
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THINK_TAG = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def tagged_answer(value: str) -> str | None:
+    """An R1-style answer as our record writes one: the answer tags' text, after the think tags'
+    reasoning and 'Final answer:' where it has some (what answer_match and the evaluation read);
+    None where the text has no answer tag."""
+    answers = ANSWER_TAG.findall(value)
+    if not answers:
+        return None
+    thinking = "\n".join(t.strip() for t in THINK_TAG.findall(value) if t.strip())
+    return f"{thinking}\nFinal answer: {answers[-1].strip()}" if thinking else answers[-1].strip()
 
 
 def shown(value, limit: int = 120) -> str:

@@ -21,14 +21,24 @@ from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path, read_text
-from vlft.data.importers.common import IMAGE_MARKER, Refusals, UniqueIds, json_rows, plain, shown, text, write_splits
+from vlft.data.importers.common import (
+    IMAGE_MARKER,
+    Refusals,
+    UniqueIds,
+    json_rows,
+    plain,
+    shown,
+    tagged_answer,
+    text,
+    write_splits,
+)
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
 
 # The names each field goes by in the published sets, looked for in this order where none is given.
 FIELD_NAMES = {
     "image": ("image", "img_name", "image_name", "img", "file_name", "image_path", "img_path", "images"),
     "question": ("question", "text", "query", "problem"),
-    "answer": ("answer", "answers", "gpt4_answer", "label"),
+    "answer": ("answer", "answers", "gpt4_answer", "label", "solution"),
     "id": ("id", "qid", "question_id"),
 }
 # The names of split files, as the publishers write them, and our split each is.
@@ -90,6 +100,9 @@ def import_flat_vqa(
                         counts["dropped_without_answer"] += 1
                         dropped.append(where)
                         continue
+                    if tagged_answer(answer) is not None:
+                        answer = tagged_answer(answer)
+                        counts["answer_tags_read"] += 1
                     cell = _one_image(row.get(names["image"]), where, names["image"])
                     if _is_bytes(cell):
                         images = images or ImageWriter(tmp / "images")
