@@ -312,7 +312,14 @@ def test_ctrl_c_while_the_warm_process_imports_is_one_line_and_the_jobs_end_by_s
         f"import os, pathlib, time\npathlib.Path({str(started)!r}).write_text(str(os.getpid()))\ntime.sleep(120)\n"
     )
     path = os.pathsep.join(filter(None, [str(slow.parent), os.environ.get("PYTHONPATH")]))
-    job = subprocess.Popen([sys.executable, str(scripts / "job.py"), "0"], env=warm_env | {"PYTHONPATH": path}, **PIPES)
+    # As a terminal starts it: Ctrl-C at its default, even where this test runs with SIGINT ignored
+    # (a background job of a shell without job control, which ignores it and hands that on).
+    job = subprocess.Popen(
+        [sys.executable, str(scripts / "job.py"), "0"],
+        env=warm_env | {"PYTHONPATH": path},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **PIPES,
+    )
     deadline = time.time() + 120
     while not started.exists():
         assert job.poll() is None and time.time() < deadline, "the job ended, or no warm process imported transformers"
