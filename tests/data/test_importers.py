@@ -641,7 +641,8 @@ def test_grounding_rows_with_one_target_become_click_records(tmp_path):
                     {"role": "assistant", "content": "<ref-object>"},
                 ],
             ),
-            r"chat.jsonl:2: asks about a box \(<bbox> in the question\)",
+            r"chat.jsonl:2: asks about a box \(<bbox> in the question\), as a grounded caption does: ms-swift "
+            r"writes that box in each model family's own coordinates",
         ),
         (
             dict(MLLM_DEMO[0], messages=grounding_row()["messages"]),
@@ -867,6 +868,23 @@ def test_ui_r1s_corner_boxes_without_img_size_stop_for_the_layout_option_and_imp
     assert not (tmp_path / "out").exists()
     import_screenspot([tmp_path / "test.json"], tmp_path / "out", bbox="xyxy", image_root=tmp_path / "shots")
     assert [r["box"] for r in read_jsonl(tmp_path / "out/test.jsonl")] == [[10, 10, 30, 20], [50, 10, 60, 20]]
+
+
+def test_ui_r1s_steps_of_actions_other_than_a_click_are_skipped_and_counted(tmp_path):
+    """UI-R1's rows carry an `action`: a click step is a click record; a scroll or typing step has
+    no box to click and is skipped, counted by its action, not refused as a row without `bbox`."""
+    (tmp_path / "shots").mkdir()
+    (tmp_path / "shots/mobile_1.jpg").write_bytes(jpeg_bytes(0))  # 96 x 64
+    rows = [
+        {"img_filename": "mobile_1.jpg", "bbox": [10, 10, 30, 20], "instruction": "open the menu", "action": "click"},
+        {"img_filename": "mobile_1.jpg", "instruction": "scroll down", "action": "scroll"},
+        {"img_filename": "mobile_1.jpg", "instruction": "type hello", "action": "type"},
+    ]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    summary = import_screenspot([tmp_path / "train.json"], tmp_path / "out", "xyxy", "train", tmp_path / "shots")
+    (record,) = read_jsonl(tmp_path / "out/train.jsonl")
+    assert (record["box"], record["answer"]) == ([10, 10, 30, 20], "(20, 15)")
+    assert summary["skipped_actions"] == {"scroll": 1, "type": 1} and summary["records"] == 1
 
 
 @pytest.mark.parametrize(
@@ -1223,36 +1241,103 @@ def test_the_image_marker_llava_med_leaves_in_its_questions_is_taken_out_and_cou
         import_flat_vqa([tmp_path / "two.jsonl"], tmp_path / "two", tmp_path / "images", split="test")
 
 
-def test_a_structured_answer_is_refused_as_what_it_is_never_imported_as_python_text(tmp_path):
-    """An action object (AndroidControl's `gt`) and a box of four numbers (GUI-R1's and VLM-R1's
-    `solution`) as a flat row's answer: each row refused, named with its field and what the cell
-    is; with --skip-bad-rows the text rows import and the refused ones are listed."""
+def test_vlm_r1_rec_box_solutions_become_click_records_in_the_images_pixels(tmp_path):
+    """VLM-R1's REC rows: `image`, `problem`, `solution` a box [x1, y1, x2, y2] in the image's
+    pixels (as a list, or as text in answer tags). Each becomes a click record: `box`, its centre
+    the answer, counted. A list of three numbers, a box outside the image and an object that is no
+    action are refused as what they are; a text row beside them imports as text."""
+    from vlft.data.importers import import_flat_vqa
+
+    (tmp_path / "coco").mkdir()
+    (tmp_path / "coco/COCO_train2014_1.jpg").write_bytes(jpeg_bytes(0))  # 96 x 64
+    row = {"image": "COCO_train2014_1.jpg", "problem": "the man on the left", "normal_caption": "a man"}
+    rows = [
+        row | {"solution": [10, 20, 30, 40]},
+        row | {"solution": "<answer>[12, 8, 40, 30]</answer>"},
+        row | {"solution": [10, 20, 30]},
+        row | {"solution": [10, 20, 300, 40]},
+        row | {"solution": {"label": "man"}},
+        row | {"solution": "<answer> a man </answer>"},
+    ]
+    (tmp_path / "refcoco_train.json").write_text(json.dumps(rows))
+    options = dict(image_root=tmp_path / "coco", skip_bad_rows=True)
+    summary = import_flat_vqa([tmp_path / "refcoco_train.json"], tmp_path / "out", **options)
+    records = read_jsonl(tmp_path / "out/train.jsonl")
+    assert [(r.get("box"), r["answer"]) for r in records] == [
+        ([10, 20, 30, 40], "(20, 30)"),
+        ([12, 8, 40, 30], "(26, 19)"),
+        (None, "a man"),
+    ]
+    assert records[0]["question"] == "the man on the left" and records[0]["normal_caption"] == "a man"
+    assert summary["click_records"] == 2 and summary["refused"] == 3
+    reasons = {r["row"]: r["reason"] for r in read_jsonl(tmp_path / "out.refused.jsonl")}
+    assert reasons[3].startswith("a list of 3 numbers: a place is 2 (a point) or 4 (a box's corners)")
+    assert reasons[4].startswith("box [10, 20, 300, 40] (pixels) is not [x1, y1, x2, y2] of positive area inside")
+    assert reasons[5] == "the answer is an object (its fields: label), not text"
+
+
+def test_gui_r1_and_android_control_click_steps_become_click_records_other_actions_counted(tmp_path):
+    """GUI-R1's parquet: the screenshot's bytes in `image`, `instruction`, `history` (its earlier
+    steps, which its prompt shows), `gt_action`, `gt_bbox` in fractions of the image (a point or a
+    box). AndroidControl's steps: an action object {action_type, x, y} in pixels. Click steps become
+    click records in the image's pixels; typing, scrolling and going back are skipped, counted by
+    action; a click without a place is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlft.data.importers import import_flat_vqa
+
+    screen = {"bytes": jpeg_bytes(1), "path": None}  # 96 x 64
+    step = {"image": screen, "instruction": "Open the settings.", "gt_input_text": "no input text"}
+    rows = [
+        step | {"history": "", "gt_action": "click", "gt_bbox": [0.5, 0.25]},
+        step | {"history": "click(0.1, 0.2)", "gt_action": "click", "gt_bbox": [0.25, 0.5, 0.5, 0.75]},
+        step | {"history": "", "gt_action": "type", "gt_bbox": [-1.0, -1.0], "gt_input_text": "wifi"},
+        step | {"history": "", "gt_action": "scroll", "gt_bbox": [-1.0, -1.0]},
+    ]
+    (tmp_path / "gui").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "gui/train-00000-of-00001.parquet")
+    summary = import_flat_vqa([tmp_path / "gui/train-00000-of-00001.parquet"], tmp_path / "gui-out")
+    records = read_jsonl(tmp_path / "gui-out/train.jsonl")
+    assert [(r.get("point"), r.get("box"), r["answer"]) for r in records] == [
+        ([48.0, 16.0], None, "(48, 16)"),
+        (None, [24.0, 32.0, 48.0, 48.0], "(36, 40)"),
+    ]
+    assert records[1]["question"] == "Open the settings.\nPrevious actions: click(0.1, 0.2)"
+    assert "history" not in records[0] and records[0]["gt_action"] == "click"
+    assert summary["skipped_actions"] == {"type": 1, "scroll": 1} and summary["click_records"] == 2
+    assert summary["fields"][str(tmp_path / "gui/train-00000-of-00001.parquet")]["answer"] == "gt_bbox"
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images/step1.png").write_bytes(jpeg_bytes(2))
+    steps = [
+        {"image": "step1.png", "instruction": "Tap Wi-Fi.", "gt": {"action_type": "click", "x": 50, "y": 30}},
+        {"image": "step1.png", "instruction": "Type wifi.", "gt": {"action_type": "input_text", "text": "wifi"}},
+        {"image": "step1.png", "instruction": "Go back.", "gt": {"action_type": "navigate_back"}},
+        {"image": "step1.png", "instruction": "Tap it.", "gt": {"action_type": "click"}},
+    ]
+    (tmp_path / "android_control_test.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    options = dict(image_root=tmp_path / "images", fields={"answer": "gt"}, skip_bad_rows=True)
+    summary = import_flat_vqa([tmp_path / "android_control_test.jsonl"], tmp_path / "ac", **options)
+    (record,) = read_jsonl(tmp_path / "ac/test.jsonl")
+    assert (record["point"], record["answer"], record["question"]) == ([50, 30], "(50, 30)", "Tap Wi-Fi.")
+    assert summary["skipped_actions"] == {"input_text": 1, "navigate_back": 1} and summary["refused"] == 1
+    (refused,) = read_jsonl(tmp_path / "ac.refused.jsonl")
+    assert (refused["row"], refused["field"]) == (4, "gt")
+    assert refused["reason"] == "an action without a place (x and y): fields action_type"
+
+
+def test_a_published_field_named_as_ours_is_kept_under_its_own_prefix(tmp_path):
     from vlft.data.importers import import_flat_vqa
 
     (tmp_path / "images").mkdir()
-    (tmp_path / "images/screen.png").write_bytes(jpeg_bytes(0))
-    rows = [
-        {
-            "image": "screen.png",
-            "problem": "Open the settings.",
-            "solution": {"action_type": "click", "x": 10, "y": 20},
-        },
-        {"image": "screen.png", "problem": "Where is the OK button?", "solution": [10, 20, 30, 40]},
-        {"image": "screen.png", "problem": "What app is open?", "solution": "Settings"},
-    ]
-    (tmp_path / "rl_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    options = dict(image_root=tmp_path / "images", fields={"question": "problem", "answer": "solution"})
-    with pytest.raises(InputError) as refused:
-        import_flat_vqa([tmp_path / "rl_test.jsonl"], tmp_path / "out", **options)
-    said = str(refused.value)
-    assert (
-        "rl_test.jsonl:1: field 'solution': the answer is an object (its fields: action_type, x, y), not text" in said
-    )
-    assert "rl_test.jsonl:2: field 'solution': the answer is a list of 4 values (a box?), not text" in said
-    assert "{'action_type'" not in said and not (tmp_path / "out").exists()
-    summary = import_flat_vqa([tmp_path / "rl_test.jsonl"], tmp_path / "out", skip_bad_rows=True, **options)
-    assert summary["records"] == 1 and summary["refused"] == 2
-    assert [r["answer"] for r in read_jsonl(tmp_path / "out/test.jsonl")] == ["Settings"]
+    (tmp_path / "images/a.png").write_bytes(jpeg_bytes(0))
+    row = {"image": "a.png", "question": "Q?", "answer": "A", "history": "seen before", "system": "be brief"}
+    (tmp_path / "test.jsonl").write_text(json.dumps(row) + "\n")
+    summary = import_flat_vqa([tmp_path / "test.jsonl"], tmp_path / "out", tmp_path / "images")
+    (record,) = read_jsonl(tmp_path / "out/test.jsonl")
+    assert (record["published_history"], record["published_system"]) == ("seen before", "be brief")
+    assert "history" not in record and "system" not in record and summary["fields_renamed"] == 2
 
 
 def test_a_file_of_rows_without_answers_names_the_first_of_them(tmp_path):
@@ -1361,3 +1446,43 @@ def test_a_pair_whose_rejected_images_name_its_own_image_is_imported(tmp_path):
     import_chat([tmp_path / "rows.json"], tmp_path / "images", tmp_path / "out")
     [record] = read_jsonl(next((tmp_path / "out").glob("*.jsonl")))
     assert (record["image"], record["answer"], record["rejected"]) == ("a.jpg", "A polyp.", "A cat.")
+
+
+def rl_layouts(root):
+    """RL datasets as their publishers lay them out, at the paths the README's commands name:
+    ms-swift's GRPO rows, R1-V's (CLEVR) and VLM-R1's REC rows, EasyR1's geometry3k parquet, GUI-R1's
+    parquet, AndroidControl's steps (an action object) and UI-R1's rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def files(directory: str, rows, name: str):
+        (root / directory / "images").mkdir(parents=True)
+        (root / directory / "images/a.png").write_bytes(jpeg_bytes(5))  # 96 x 64
+        text = json.dumps(rows) if name.endswith(".json") else "".join(json.dumps(r) + "\n" for r in rows)
+        (root / directory / name).write_text(text)
+
+    user = {"role": "user", "content": "<image>How many cubes?"}
+    files("swift-grpo", [{"messages": [user], "images": ["a.png"], "solution": "<answer> 3 </answer>"}], "train.jsonl")
+    files(
+        "clevr-r1",
+        [{"image": "a.png", "problem": "How many cubes?", "solution": "<answer> 3 </answer>"}],
+        "train.jsonl",
+    )
+    files("rec", [{"image": "a.png", "problem": "the red cube", "solution": [10, 20, 30, 40]}], "refcoco_train.json")
+    files(
+        "android_control",
+        [{"image": "a.png", "instruction": "Tap OK.", "gt": {"action_type": "click", "x": 9, "y": 8}}],
+        "test.jsonl",
+    )
+    files(
+        "UI-R1",
+        [{"img_filename": "a.png", "instruction": "Tap OK.", "bbox": [1, 2, 30, 40], "action": "click"}],
+        "train.json",
+    )
+    image = {"bytes": jpeg_bytes(6), "path": None}
+    (root / "geometry3k/data").mkdir(parents=True)
+    geometry = [{"images": [image], "problem": "<image>Find x.", "answer": "3"}]
+    pq.write_table(pa.Table.from_pylist(geometry), root / "geometry3k/data/train-00000-of-00001.parquet")
+    (root / "GUI-R1").mkdir()
+    steps = [{"image": image, "instruction": "Tap OK.", "history": "", "gt_action": "click", "gt_bbox": [0.5, 0.5]}]
+    pq.write_table(pa.Table.from_pylist(steps), root / "GUI-R1/train.parquet")

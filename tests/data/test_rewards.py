@@ -46,6 +46,23 @@ def test_click_rewards_judge_the_point_in_original_pixels():
         )
 
 
+def test_a_point_target_is_judged_near_it_as_android_control_judges_a_click():
+    """GUI-R1's and AndroidControl's click steps give a point, no box: click_near (and answer_match)
+    reward a click within 14% of the screen, each axis over its own side (1000 x 500 here: 139 px
+    along x is inside, 141 px outside; 69 px along y inside, 71 px outside); click_in_box says it
+    needs a box, in one sentence."""
+    target = BUTTON | {"id": "p1", "box": None, "point": [300, 200]}
+    answers = [
+        Answer(target, click(x, y).text, FRAME) for x, y in [(300, 200), (439, 200), (441, 200), (300, 269), (300, 271)]
+    ]
+    answers.append(Answer(target, "the button", FRAME))
+    scored = Rewards({"click_near": 1.0, "answer_match": 1.0}, "click").score(answers)
+    assert scored["click_near"] == scored["answer_match"] == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    with pytest.raises(InputError, match="record p1 has a point and no box: click_in_box needs a box, click_near"):
+        Rewards({"click_in_box": 1.0}, "click").score(answers[:1])
+    assert Rewards({"answer_match": 1.0}, "click").score([click(300, 200), click(351, 200)])["answer_match"] == [1, 0]
+
+
 def test_answer_rewards_judge_the_final_answer_as_the_evaluation_does():
     record = {"id": "q", "source_split": "val.jsonl", "answer": "Two circles. Final answer: 2"}
     rewards = Rewards({"answer_match": 1.0, "format": 0.2}, "cot")

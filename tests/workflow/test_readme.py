@@ -297,16 +297,6 @@ def run_snakemake_report(command, fixture, tmp_path):
         assert any(name.endswith(item) and "/data/raw/" in name for name in names), (item, names[:20])
 
 
-IMPORT_SPLITS = {  # the splits each format writes
-    "kvasir-vqa": ("train", "val", "test"),
-    "kvasir-vqa-x1": ("train", "val", "test"),
-    "chat": ("train",),
-    "screenspot": ("test",),
-    "pairs": ("train",),
-    "vqa": ("train", "val", "test"),
-}
-
-
 def run_import(command, fixture, tmp_path):
     """Each importer on files in its published format, at the paths the README names."""
     import json
@@ -339,15 +329,30 @@ def run_import(command, fixture, tmp_path):
     ]
     pd.DataFrame(pairs).to_parquet(workdir / "rlaif-v/train-00000.parquet")
 
-    from tests.data.test_importers import hub_vqa_parquet, slake
+    from tests.data.test_importers import hub_vqa_parquet, rl_layouts, slake
 
     slake(workdir / "SLAKE")
     hub_vqa_parquet(workdir / "vqa-rad")
+    rl_layouts(workdir)
     summary = json.loads(shell(command, workdir).strip().splitlines()[-1])
-    out, splits = command.split("--out ")[1].split()[0], IMPORT_SPLITS[command.split()[2]]
+    out = command.split("--out ")[1].split()[0]
     assert summary["records"] > 0
-    written = [workdir / out / f"{split}.jsonl" for split in splits if (workdir / out / f"{split}.jsonl").exists()]
+    written = list((workdir / out).glob("*.jsonl"))
+    assert {path.stem for path in written} <= {"train", "val", "test"}
     assert sum(len(path.read_text().splitlines()) for path in written) == summary["records"]
+    read_as = next((said for name, said in RL_LAYOUTS_READ_AS.items() if f"/{name}" in command), None)
+    if read_as is not None:  # an RL layout: its solution read as our answer, or its target as a click
+        assert summary.get(read_as) == summary["records"], (read_as, summary)
+
+
+# What each RL layout's rows become, by the summary's count (the README's command names the directory).
+RL_LAYOUTS_READ_AS = {
+    "swift-grpo": "answers_from_solution",
+    "clevr-r1": "answer_tags_read",
+    "rec": "click_records",
+    "GUI-R1": "click_records",
+    "android_control": "click_records",
+}
 
 
 def run_from_own_directory(command, fixture, tmp_path):
@@ -485,6 +490,19 @@ def run_predict(command, fixture, tmp_path):
     )
 
 
+RL_IMPORTS = (
+    "python scripts/import_dataset.py chat --json swift-grpo/train.jsonl --image-root swift-grpo/images --out data/swift-grpo",
+    "python scripts/import_dataset.py vqa --files clevr-r1/train.jsonl --image-root clevr-r1/images --out data/clevr-r1",
+    "python scripts/import_dataset.py vqa --files rec/refcoco_train.json --image-root rec/images --out data/refcoco",
+    "python scripts/import_dataset.py vqa --files geometry3k/data/train-00000-of-00001.parquet --out data/geometry3k",
+    "python scripts/import_dataset.py vqa --files GUI-R1/train.parquet --out data/gui-r1",
+    "python scripts/import_dataset.py vqa --files android_control/test.jsonl --image-root android_control/images "
+    "--answer gt --out data/android-control",
+    "python scripts/import_dataset.py screenspot --json UI-R1/train.json --image-root UI-R1/images --bbox xyxy "
+    "--split train --out data/ui-r1",
+)
+
+
 RUNNERS = {
     "pip install -e . && snakemake --cores all": run_quick_start_demo,
     TEST_COMMAND: run_test_suite,
@@ -516,6 +534,7 @@ RUNNERS = {
     "python scripts/import_dataset.py vqa --files SLAKE/train.json SLAKE/validate.json SLAKE/test.json --image-root "
     "SLAKE/imgs --category content_type --keep q_lang=en --out data/slake": run_import,
     "python scripts/import_dataset.py vqa --files vqa-rad/data/*.parquet --out data/vqa-rad": run_import,
+    **{command: run_import for command in RL_IMPORTS},
     f"snakemake --configfile {CLICK_EXAMPLE} -n": run_click_plan,
     "snakemake -s <clone>/Snakefile --configfile my-study.yaml --cores all": run_from_own_directory,
     "vlft env": run_env,

@@ -6,11 +6,15 @@ Built in, by the name a stage's `rewards` gives them:
 
 - `click_in_box`: 1 where the answered point lands in the target's box, 0 elsewhere or where the
   answer gives no point (vlft.data.clicks.score, as the evaluation judges a click);
+- `click_near`: 1 where the answered point lies within NEAR_RADIUS of the target point, as
+  AndroidControl's evaluation judges a click on a point target (GUI-R1's and AndroidControl's steps
+  give a point, no box);
 - `click_gaussian`: GUI-G²'s Gaussian point reward, exp(-((dx / σx)² + (dy / σy)²) / 2) for the
   point's distance to the box's centre, σ half the box's width and height (their alpha 0.5), so
   that a small target asks for a closer click; 0 where the answer gives no point;
 - `answer_match`: 1 where the final answer equals the reference by the evaluation's rule
-  (vlft.data.answers.is_correct), and for clicks where the point is in the box;
+  (vlft.data.answers.is_correct), and for clicks where the point is in the box (`click_near` where
+  the record gives a point and no box);
 - `format`: 1 where the answer parses in the stage's answer format: a point for clicks, a
   "Final answer:" for chains of thought, a non-empty answer otherwise.
 
@@ -37,6 +41,9 @@ from vlft.data.answers import FINAL_ANSWER, AnswerFormat, final_answer, is_corre
 from vlft.errors import ConfigError, InputError, TrainingError
 from vlft.jobs.stopping import Preempted, StopRequest
 
+# AndroidControl's judge of a click on a point target (GUI-R1's too): within 14% of the screen, each
+# axis's distance taken as a fraction of the screen's width or height.
+NEAR_RADIUS = 0.14
 # GUI-G²'s point reward: σ = alpha x the target box's width (height).
 GAUSSIAN_ALPHA = 0.5
 # How often the job says a user's reward has not returned yet, and looks for a stop signal meanwhile.
@@ -54,7 +61,22 @@ class Answer:
 
 
 def click_in_box(answer: Answer, answer_format: str) -> float:
+    if not answer.record.get("box"):
+        raise InputError(
+            answer.record["source_split"],
+            f"record {answer.record['id']} has a point and no box: click_in_box needs a box, click_near (or "
+            "answer_match) judges a point",
+        )
     return float(bool(_click(answer)["correct"]))
+
+
+def click_near(answer: Answer, answer_format: str) -> float:
+    point = _click(answer)["point"]
+    if point is None:
+        return 0.0
+    x, y = clicks.target_point(answer.record, answer.record["source_split"])
+    dx, dy = (point[0] - x) / answer.frame.width, (point[1] - y) / answer.frame.height
+    return float(math.hypot(dx, dy) < NEAR_RADIUS)
 
 
 def click_gaussian(answer: Answer, answer_format: str) -> float:
@@ -74,7 +96,7 @@ def click_gaussian(answer: Answer, answer_format: str) -> float:
 
 def answer_match(answer: Answer, answer_format: str) -> float:
     if answer_format == AnswerFormat.CLICK:
-        return click_in_box(answer, answer_format)
+        return (click_in_box if answer.record.get("box") else click_near)(answer, answer_format)
     return float(is_correct(answer.text, answer.record["answer"]))
 
 
@@ -94,10 +116,11 @@ def _click(answer: Answer) -> dict:
 BUILT_IN: dict[str, Callable[[Answer, str], float]] = {
     "click_in_box": click_in_box,
     "click_gaussian": click_gaussian,
+    "click_near": click_near,
     "answer_match": answer_match,
     "format": format_reward,
 }
-CLICKS_ONLY = ("click_in_box", "click_gaussian")
+CLICKS_ONLY = ("click_in_box", "click_gaussian", "click_near")
 
 
 class Rewards:

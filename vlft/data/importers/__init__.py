@@ -2,7 +2,9 @@
 images they name, so that nothing downstream knows the formats' shapes. One module per family:
 kvasir (Kvasir-VQA, Kvasir-VQA-x1), chat (LLaMA-Factory, ms-swift, LLaVA; their preference pairs
 too), screenspot (v1, v2, Pro, the Hub mirror), pairs (flat preference pairs as RLAIF-V publishes them),
-flat (one image, question and answer a row, as SLAKE, VQA-RAD, PathVQA and LLaVA-Med publish them).
+flat (one image, question and answer a row, as SLAKE, VQA-RAD, PathVQA and LLaVA-Med publish them,
+and RL datasets' problem / solution rows); targets (an answer that is a place on the image: box
+solutions and click actions, read by flat and screenspot).
 
 Each importer writes its outputs whole or not at all. A row it cannot import is refused with the
 file, the row and the reason, and every refused row is named at once (the first few in the

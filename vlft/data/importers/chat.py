@@ -438,7 +438,13 @@ def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path
         raise InputError(path, f"a grounding row of {len(rounds)} rounds: a click record has one", number, "objects")
     question, answer = rounds[0]
     if "<bbox>" in question:
-        raise InputError(path, "asks about a box (<bbox> in the question): a click record asks for a target", number)
+        raise InputError(
+            path,
+            "asks about a box (<bbox> in the question), as a grounded caption does: ms-swift writes that box in "
+            "each model family's own coordinates, and a record's question is one fixed text, so only rows that "
+            "ask for a target (click records) are read",
+            number,
+        )
     placed = answer.count("<bbox>")
     if placed != 1 or len(boxes) != 1:
         raise InputError(

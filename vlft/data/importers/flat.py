@@ -8,8 +8,15 @@ or from its file's name as the publishers name their split files (`train.json`, 
 `test-00000-of-00001.parquet`), else `split`. Embedded images are written once each, named by
 their content, to `<out>/images/`; paths stay relative to `image_root`. Every other field is kept
 on the record under its own name (SLAKE's `modality` and `answer_type`, say), so a curriculum's
-`filter` can select on it; `keep` selects rows (SLAKE's English questions: `q_lang=en`), the rest
-counted."""
+`filter` can select on it, except one named as a field of our records (`history`, `system`, ...):
+kept as `published_<name>`. `keep` selects rows (SLAKE's English questions: `q_lang=en`), the rest
+counted.
+
+RL datasets' rows read the same way: `problem` and `solution` (R1-V, VLM-R1), its R1-style tags
+read; EasyR1's and verl's `images` list of one embedded image. A solution that is a place on the
+image (VLM-R1's REC boxes, GUI-R1's `gt_bbox` with its `gt_action`, AndroidControl's click actions)
+makes a click record, and steps of other actions are skipped and counted
+(vlft.data.importers.targets)."""
 
 from __future__ import annotations
 
@@ -33,14 +40,18 @@ from vlft.data.importers.common import (
     write_splits,
 )
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
+from vlft.data.importers.targets import CLICK_ACTIONS, action_of, click_fields, image_size, target_values, units_of
 
 # The names each field goes by in the published sets, looked for in this order where none is given.
 FIELD_NAMES = {
     "image": ("image", "img_name", "image_name", "img", "file_name", "image_path", "img_path", "images"),
-    "question": ("question", "text", "query", "problem"),
-    "answer": ("answer", "answers", "gpt4_answer", "label", "solution"),
+    "question": ("question", "text", "query", "problem", "instruction"),
+    "answer": ("answer", "answers", "gpt4_answer", "label", "solution", "gt_bbox"),
     "id": ("id", "qid", "question_id"),
 }
+# Our records' own fields (vlft.data.records): a published field of one of these names is kept as
+# `published_<name>`, never read as ours (GUI-R1's `history` is text, ours a list of rounds).
+RECORD_FIELDS = ("history", "system", "rejected", "box", "point", "width", "height", "image_sha256")
 # The names of split files, as the publishers write them, and our split each is.
 SPLIT_NAMES = {
     "train": "train",
@@ -70,17 +81,15 @@ def import_flat_vqa(
     """One record a row. `fields` names the image, question, answer and id fields where they differ
     from the usual names; `category` the field the report's breakdown is by; `keep` the rows
     imported ({field: value}, the rest counted); `split_map` the split each value of `split_field`
-    is, where it is not one of the usual names (VQA-RAD's `phrase_type`: test_freeform=test, ...)."""
-    splits: dict[str, list[dict]] = {}
-    split_names = SPLIT_NAMES | {k.lower(): v for k, v in (split_map or {}).items()}
-    fields_read = {}
-    ids, refusals, counts = UniqueIds(), Refusals(out_dir, skip_bad_rows), Counter()
-    embedded, dropped = False, []
+    is, where it is not one of the usual names (VQA-RAD's `phrase_type`: test_freeform=test, ...).
+    An answer that is a place on the image (a box solution, a click action) makes a click record
+    (vlft.data.importers.targets)."""
+    refusals = Refusals(out_dir, skip_bad_rows)
     with atomic_path(out_dir) as tmp:
-        images = None
+        rows_in = _FlatImport(tmp, image_root, category, split_field, SPLIT_NAMES | _lower(split_map), keep)
         for path in files:
             rows = list(_rows(path, refusals))
-            names = fields_read[str(path)] = _field_names([row for _, row in rows], fields or {}, path)
+            names = rows_in.fields[str(path)] = _field_names([row for _, row in rows], fields or {}, path)
             file_split = None if split_field else _split_of_file(path) or split
             if file_split is None and not split_field:
                 raise InputError(
@@ -88,58 +97,127 @@ def import_flat_vqa(
                     "its name says no split (train, val or test): give --split for its rows, "
                     "or --split-field where a field names each row's",
                 )
+            units = units_of([t for _, row in rows if (t := _quiet_target(row, names["answer"])) is not None])
             for where, row in rows:
                 with refusals.row(where):
-                    if not isinstance(row, dict):
-                        raise InputError(where[0], "each row must be an object of fields", where[1])
-                    if keep and any(str(plain(row.get(k))) != v for k, v in keep.items()):
-                        counts["skipped_by_keep"] += 1
-                        continue
-                    answer = _answer(row.get(names["answer"]), where, names["answer"])
-                    if answer is None:
-                        counts["dropped_without_answer"] += 1
-                        dropped.append(where)
-                        continue
-                    if tagged_answer(answer) is not None:
-                        answer = tagged_answer(answer)
-                        counts["answer_tags_read"] += 1
-                    cell = _one_image(row.get(names["image"]), where, names["image"])
-                    if _is_bytes(cell):
-                        images = images or ImageWriter(tmp / "images")
-                        data = cell.get("bytes") if isinstance(cell, dict) else cell
-                        image, embedded = images.add(hashlib.sha256(data).hexdigest()[:16], cell, where), True
-                    else:
-                        image = _image_path(cell, image_root, where, names["image"])
-                    question = _question(row.get(names["question"]), where, names["question"], counts)
-                    row_split = file_split or _split_value(row.get(split_field), where, split_field, split_names)
-                    record_id = text(row.get(names["id"])) if names["id"] else None
-                    record = {
-                        "id": ids.add(record_id or f"{Path(where[0]).stem}-{where[1]}", where),
-                        "image": image,
-                        "question": question,
-                        "answer": answer,
-                        "category": text(row.get(category)) if category else None,
-                    }
-                    used = {names["image"], names["question"], names["answer"], names["id"], split_field}
-                    kept = {k: plain(v) for k, v in row.items() if k not in used and k not in record}
-                    splits.setdefault(row_split, []).append(record | kept)
+                    rows_in.add(row, where, names, file_split, units)
         refused = refusals.finish()
-        if not splits:
-            why = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in counts.items())
-            first = f" (the first without answer: {dropped[0][0]}:{dropped[0][1]}, field {names['answer']!r})"
-            raise InputError(files[0], f"no row to import: {why or 'no rows'}{first if dropped else ''}")
-        write_splits(tmp, splits, new=False)
-    where_images = f"{out_dir}/images" if embedded else str(image_root)
-    return {
-        "records": sum(map(len, splits.values())),
-        **dict(counts),
-        **refused,
-        **ids.summary(),
-        "images": len(images.id_of) if images is not None else len({r["image"] for s in splits.values() for r in s}),
-        "image_root": where_images,
-        "fields": fields_read,
-        "splits": {name: len(records) for name, records in splits.items()},
-    }
+        if not rows_in.splits:
+            raise InputError(files[0], f"no row to import: {rows_in.why_none()}")
+        write_splits(tmp, rows_in.splits, new=False)
+    return rows_in.summary(out_dir) | refused
+
+
+class _FlatImport:
+    """The rows of every file as they become records: their splits, the images written from their
+    bytes, and what became of the rows that made none."""
+
+    def __init__(self, tmp: Path, image_root, category, split_field, split_names, keep):
+        self.tmp, self.image_root, self.category = tmp, image_root, category
+        self.split_field, self.split_names, self.keep = split_field, split_names, keep or {}
+        self.splits: dict[str, list[dict]] = {}
+        self.fields: dict[str, dict] = {}
+        self.ids, self.counts, self.skipped_actions = UniqueIds(), Counter(), Counter()
+        self.images: ImageWriter | None = None
+        self.dropped: list[tuple[tuple, str]] = []  # (where, answer field) of rows without an answer
+
+    def add(self, row, where, names: dict, file_split: str | None, units: str) -> None:
+        if not isinstance(row, dict):
+            raise InputError(where[0], "each row must be an object of fields", where[1])
+        if any(str(plain(row.get(k))) != v for k, v in self.keep.items()):
+            self.counts["skipped_by_keep"] += 1
+            return
+        cell = plain(row.get(names["answer"]))
+        action = action_of(row, cell)
+        if action is not None and action not in CLICK_ACTIONS:
+            self.skipped_actions[action] += 1  # a step a click record cannot hold: typing, scrolling, ...
+            return
+        target = target_values(cell, where, names["answer"])
+        if action is not None and target is None:
+            raise InputError(where[0], f"a {action} action that names no place on the image", where[1], names["answer"])
+        answer = None if target is not None else _answer(cell, where, names["answer"])
+        if target is None and answer is None:
+            self.counts["dropped_without_answer"] += 1
+            self.dropped.append((where, names["answer"]))
+            return
+        if answer is not None and (tagged := tagged_answer(answer)) is not None:
+            answer = tagged
+            self.counts["answer_tags_read"] += 1
+        image, image_file = self._image(_one_image(row.get(names["image"]), where, names["image"]), where, names)
+        record = {
+            "id": self.ids.add(self._id(row, where, names["id"]), where),
+            "image": image,
+            "question": _question(row.get(names["question"]), where, names["question"], self.counts),
+            "answer": answer,
+            "category": text(row.get(self.category)) if self.category else None,
+        }
+        if target is not None:
+            record |= click_fields(target, units, image_size(image_file, where), where, names["answer"])
+            self.counts["click_records"] += 1
+            if history := text(row.get("history")):  # GUI-R1's earlier steps, which its prompt shows
+                record["question"] += f"\nPrevious actions: {history}"
+                self.counts["action_history_in_question"] += 1
+        used = {names["image"], names["question"], names["answer"], names["id"], self.split_field}
+        if target is not None:
+            used.add("history")
+        for name, value in row.items():
+            if name not in used and name not in record:
+                kept = f"published_{name}" if name in RECORD_FIELDS else name  # never read as ours
+                self.counts["fields_renamed"] += kept != name
+                record[kept] = plain(value)
+        row_split = file_split or _split_value(row.get(self.split_field), where, self.split_field, self.split_names)
+        self.splits.setdefault(row_split, []).append(record)
+
+    @staticmethod
+    def _id(row: dict, where, field: str | None) -> str:
+        return (text(row.get(field)) if field else None) or f"{Path(where[0]).stem}-{where[1]}"
+
+    def _image(self, cell, where, names: dict) -> tuple[str, Path]:
+        """The record's image name and its file: written from the row's bytes, or under image_root."""
+        if _is_bytes(cell):
+            self.images = self.images or ImageWriter(self.tmp / "images")
+            data = cell.get("bytes") if isinstance(cell, dict) else cell
+            name = self.images.add(hashlib.sha256(data).hexdigest()[:16], cell, where)
+            return name, self.images.directory / name
+        name = _image_path(cell, self.image_root, where, names["image"])
+        return name, Path(self.image_root) / name
+
+    def why_none(self) -> str:
+        why = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in self.counts.items()) or "no rows"
+        if self.skipped_actions:
+            why += f", steps of actions other than a click skipped: {dict(self.skipped_actions)}"
+        if self.dropped:
+            (path, row), field = self.dropped[0]
+            why += f" (the first without answer: {path}:{row}, field {field!r})"
+        return why
+
+    def summary(self, out_dir) -> dict:
+        records = [r for split in self.splits.values() for r in split]
+        return {
+            "records": len(records),
+            **dict(self.counts),
+            **({"skipped_actions": dict(self.skipped_actions)} if self.skipped_actions else {}),
+            **self.ids.summary(),
+            "images": len(self.images.id_of) if self.images else len({r["image"] for r in records}),
+            "image_root": f"{out_dir}/images" if self.images else str(self.image_root),
+            "fields": self.fields,
+            "splits": {name: len(split) for name, split in self.splits.items()},
+        }
+
+
+def _lower(split_map: dict[str, str] | None) -> dict[str, str]:
+    return {k.lower(): v for k, v in (split_map or {}).items()}
+
+
+def _quiet_target(row, field: str) -> list[float] | None:
+    """A row's target where it has one that reads, for telling a file's units; None otherwise
+    (the row's own import names what is wrong with it)."""
+    if not isinstance(row, dict) or action_of(row, plain(row.get(field))) not in (None, *CLICK_ACTIONS):
+        return None  # a step of another action: its place, where it has one, is no target (GUI-R1's [-1, -1])
+    try:
+        return target_values(row.get(field), ("", 0), field)
+    except InputError:
+        return None
 
 
 def _rows(path, refusals: Refusals):
@@ -231,8 +309,8 @@ def _split_value(value, where, field: str, names: dict[str, str]) -> str:
 
 def _answer(value, where, field: str) -> str | None:
     """A row's answer as text: numbers (VQA-RAD's counts) as written, a list of one as its item;
-    None where missing or empty. A structured answer (an action's object, a box's numbers) is
-    refused as what it is, never imported as Python's text of it."""
+    None where missing or empty. A structured answer (an object that is no action, a list of several
+    values that is no place) is refused as what it is, never imported as Python's text of it."""
     value = plain(value)
     if isinstance(value, list) and len(value) <= 1:
         value = value[0] if value else None
@@ -240,7 +318,7 @@ def _answer(value, where, field: str) -> str | None:
         fields = ", ".join(map(str, value)) or "none"
         raise InputError(where[0], f"the answer is an object (its fields: {fields}), not text", where[1], field)
     if isinstance(value, list):
-        raise InputError(where[0], f"the answer is a list of {len(value)} values (a box?), not text", where[1], field)
+        raise InputError(where[0], f"the answer is a list of {len(value)} values, not text", where[1], field)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return text(value)

@@ -10,17 +10,20 @@ the target box in the image's pixels as `box` [x1, y1, x2, y2], its centre as th
   corners in fractions of the image (0-1), as lmms-eval's ScreenSpot task reads them; they are
   converted to pixels with the image's own size.
 
-Fields we do not use are kept on the record under their own names (a filter or the report may want
-`platform` or `data_source`)."""
+UI-R1's rows are ScreenSpot's with an `action`: its click steps are read, its other steps (typing,
+scrolling) skipped and counted by action. Fields we do not use are kept on the record under their
+own names (a filter or the report may want `platform` or `data_source`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from vlft.errors import InputError
 from vlft.files import atomic_path
 from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
+from vlft.data.importers.targets import CLICK_ACTIONS, action_of, image_size
 
 FILE_FIELDS = ("img_filename", "image", "file_name")
 CATEGORY_FIELDS = ("data_type", "ui_type")
@@ -72,7 +75,7 @@ def import_screenspot(
     (their screenshots written once to `<out>/images/`); images of JSON files stay where they are.
     A box must have positive area and lie inside its image, whose size comes from `img_size`, the
     parquet's bytes or the file under `image_root`; boxes in fractions need that size."""
-    records, ids, layouts, all_units = [], UniqueIds(), {}, {}
+    records, ids, layouts, all_units, skipped = [], UniqueIds(), {}, {}, Counter()
     refusals = Refusals(out_dir, skip_bad_rows)
     with atomic_path(out_dir) as tmp:
         images = None
@@ -94,28 +97,21 @@ def import_screenspot(
                 )
             unit = all_units[str(path)] = box_units([row for _, row in rows], units)
             for where, row in rows:
+                if isinstance(row, dict) and action_of(row, None) not in (None, *CLICK_ACTIONS):
+                    skipped[action_of(row, None)] += 1  # UI-R1's steps of other actions: no click record
+                    continue
                 with refusals.row(where):
                     size = None
                     if parquet:
                         cell = row.pop("image")
                         row["file_name"] = images.add(Path(str(row["file_name"])).stem, cell, where)
-                        size = _size_of(images.directory / row["file_name"], where)
+                        size = image_size(images.directory / row["file_name"], where)
                     records.append(_click_record(row, where, layout, unit, ids, size, image_root))
         refused = refusals.finish()
         write_splits(tmp, {split: records}, new=False)
     summary = {"records": len(records), "splits": {split: len(records)}, "bbox": layouts, "bbox_units": all_units}
-    summary |= refused | ids.summary()
+    summary |= refused | ids.summary() | ({"skipped_actions": dict(skipped)} if skipped else {})
     return summary | ({"images": len(images.id_of)} if images is not None else {})
-
-
-def _size_of(path: Path, where) -> tuple[int, int]:
-    """The image's size as prepare_split reads it (vlft.data.records.check_image: orientation applied)."""
-    from vlft.data.records import check_image
-
-    size = check_image(path)
-    if isinstance(size, str):
-        raise InputError(where[0], f"its image {path}: {size}", where[1], "image")
-    return size
 
 
 def _click_record(row, where, layout: str, units: str, ids: UniqueIds, size, image_root) -> dict:
@@ -139,7 +135,7 @@ def _click_record(row, where, layout: str, units: str, ids: UniqueIds, size, ima
     if size is None and row.get("img_size") is not None:
         size, size_from = tuple(row["img_size"]), "img_size"
     if size is None and image_root is not None:
-        size, size_from = _size_of(Path(image_root) / row[file_field], where), "its file"
+        size, size_from = image_size(Path(image_root) / row[file_field], where), "its file"
     read_as = layout
     if units == "fractions":
         if size is None:
