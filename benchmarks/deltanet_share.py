@@ -92,7 +92,7 @@ def rule_alone(rule, config, tokens: int, ends) -> float:
 
     def step():
         tensors = (query, key, value, g, beta)
-        outs, _ = linear_attention.side_by_side(rule, tensors, spans, None, len(spans), use_qk_l2norm_in_kernel=True)
+        outs, _ = linear_attention.side_by_side(rule, tensors, spans, None, use_qk_l2norm_in_kernel=True)
         torch.cat(outs, dim=1).float().sum().backward()
 
     return timed(step)

@@ -307,7 +307,7 @@ def test_ms_swifts_grpo_rows_take_their_solution_as_the_answer_its_r1_tags_read(
     assert summary["answers_from_solution"] == 2 and summary["refused"] == 1
     (refused,) = read_jsonl(tmp_path / "out.refused.jsonl")
     assert (refused["row"], refused["field"]) == (3, "solution")
-    assert refused["reason"].startswith("is a list of numbers (a box?), not text")
+    assert refused["reason"].startswith("is a list of 4 values, not text: this importer reads text solutions")
 
 
 def test_r1_v_rows_import_through_vqa_their_solution_tags_read_and_counted(tmp_path):

@@ -223,7 +223,7 @@ def test_pieces_side_by_side_are_each_piece_alone(rule):
     spans = list(zip(bounds, bounds[1:]))
     tensors = (query, key, value, g, beta)
     options = dict(use_qk_l2norm_in_kernel=True)
-    outs, finals = linear_attention.side_by_side(plain, tensors, spans, states, len(spans), **options)
+    outs, finals = linear_attention.side_by_side(plain, tensors, spans, states, **options)
     bound = (
         FLOAT64_RTOL if plain is delta_rule_in_input_dtype else max(lengths) * k_dim * torch.finfo(torch.float32).eps
     )

@@ -31,7 +31,7 @@ import importlib
 import importlib.util
 import inspect
 from dataclasses import dataclass, field
-from functools import wraps
+from functools import partial, wraps
 
 import torch
 from transformers.activations import ACT2FN
@@ -172,8 +172,8 @@ def delta_rule_in_pieces(plain, varlen: bool, query, key, value, g, beta, pieces
         for batch in [list(range(len(ids)))] if varlen else similar_lengths([e - s for s, e in spans]):
             batch_ids = [ids[n] for n in batch]
             initial = torch.cat([finals[parents[i]] for i in batch_ids]) if parents[batch_ids[0]] >= 0 else None
-            run = _varlen if varlen else side_by_side
-            out, final = run(plain, tensors, [spans[n] for n in batch], initial, count, **options)
+            run = partial(_varlen, count=count) if varlen else side_by_side
+            out, final = run(plain, tensors, [spans[n] for n in batch], initial, **options)
             for n, i in enumerate(batch_ids):
                 outputs[i], finals[i] = out[n], final[n : n + 1]
     return torch.cat(outputs, dim=1), torch.cat(finals)
@@ -193,7 +193,7 @@ def similar_lengths(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
     return batches
 
 
-def side_by_side(plain, tensors, spans, initial, count, **options):
+def side_by_side(plain, tensors, spans, initial, **options):
     """transformers' torch delta rule once over several pieces, each a batch row of its own padded
     with zeros after its end: a zero key, value, β and gate leave the recurrent state as it was
     (the function pads each chunk so itself), so each row's output and final state are its piece's
@@ -212,7 +212,7 @@ def side_by_side(plain, tensors, spans, initial, count, **options):
     return [row[:length][None] for row, length in zip(out, lengths.tolist())], final
 
 
-def _varlen(plain, tensors, spans, initial, count, **options):
+def _varlen(plain, tensors, spans, initial, *, count: int, **options):
     """flash-linear-attention's kernel once over the pieces, each its own sequence (`cu_seqlens`)."""
     query = tensors[0]
     whole = len(spans) == count

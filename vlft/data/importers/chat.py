@@ -28,7 +28,6 @@ import re
 from pathlib import Path
 
 from vlft.errors import InputError
-from vlft.data.clicks import Frame, released_frame, written_targets
 from vlft.data.importers.common import (
     IMAGE_MARKER,
     Refusals,
@@ -36,16 +35,17 @@ from vlft.data.importers.common import (
     holds_bytes,
     json_rows,
     shown,
+    structure,
     tagged_answer,
     write_splits,
 )
+from vlft.data.importers.targets import conversation_target
 
 ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
 # Pairs as whole conversations, which no peer's VLM preference format writes: not read.
 WHOLE_CONVERSATION_PAIRS = ("rejected_messages", "chosen_messages")
 IMAGE_PART_TYPES = ("image", "image_url")
 # What a box written in an answer is measured in: a family's coordinates (vlft.data.clicks), or pixels.
-ANSWER_COORDINATES = {"qwen3-vl": "qwen3_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen2-vl": "qwen2_vl", "pixels": None}
 # Media besides images, which no record holds: the fields, typed parts and text markers that carry them.
 MEDIA = {
     "video": (("videos", "video"), ("video", "video_url"), "<video>"),
@@ -65,7 +65,7 @@ def import_chat(
 ) -> dict:
     """Records from chat files; image paths stay relative to `image_root` (images are not copied).
     Rows refused are listed all at once (vlft.data.importers.common.Refusals). A box or point
-    written in an answer is read in `answer_coordinates` (ANSWER_COORDINATES: a family's own, or
+    written in an answer is read in `answer_coordinates` (importers.targets.ANSWER_COORDINATES: a family's own, or
     pixels of the image), which Qwen2-VL's <|box_start|> syntax needs not name."""
     records, ids, refusals = [], UniqueIds(), Refusals(out_dir, skip_bad_rows)
     counts = {
@@ -106,8 +106,6 @@ def import_chat(
 class Conversation:
     """One image, an optional system prompt and rounds of (question, answer)."""
 
-    from_solution = False  # its last answer is the row's `solution` (a GRPO row's reference)
-
     def __init__(
         self,
         image: str,
@@ -117,8 +115,10 @@ class Conversation:
         extra: dict,
         rejected: str | None = None,
         not_learned: frozenset[int] = frozenset(),
+        from_solution: bool = False,
     ):
         self.image, self.system, self.rounds, self.shown_again, self.extra = image, system, rounds, shown_again, extra
+        self.from_solution = from_solution  # its last answer is the row's `solution` (a GRPO row's reference)
         self.rejected = rejected  # a preference pair's rejected answer to its last question
         # Rounds whose answers their publisher marks as not learned (ms-swift's `loss: false`,
         # LLaMA-Factory v1's `loss_weight: 0`): no record of their own, kept in later rounds' history.
@@ -146,109 +146,134 @@ class Conversation:
 
     @classmethod
     def read(cls, row, where, image_root: Path, coordinates: str | None = None) -> "Conversation | str":
-        """The row's conversation, or why it is skipped (a summary count's name)."""
+        """The row's conversation, or why it is skipped (a summary count's name): its turns, its
+        one image, its rounds' texts, the target a grounding row asks for, and a pair's checks."""
         path, number = where
         if not isinstance(row, dict):
             raise InputError(path, "each record must be a JSON object", number)
         rejected = _rejected(row, where)
-        turns, not_learned = _turns(row, where)
-        solution = "solution" in row and bool(turns) and turns[-1][0] == "user"
-        if solution:  # ms-swift's GRPO rows: the question alone, its reference answer as `solution`
-            turns.append(("assistant", _solution(row["solution"], where)))
-        if rejected is not None and "chosen" in row:  # LLaMA-Factory's: the conversation ends with the question
-            turns.append(("assistant", _answer_turn(row["chosen"], where, "chosen")))
-        system = row.get("system")
-        if turns and turns[0][0] == "system":
-            system = turns.pop(0)[1]
-        system = _content(system, where, "system")[0] if system is not None else None
-        roles = [role for role, _ in turns]
-        if not roles or roles != ["user", "assistant"] * (len(roles) // 2) or len(roles) % 2:
-            raise InputError(
-                path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number
-            )
+        turns, not_learned, system, from_solution = _all_turns(row, rejected, where)
         texts, images_by_turn, media = [], [], set()
         for n, (_, content) in enumerate(turns):
             text, images, kinds = _content(content, where, f"turn {n + 1}")
             texts.append(text)
             images_by_turn.append(images)
             media |= kinds
-        media |= {kind for kind, (fields, _, marker) in MEDIA.items() if any(row.get(f) for f in fields)}
-        media |= {kind for kind, (_, _, marker) in MEDIA.items() if any(marker in t for t in texts)}
-        listed = row.get("images", row.get("image", []))
-        listed = [listed] if isinstance(listed, str) else listed
-        if holds_bytes(listed):
-            raise InputError(
-                path,
-                "holds its images' bytes, not their paths: this importer reads image files under --image-root "
-                "(`vqa` reads a row's embedded image)",
-                number,
-                "images",
-            )
-        if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
-            raise InputError(path, f"must be a list of paths, not {shown(listed)}", number, "images")
-        images = listed + [image for turn in images_by_turn for image in turn]
-        if media:
-            kinds = " and ".join(sorted(media))
-            if not images:  # video or audio alone: skipped, counted as what it is
-                return f"skipped_{sorted(media)[0]}"
-            raise InputError(
-                path,
-                f"holds {kinds} beside its image: only images are read, and a record without its {kinds} "
-                f"would learn answers about what it cannot see",
-                number,
-            )
-        if not images:
-            if any(IMAGE_MARKER in t for t in texts):
-                raise InputError(path, f"has {IMAGE_MARKER} in its text but names no image", number, "images")
-            return "skipped_without_image"
-        distinct = list(dict.fromkeys(images))
-        if len(distinct) > 1:
-            raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
-        if "rejected_images" in row and _files(row["rejected_images"], image_root, where) != _files(
-            distinct, image_root, where
-        ):
-            # ms-swift's field: the same image again names the pair's one image; another would not.
-            raise InputError(
-                path,
-                "the rejected answer is about other images: a pair answers one question about one image",
-                number,
-                "rejected_images",
-            )
-        first_shown = next((n for n, t in enumerate(texts) if IMAGE_MARKER in t), None)
-        parts_first = next((n for n, imgs in enumerate(images_by_turn) if imgs), None)
-        first_turns = [n for n in (first_shown, parts_first) if n is not None]
-        if first_turns and min(first_turns) != 0:
-            raise InputError(
-                path,
-                f"its image is first shown in turn {min(first_turns) + 1}; a record shows its image in its first question",
-                number,
-            )
+        image = _one_image(row, texts, images_by_turn, media, image_root, where)
+        if image in SKIPPED:
+            return image
         markers = sum(t.count(IMAGE_MARKER) for t in texts) + sum(map(len, images_by_turn))
         texts = [t.replace(IMAGE_MARKER, "").strip() for t in texts]
         rounds = list(zip(texts[0::2], texts[1::2]))
         for n, (question, answer) in enumerate(rounds, start=1):
             if not question or not answer:
                 raise InputError(path, f"an empty question or answer in round {n}", number)
-        image, extra = _relative(distinct[0], image_root, where), {}
-        if "objects" in row:
-            rounds, extra = _grounding(row, rounds, where, image_root / image)
-        elif any(written_targets(answer) for _, answer in rounds):
-            rounds, extra = _written_target(rounds, where, image_root / image, coordinates)
-        elif any("<ref-object>" in t or "<bbox>" in t for pair in rounds for t in pair):
-            raise InputError(path, "has <ref-object> or <bbox> placeholders but no 'objects' to fill them", number)
-        if rejected is not None and extra:
-            raise InputError(path, "a grounding row with a rejected answer: pairs of clicks are not learned", number)
-        if rejected is not None and rejected == rounds[-1][1]:
-            raise InputError(
-                path, "the same as the chosen answer: a preference pair needs two different answers", number, "rejected"
-            )
-        if rejected is not None and len(rounds) - 1 in not_learned:
-            raise InputError(path, "a pair whose chosen answer is marked not to be learned (loss)", number)
+        rounds, extra = conversation_target(row, rounds, where, image_root / image, coordinates)
+        _check_pair(rejected, rounds, extra, not_learned, where)
         if len(not_learned) == len(rounds) and rejected is None:
             return "skipped_not_learned"  # every answer marked not to be learned: nothing to learn from it
-        conversation = cls(image, system, rounds, max(0, markers - 1), extra, rejected, frozenset(not_learned))
-        conversation.from_solution = solution
-        return conversation
+        shown_again = max(0, markers - 1)
+        return cls(image, system, rounds, shown_again, extra, rejected, frozenset(not_learned), from_solution)
+
+
+# Why a row is skipped: the summary's counts of rows without an image, and of video or audio alone.
+SKIPPED = ("skipped_without_image", *(f"skipped_{kind}" for kind in MEDIA))
+
+
+def _all_turns(row: dict, rejected: str | None, where) -> tuple[list, set[int], str | None, bool]:
+    """The row's user and assistant turns in turn (a GRPO row's `solution` and LLaMA-Factory's
+    `chosen` as its last answer), the rounds not learned, its system prompt, and whether its last
+    answer is its `solution`."""
+    path, number = where
+    turns, not_learned = _turns(row, where)
+    from_solution = "solution" in row and bool(turns) and turns[-1][0] == "user"
+    if from_solution:  # ms-swift's GRPO rows: the question alone, its reference answer as `solution`
+        turns.append(("assistant", _solution(row["solution"], where)))
+    if rejected is not None and "chosen" in row:  # LLaMA-Factory's: the conversation ends with the question
+        turns.append(("assistant", _answer_turn(row["chosen"], where, "chosen")))
+    system = row.get("system")
+    if turns and turns[0][0] == "system":
+        system = turns.pop(0)[1]
+    system = _content(system, where, "system")[0] if system is not None else None
+    roles = [role for role, _ in turns]
+    if not roles or roles != ["user", "assistant"] * (len(roles) // 2) or len(roles) % 2:
+        raise InputError(path, f"needs user and assistant turns in turn, ending with an answer; has {roles}", number)
+    return turns, not_learned, system, from_solution
+
+
+def _one_image(row: dict, texts: list[str], images_by_turn: list, media: set[str], image_root: Path, where) -> str:
+    """The conversation's one image, relative to `image_root`, or why the row is skipped (SKIPPED):
+    refused where it has several, holds their bytes, shows video or audio beside it, or first shows
+    it after the first question."""
+    path, number = where
+    media |= {kind for kind, (fields, _, marker) in MEDIA.items() if any(row.get(f) for f in fields)}
+    media |= {kind for kind, (_, _, marker) in MEDIA.items() if any(marker in t for t in texts)}
+    listed = row.get("images", row.get("image", []))
+    listed = [listed] if isinstance(listed, str) else listed
+    if holds_bytes(listed):
+        raise InputError(
+            path,
+            "holds its images' bytes, not their paths: this importer reads image files under --image-root "
+            "(`vqa` reads a row's embedded image)",
+            number,
+            "images",
+        )
+    if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
+        raise InputError(path, f"must be a list of paths, not {shown(listed)}", number, "images")
+    images = listed + [image for turn in images_by_turn for image in turn]
+    if media:
+        kinds = " and ".join(sorted(media))
+        if not images:  # video or audio alone: skipped, counted as what it is
+            return f"skipped_{sorted(media)[0]}"
+        raise InputError(
+            path,
+            f"holds {kinds} beside its image: only images are read, and a record without its {kinds} "
+            f"would learn answers about what it cannot see",
+            number,
+        )
+    if not images:
+        if any(IMAGE_MARKER in t for t in texts):
+            raise InputError(path, f"has {IMAGE_MARKER} in its text but names no image", number, "images")
+        return "skipped_without_image"
+    distinct = list(dict.fromkeys(images))
+    if len(distinct) > 1:
+        raise InputError(path, f"needs one image, has {len(distinct)}: {', '.join(distinct)}", number, "images")
+    if "rejected_images" in row and _files(row["rejected_images"], image_root, where) != _files(
+        distinct, image_root, where
+    ):
+        # ms-swift's field: the same image again names the pair's one image; another would not.
+        raise InputError(
+            path,
+            "the rejected answer is about other images: a pair answers one question about one image",
+            number,
+            "rejected_images",
+        )
+    first_shown = next((n for n, t in enumerate(texts) if IMAGE_MARKER in t), None)
+    parts_first = next((n for n, imgs in enumerate(images_by_turn) if imgs), None)
+    first_turns = [n for n in (first_shown, parts_first) if n is not None]
+    if first_turns and min(first_turns) != 0:
+        raise InputError(
+            path,
+            f"its image is first shown in turn {min(first_turns) + 1}; a record shows its image in its first question",
+            number,
+        )
+    return _relative(distinct[0], image_root, where)
+
+
+def _check_pair(rejected: str | None, rounds: list, extra: dict, not_learned: set[int], where) -> None:
+    """A preference pair's rejected answer: to a question that is no click, other than the chosen
+    answer, beside a chosen answer that is learned."""
+    if rejected is None:
+        return
+    path, number = where
+    if extra:
+        raise InputError(path, "a grounding row with a rejected answer: pairs of clicks are not learned", number)
+    if rejected == rounds[-1][1]:
+        raise InputError(
+            path, "the same as the chosen answer: a preference pair needs two different answers", number, "rejected"
+        )
+    if len(rounds) - 1 in not_learned:
+        raise InputError(path, "a pair whose chosen answer is marked not to be learned (loss)", number)
 
 
 def _rejected(row: dict, where) -> str | None:
@@ -299,10 +324,16 @@ def _listed(value) -> list:
 
 def _solution(value, where) -> str:
     """A GRPO row's reference answer: text, its R1-style tags read (importers.common.tagged_answer).
-    A box or an action (GUI-R1's, VLM-R1's REC solutions) is refused as what it is."""
-    if isinstance(value, (list, dict)):
-        kind = "a list of numbers (a box?)" if isinstance(value, list) else "an object (an action?)"
-        raise InputError(where[0], f"is {kind}, not text: this importer reads text solutions", where[1], "solution")
+    A box or an action (GUI-R1's, VLM-R1's REC solutions) is refused as what it is: the `vqa`
+    importer reads those rows (importers.targets)."""
+    if (kind := structure(value)) is not None:
+        raise InputError(
+            where[0],
+            f"is {kind}, not text: this importer reads text solutions (`vqa` reads a box or a click action as a "
+            "click record)",
+            where[1],
+            "solution",
+        )
     if not isinstance(value, str) or not value.strip():
         raise InputError(where[0], "must be a non-empty answer", where[1], "solution")
     return tagged_answer(value) or value.strip()
@@ -421,103 +452,3 @@ def _relative(image: str, image_root: Path, where) -> str:
         except ValueError:
             raise InputError(where[0], f"image {image} is not under {image_root}", where[1], "images") from None
     return str(path)
-
-
-def _grounding(row: dict, rounds: list[tuple[str, str]], where, image_file: Path) -> tuple[list, dict]:
-    """ms-swift's grounding row as a click record. ms-swift fills `<ref-object>` placeholders with
-    `objects.ref` and `<bbox>` ones with `objects.bbox`, each in order through the conversation; a
-    row whose answer places one box asks for one target: its question (the referring expressions
-    filled in) and that box (pixels, corners) make the record, the box's centre its answer. Refused
-    where it places several boxes or none, or asks about a box instead of for one."""
-    from vlft.data.records import check_image
-
-    path, number = where
-    objects = row["objects"] if isinstance(row["objects"], dict) else {}
-    refs, boxes = list(objects.get("ref") or []), list(objects.get("bbox") or [])
-    if len(rounds) != 1:
-        raise InputError(path, f"a grounding row of {len(rounds)} rounds: a click record has one", number, "objects")
-    question, answer = rounds[0]
-    if "<bbox>" in question:
-        raise InputError(
-            path,
-            "asks about a box (<bbox> in the question), as a grounded caption does: ms-swift writes that box in "
-            "each model family's own coordinates, and a record's question is one fixed text, so only rows that "
-            "ask for a target (click records) are read",
-            number,
-        )
-    placed = answer.count("<bbox>")
-    if placed != 1 or len(boxes) != 1:
-        raise InputError(
-            path,
-            f"asks for {max(placed, len(boxes))} targets ({placed} <bbox> in the answer, {len(boxes)} in objects.bbox): "
-            "a click record has one",
-            number,
-            "objects",
-        )
-    asked = question.count("<ref-object>")
-    if asked > len(refs):
-        raise InputError(path, f"{asked} <ref-object> in the question, {len(refs)} in objects.ref", number, "objects")
-    for ref in refs[:asked]:
-        question = question.replace("<ref-object>", str(ref), 1)
-    box = boxes[0]
-    if not (isinstance(box, list) and len(box) in (2, 4) and all(isinstance(v, (int, float)) for v in box)):
-        raise InputError(path, f"must be 2 numbers (a point) or 4 (a box), not {box!r}", number, "objects.bbox")
-    kind = objects.get("bbox_type", "real")
-    if kind == "norm1":  # fractions of the image's width and height
-        size = check_image(image_file)
-        if isinstance(size, str):
-            raise InputError(path, f"{size}: {image_file} (its size turns the norm1 box into pixels)", number)
-        box = [round(v * size[i % 2], 2) for i, v in enumerate(box)]
-    elif kind != "real":
-        raise InputError(path, f"bbox_type {kind!r}: only 'real' (pixels) and 'norm1' are read", number, "objects")
-    if len(box) == 2:  # a point to click, as ms-swift's "click(start_box='<bbox>')" example has
-        return [(question, f"({box[0]:g}, {box[1]:g})")], {"point": box}
-    x1, y1, x2, y2 = box
-    return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": box}
-
-
-def _written_target(rounds: list[tuple[str, str]], where, image_file: Path, coordinates: str | None):
-    """A box or point written in the answer in a Qwen family's syntax, as a click record: the
-    family's coordinate convention undone to the image's pixels (as a click stage's are), its centre
-    the answer. Refused where the answer writes several targets, where the conversation has more
-    rounds than one, or where the syntax does not say which family's coordinates it is in."""
-    from vlft.data.records import check_image
-
-    path, number = where
-    question, answer = rounds[-1]
-    targets = written_targets(answer)
-    if len(rounds) != 1 or len(targets) != 1:
-        raise InputError(
-            path,
-            f"writes {sum(len(written_targets(a)) for _, a in rounds)} targets in {len(rounds)} rounds: a click record "
-            "asks for one target in one round",
-            number,
-        )
-    if coordinates is None and "<|box_start|>" not in answer:
-        raise InputError(
-            path,
-            'writes a target as Qwen2.5-VL and Qwen3-VL do ("bbox_2d", "point_2d"), in pixels of the resized image or '
-            f"on a 0-1000 grid: give --answer-coordinates ({', '.join(ANSWER_COORDINATES)})",
-            number,
-        )
-    family = ANSWER_COORDINATES[coordinates] if coordinates else "qwen2_vl"
-    size = check_image(image_file)
-    if isinstance(size, str):
-        raise InputError(path, f"{size}: {image_file} (its size turns the written target into pixels)", number)
-    width, height = size
-    frame = released_frame(family, width, height) if family else Frame(width, height, width, height, "absolute")
-    values = targets[0]
-    if len(values) not in (2, 4):
-        raise InputError(path, f"a written target of {len(values)} numbers: a point has 2, a box 4", number)
-    limits = frame.limits()
-    if not all(0 <= v <= limits[i % 2] for i, v in enumerate(values)):
-        raise InputError(
-            path, f"the written target {values} leaves the {limits[0]}x{limits[1]} it is measured in", number
-        )
-    pixels = [round(c, 2) for i in range(0, len(values), 2) for c in frame.to_original(values[i], values[i + 1])]
-    if len(pixels) == 2:
-        return [(question, f"({pixels[0]:g}, {pixels[1]:g})")], {"point": pixels}
-    x1, y1, x2, y2 = pixels
-    if not (x2 > x1 and y2 > y1):
-        raise InputError(path, f"the written box {values} has no area", number)
-    return [(question, f"({(x1 + x2) / 2:g}, {(y1 + y2) / 2:g})")], {"box": pixels}

@@ -80,6 +80,17 @@ def tagged_answer(value: str) -> str | None:
     return f"{thinking}\nFinal answer: {answers[-1].strip()}" if thinking else answers[-1].strip()
 
 
+def structure(value) -> str | None:
+    """What a structured cell is, in words for a refusal ("an object (its fields: x, y)", "a list of
+    4 values"), or None where the cell is no object and no list of several values."""
+    value = plain(value)
+    if isinstance(value, dict):
+        return f"an object (its fields: {', '.join(map(str, value)) or 'none'})"
+    if isinstance(value, list) and len(value) > 1:
+        return f"a list of {len(value)} values"
+    return None
+
+
 def shown(value, limit: int = 120) -> str:
     """A cell as a message shows it: bytes as their count, never themselves; long text cut."""
 

@@ -35,6 +35,7 @@ from vlft.data.importers.common import (
     json_rows,
     plain,
     shown,
+    structure,
     tagged_answer,
     text,
     write_splits,
@@ -314,11 +315,8 @@ def _answer(value, where, field: str) -> str | None:
     value = plain(value)
     if isinstance(value, list) and len(value) <= 1:
         value = value[0] if value else None
-    if isinstance(value, dict):
-        fields = ", ".join(map(str, value)) or "none"
-        raise InputError(where[0], f"the answer is an object (its fields: {fields}), not text", where[1], field)
-    if isinstance(value, list):
-        raise InputError(where[0], f"the answer is a list of {len(value)} values, not text", where[1], field)
+    if (kind := structure(value)) is not None:
+        raise InputError(where[0], f"the answer is {kind}, not text", where[1], field)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return text(value)
