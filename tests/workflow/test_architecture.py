@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md's table of layers is true to the code: every module of vlft/ is in one layer, and
+"""docs/design.md's table of layers is true to the code: every module of vlft/ is in one layer, and
 each imports only from its own layer and those below it (imports inside functions included)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ VLFT = REPO / "vlft"
 
 def layers() -> dict[str, int]:
     """Each path the table names (a module, or a package with a trailing slash) -> its layer."""
-    table = (REPO / "ARCHITECTURE.md").read_text().split("## The library, by layer")[1].split("\n## ")[0]
+    table = (REPO / "docs" / "design.md").read_text().split("## The library, by layer")[1].split("\n## ")[0]
     named = {}
     for number, modules in re.findall(r"^\| (\d+) \| ([^|]+) \|", table, re.M):
         for path in re.findall(r"`vlft/([^`]+)`", modules):
@@ -56,7 +56,7 @@ def test_every_module_is_in_a_layer_and_imports_nothing_above_it():
     named = layers()
     files = [f for f in VLFT.rglob("*.py") if f != VLFT / "__init__.py"]
     unplaced = [str(f.relative_to(VLFT)) for f in files if layer_of(str(f.relative_to(VLFT)), named) is None]
-    assert not unplaced, f"modules ARCHITECTURE.md's table of layers does not name: {unplaced}"
+    assert not unplaced, f"modules docs/design.md's table of layers does not name: {unplaced}"
     upward = []
     for file in files:
         own = layer_of(str(file.relative_to(VLFT)), named)
@@ -105,9 +105,9 @@ def test_no_module_imports_itself_through_others():
 
 
 def rule_table() -> list[tuple[str, str, list[str]]]:
-    """ARCHITECTURE.md's rule -> script -> library function table: (rule or command, script, functions)."""
+    """docs/design.md's rule -> script -> library function table: (rule or command, script, functions)."""
     rows = re.findall(
-        r"^\| `([^`]+)`[^|]*\| `(scripts/[^`]+)` \| (.+) \|$", (REPO / "ARCHITECTURE.md").read_text(), re.M
+        r"^\| `([^`]+)`[^|]*\| `(scripts/[^`]+)` \| (.+) \|$", (REPO / "docs" / "design.md").read_text(), re.M
     )
     return [(rule, script, re.findall(r"`(vlft\.[\w.]+)`", functions)) for rule, script, functions in rows]
 

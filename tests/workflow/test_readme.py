@@ -1,6 +1,6 @@
-"""Every command the README shows runs as written: each shell line of its bash blocks is run here
-(dry, with -n added, where it needs a cluster or a GPU), so the README cannot drift from what works.
-A line the README gains without a way to run it here fails this test."""
+"""Every command the README and the user guide (docs/) show runs as written: each shell line of
+their bash blocks is run here (dry, with -n added, where it needs a cluster or a GPU), so the docs
+cannot drift from what works. A line they gain without a way to run it here fails this test."""
 
 from __future__ import annotations
 
@@ -23,13 +23,22 @@ EXAMPLE = "config/examples/kvasir-vqa-qwen3-vl-8b.yaml"
 TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
 
 
+# The README and every page of the user guide: each command they show is run here as written.
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def docs_text() -> str:
+    return "\n".join(page.read_text() for page in DOC_PAGES)
+
+
 def readme_commands() -> list[str]:
-    """The shell lines of the README's bash blocks: continuations joined, comments dropped."""
+    """The shell lines of the README's and the guide's bash blocks: continuations joined, comments
+    dropped, each command once (the README and a page may show the same one)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL):
+    for block in re.findall(r"```bash\n(.*?)```", docs_text(), re.DOTALL):
         for line in block.replace("\\\n", " ").splitlines():
             command = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
-            if command:
+            if command and command not in commands:
                 commands.append(command)
     return commands
 
@@ -71,7 +80,7 @@ def kvasir_workdir(tmp_path_factory, tiny_model_dir):
     workdir = copy_workflow(tmp_path_factory.mktemp("kvasir"))
     published_kvasir(workdir)
     for command in KVASIR_IMPORTS:
-        assert f"\n{command}\n" in (REPO / "README.md").read_text().replace("\\\n   ", ""), command
+        assert f"\n{command}\n" in docs_text().replace("\\\n   ", ""), command
         shell(command, workdir)
     example = workdir / EXAMPLE
     text = example.read_text().replace("/path/to/models/Qwen3-VL-8B-Instruct", str(tiny_model_dir))

@@ -23,7 +23,7 @@ are the loop's; a method is asked three things:
 
 What a method needs computed once before the first step (DPO's reference log-probabilities,
 vlft.training.reference) is computed from the stage's starting weights before it is built, and
-kept in the run directory so a resumed stage reuses it (ARCHITECTURE.md, "Training: the recipe and
+kept in the run directory so a resumed stage reuses it (docs/design.md, "Training: the recipe and
 its methods").
 """
 
