@@ -73,3 +73,19 @@ def test_the_config_reference_is_the_schemas_own_words():
     page = reference(schema)
     for key in ("learning_rate", "method", "rewards", "image_groups", "planning.device", "experiments.<name>.stages"):
         assert f"| `{key}` |" in page, key
+
+
+def test_the_readmes_study_in_one_page_is_a_valid_plan(tiny_model_dir, tmp_path, monkeypatch):
+    """The README's one page of YAML, its model path pointed at a tiny Qwen3-VL and its reward of
+    one's own importable: the schema takes it and the plan resolves every stage (each init_from
+    found, each reward known for its stage's answer format)."""
+    from vlft.config import resolve_config
+    from vlft.plan import build_plan
+
+    (tmp_path / "my_rewards.py").write_text("def brevity(records, answers):\n    return [1.0 for _ in answers]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    (study,) = re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    config = yaml.safe_load(study.replace("/models/Qwen3-VL-8B-Instruct", str(tiny_model_dir)))
+    plan = build_plan(resolve_config(config))
+    assert {"exp1/main", "exp4/stage1", "exp4/stage2", "exp7/dpo", "exp8/grpo"} <= set(plan.stages)
