@@ -23,7 +23,7 @@ from vlft.errors import InputError
 from vlft.files import atomic_path
 from vlft.data.importers.common import Refusals, UniqueIds, json_rows, write_splits
 from vlft.data.importers.kvasir import ImageWriter, parquet_rows
-from vlft.data.importers.targets import CLICK_ACTIONS, action_of, image_size
+from vlft.data.importers.targets import CLICK_ACTIONS, action_of, image_size, units_of
 
 FILE_FIELDS = ("img_filename", "image", "file_name")
 CATEGORY_FIELDS = ("data_type", "ui_type")
@@ -58,8 +58,7 @@ def box_units(rows: list[dict], asked: str) -> str:
     if asked != "auto":
         return asked
     boxes = [r.get("bbox") for r in rows if isinstance(r, dict)]
-    numbers = [v for b in boxes if isinstance(b, list) for v in b if isinstance(v, (int, float))]
-    return "fractions" if numbers and all(0 <= v <= 1 for v in numbers) else "pixels"
+    return units_of([[v for v in b if isinstance(v, (int, float))] for b in boxes if isinstance(b, list)])
 
 
 def import_screenspot(
