@@ -5,7 +5,10 @@ with the stage's settings as the run's config."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -36,6 +39,11 @@ def wandb_records(path):
             pending = b""
 
 
+def without_mlflow_variables(monkeypatch):
+    for name in [name for name in os.environ if name.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+
+
 def test_a_stage_reports_its_curves_to_wandb_and_mlflow_offline_as_its_log_has_them(small_stage, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -43,9 +51,9 @@ def test_a_stage_reports_its_curves_to_wandb_and_mlflow_offline_as_its_log_has_t
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    # MLflow offline: its file store (mlflow-skinny has no database backend).
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    # MLflow with no variable set, as a user first runs it: its default store in the study's directory.
+    without_mlflow_variables(monkeypatch)
+    monkeypatch.chdir(tmp_path)
     inputs, settings = small_stage
     settings = settings | {"max_steps": 4, "micro_batch": 4}
     results = tmp_path / "my-study"
@@ -56,8 +64,9 @@ def test_a_stage_reports_its_curves_to_wandb_and_mlflow_offline_as_its_log_has_t
     assert [row["step"] for row in log] == [1, 2, 3, 4]
     assert not board.exists()  # TensorBoard was not asked for
 
-    # MLflow: an experiment named for the study, a run named for the stage, every step's loss.
-    client = MlflowClient()
+    # MLflow: an experiment named for the study, a run named for the stage, every step's loss, in
+    # MLflow's default store, which `mlflow ui` run in the study's directory reads.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("my-study").experiment_id])
     assert run.info.run_name == "exp/stage" and run.data.params["learning_rate"] == str(settings["learning_rate"])
     history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
@@ -77,3 +86,30 @@ def test_a_stage_reports_its_curves_to_wandb_and_mlflow_offline_as_its_log_has_t
     assert steps == [(row["step"], pytest.approx(row["loss"], rel=1e-15)) for row in log]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["learning_rate"] == settings["learning_rate"] and config["lora_r"] == settings["lora_r"]
+
+
+OPEN_A_RUN = """
+import sys
+from vlft.training.trackers import MlflowRun
+run = MlflowRun("my-study", sys.argv[1], {"learning_rate": 1e-4})
+run.log({"train/loss": 1.5}, step=1)
+run.close()
+"""
+
+
+def test_stages_starting_at_once_share_mlflow_s_default_store(tmp_path, monkeypatch):
+    """Parallel stages of one study open MLflow's default SQLite store at the same moment; the first
+    opening creates and migrates its tables, which two jobs doing at once break for both."""
+    from mlflow.tracking import MlflowClient
+
+    without_mlflow_variables(monkeypatch)
+    names = [f"exp{i}/stage" for i in range(4)]
+    jobs = [
+        subprocess.Popen([sys.executable, "-c", OPEN_A_RUN, name], cwd=tmp_path, stderr=subprocess.PIPE)
+        for name in names
+    ]
+    for job in jobs:
+        assert job.wait(timeout=300) == 0, job.stderr.read().decode()[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("my-study").experiment_id])
+    assert sorted(run.info.run_name for run in runs) == names

@@ -2,7 +2,8 @@
 name), any of tensorboard, wandb and mlflow. Each is the library's own client, configured the way its
 users configure it everywhere else, by its environment variables: W&B's WANDB_PROJECT (default: the
 study's results directory's name), WANDB_MODE=offline, WANDB_DIR; MLflow's MLFLOW_TRACKING_URI
-(default: ./mlruns), MLFLOW_EXPERIMENT_NAME (default: as W&B's project).
+(default: MLflow's own, the SQLite file ./mlflow.db in the study's directory, which `mlflow ui` run there
+reads), MLFLOW_EXPERIMENT_NAME (default: as W&B's project).
 
 One run a stage, named <experiment>/<stage>, with the stage's settings as its config/params; every
 scalar the TensorBoard run gets goes to each tracker at the same step (vlft.training.curves). A stage
@@ -12,17 +13,25 @@ per attempt, as its runs cannot be reopened across processes without the id, nam
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
 
+from filelock import FileLock
+
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # what each tracker imports
+# What each tracker imports; MLflow's default SQLite store migrates its tables with alembic.
+PACKAGES = {"wandb": ("wandb",), "mlflow": ("mlflow", "alembic", "sqlalchemy")}
 
 
 def missing_packages(report_to: list[str]) -> list[str]:
     """The trackers named whose package is not installed here (checked as a study is planned)."""
-    return [name for name in report_to if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]
+    return [
+        name
+        for name in report_to
+        if any(importlib.util.find_spec(package) is None for package in PACKAGES.get(name, ()))
+    ]
 
 
 def flat(settings: dict, prefix: str = "") -> dict:
@@ -58,12 +67,22 @@ class WandbRun:
         self.run.finish()
 
 
+def creating_the_store(tracking_uri: str):
+    """A lock beside a SQLite store while a job opens it: the first opening creates and migrates its
+    tables, and two jobs doing that at once (parallel stages of one study) break each other's
+    migration. Other stores need none."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    return FileLock(tracking_uri.removeprefix("sqlite:///") + ".lock")
+
+
 class MlflowRun:
     def __init__(self, study: str, run: str, settings: dict):
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", study))
+        with creating_the_store(mlflow.get_tracking_uri()):
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", study))
         self.run = mlflow.start_run(run_name=run)
         mlflow.log_params({k: str(v)[:6000] for k, v in flat(settings).items()})
 

@@ -38,7 +38,7 @@ try:
     if missing := missing_packages(config["report_to"]):
         raise ConfigError(
             f"report_to: {', '.join(missing)} is not installed here (pip install -e '.[trackers]', or pip install "
-            f"{' '.join(PACKAGES[m] for m in missing)})"
+            f"{' '.join(p for m in missing for p in PACKAGES[m])})"
         )
 except ConfigError as err:
     raise WorkflowError(f"Invalid config: {err}") from None
