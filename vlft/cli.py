@@ -3,7 +3,7 @@
     vlft run [snakemake's arguments]      the study, through Snakemake and the workflow's own Snakefile
     vlft predict STAGE --image X --question Q   answer with a trained stage (scripts/predict.py)
     vlft chat STAGE --image X              talk with a trained stage about an image (scripts/chat.py)
-    vlft export STAGE [snakemake's arguments]   the stage merged into its base model (results/export/...)
+    vlft export STAGE [snakemake's arguments]   the stage merged into its base model (<results>/export/...)
     vlft env                               what a result made here would rest on: versions, GPUs, commit
 
 Each verb runs what the README's own commands run; `vlft run` is `snakemake -s <workflow>/Snakefile`,
@@ -34,12 +34,72 @@ def snakemake(arguments: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "snakemake", "-s", str(workflow_dir() / "Snakefile"), *arguments])
 
 
-def export_target(stage: str) -> str:
-    """results/train/<experiment>/<stage> -> results/export/<experiment>/<stage> (its study's results)."""
+EXPORT_HELP = """vlft export STAGE [snakemake's arguments]
+
+The trained stage STAGE (<results>/train/<experiment>/<stage>) as a model of its own, in
+<results>/export/<experiment>/<stage>: its adapter merged into the base weights, with the base's
+tokenizer and chat template, the image processor at the stage's pixels and a model card. transformers
+loads it with from_pretrained alone; `vllm serve` serves it. The stage is trained first if it is not.
+
+Run it from the study's directory: the study's config is the file there (or in a folder below it)
+whose outputs land in <results>, unless --configfile names it; Snakemake runs on all cores unless
+--cores, --jobs or --profile says otherwise. Any other argument goes to Snakemake as it is."""
+
+# Snakemake's arguments that already say where and how wide its jobs run.
+SAYS_HOW_TO_RUN = ("--cores", "-c", "--jobs", "-j", "--profile", "--executor", "-e")
+
+
+def export_target(stage: str) -> tuple[str, str]:
+    """results/train/<experiment>/<stage> -> (its study's results, the export's file Snakemake makes:
+    the model's config.json, so that the exported folder is the model's files alone)."""
     path = Path(stage.rstrip("/"))
     if len(path.parts) < 4 or path.parts[-3] != "train":
-        sys.exit(f"vlft export: {stage} is not a trained stage's directory (<results>/train/<experiment>/<stage>)")
-    return str(path.parent.parent.parent / "export" / path.parts[-2] / path.parts[-1])
+        sys.exit(
+            f"vlft export: {stage} is not a trained stage's directory (<results>/train/<experiment>/<stage>); "
+            "vlft export --help says more"
+        )
+    results = path.parent.parent.parent
+    return str(results), str(results / "export" / path.parts[-2] / path.parts[-1] / "config.json")
+
+
+def study_config(results: str, here: Path) -> str:
+    """The config file in `here` or two folders below it whose study's outputs land in `results`."""
+    import yaml
+
+    from vlft.config import results_directory
+    from vlft.errors import ConfigError
+
+    found = []
+    for pattern in ("*.y*ml", "*/*.y*ml", "*/*/*.y*ml"):
+        for path in sorted(here.glob(pattern)):
+            if path.parts[len(here.parts)] in ("results", ".snakemake"):
+                continue
+            try:
+                config = yaml.safe_load(path.read_text())
+                lands = isinstance(config, dict) and "experiments" in config and results_directory(config, [path])
+            except (yaml.YAMLError, OSError, UnicodeDecodeError, ConfigError):
+                continue
+            if lands and os.path.normpath(lands) == os.path.normpath(results):
+                found.append(str(path.relative_to(here)))
+    if not found:
+        sys.exit(
+            f"vlft export: no config file here ({here}) writes its study to {results}/: run it from the study's "
+            "directory, or give the study's config with --configfile FILE"
+        )
+    if len(found) > 1:
+        sys.exit(f"vlft export: {', '.join(found)} all write to {results}/: give the study's with --configfile FILE")
+    return found[0]
+
+
+def export_arguments(stage: str, rest: list[str], here: Path) -> list[str]:
+    """Snakemake's arguments for `vlft export STAGE rest...` run in `here`."""
+    results, target = export_target(stage)
+    arguments = [target, *rest]
+    if not any(a.split("=")[0] in ("--configfile", "--configfiles") for a in rest):
+        arguments += ["--configfile", study_config(results, here)]
+    if not any(a.split("=")[0] in SAYS_HOW_TO_RUN for a in rest):
+        arguments += ["--cores", "all"]
+    return arguments
 
 
 def environment() -> list[str]:
@@ -76,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         snakemake(rest)
     elif verb == "export":
         if not rest:
-            sys.exit("vlft export STAGE [snakemake's arguments]: STAGE is results/train/<experiment>/<stage>")
-        snakemake([export_target(rest[0]), *rest[1:]])
+            sys.exit(EXPORT_HELP)
+        if rest[0] in ("-h", "--help"):
+            print(EXPORT_HELP)
+            return
+        snakemake(export_arguments(rest[0], rest[1:], Path.cwd()))
     elif verb in ("predict", "chat"):
         script = workflow_dir() / f"scripts/{verb}.py"
         sys.argv = [str(script), *rest]

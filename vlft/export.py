@@ -43,7 +43,11 @@ def export_stage(
     with atomic_path(output) as tmp:
         merged.save_pretrained(tmp)  # safetensors, sharded as transformers shards
         for path in sorted(model_dir.iterdir()):
-            if path.is_file() and path.name not in WEIGHTS and not (tmp / path.name).exists():
+            # Hidden files are no model's: a workflow's timestamp (the demo's model is a Snakemake
+            # output), a download's .gitattributes.
+            if path.name.startswith(".") or path.name in WEIGHTS or (tmp / path.name).exists():
+                continue
+            if path.is_file():
                 shutil.copy2(path, tmp / path.name)
         _set_pixels(tmp / "preprocessor_config.json", settings["min_pixels"], settings["max_pixels"])
         (tmp / "README.md").write_text(model_card(model_dir, stage_dir, settings, metrics, dtype))

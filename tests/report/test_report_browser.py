@@ -61,11 +61,12 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     # answers, each with its image.
     evaluations = 2 * (10 + 1) + 4
     sections = browser.find_elements("css selector", "details")
-    assert len(sections) == evaluations
+    assert len(sections) == 1 + evaluations  # the results' further columns, then the examples
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
     assert evaluations * 3 <= len(example_rows) <= evaluations * 6
-    assert len(browser.find_elements("css selector", "img")) == 4 + len(example_rows)
-    assert len(browser.find_elements("css selector", "table")) == 7 + evaluations
+    assert len(browser.find_elements("css selector", "img")) == len(example_rows)
+    assert len(browser.find_elements("css selector", "figure.chart svg")) == 4
+    assert len(browser.find_elements("css selector", "table")) == 8 + evaluations
     # The click stage's examples say which colour is which on their drawings.
     click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
     assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
@@ -77,8 +78,8 @@ def test_a_broken_image_or_an_empty_table_is_found(browser, demo_workdir, tmp_pa
     import base64
 
     text = (demo_workdir / "results/report/index.html").read_text()
-    start = text.index("data:image/png;base64,") + len("data:image/png;base64,")
-    text = text[:start] + base64.b64encode(b"not a PNG").decode() + text[text.index('"', start) :]
+    start = text.index("data:image/jpeg;base64,") + len("data:image/jpeg;base64,")
+    text = text[:start] + base64.b64encode(b"not a JPEG").decode() + text[text.index('"', start) :]
     body_start, body_end = text.index("<tbody>"), text.index("</tbody>")
     broken = tmp_path / "index.html"
     broken.write_text(text[: body_start + len("<tbody>")] + text[body_end:])
@@ -149,7 +150,7 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
 
     assert problems(browser, tmp_path / "report/index.html") == []
     assert browser.title == "Experiment report"
-    browser.find_element("css selector", "details summary").click()
+    browser.find_element("css selector", "details:has(table.examples) summary").click()
     cell = browser.find_element("css selector", "table.examples tr.wrong td:nth-child(4)")
     assert cell.text == '<script>document.title = "owned"</script>\\x00 <b>red</b>'
     assert browser.find_element("css selector", "table.examples tr.wrong td:nth-child(2)").text == "What <i>colour</i>?"
@@ -163,19 +164,20 @@ def test_example_answers_are_escaped_and_show_their_image(browser, tmp_path):
     assert max(image.get_property("naturalWidth"), image.get_property("naturalHeight")) == 160
 
 
-def table_rows(driver, heading: str) -> list[dict]:
-    """The table after an h2 of the page, as the reader sees it: header -> cell text, per row."""
+def table_rows(driver, heading: str, nth: int = 0) -> list[dict]:
+    """The nth table after an h2 of the page, as the reader sees it: header -> cell text, per row."""
     return driver.execute_script(
         """
         const h2 = [...document.querySelectorAll('h2')].find(h => h.textContent === arguments[0]);
-        let node = h2.nextElementSibling;
-        while (!node.querySelector('table')) node = node.nextElementSibling;
+        let node = h2.nextElementSibling, skip = arguments[1];
+        while (!node.querySelector('table') || skip-- > 0) node = node.nextElementSibling;
         const table = node.querySelector('table');
         const names = [...table.querySelectorAll('thead th')].map(th => th.textContent);
         return [...table.querySelectorAll('tbody tr')].map(
             tr => Object.fromEntries([...tr.children].map((td, i) => [names[i], td.textContent])));
         """,
         heading,
+        nth,
     )
 
 
@@ -218,8 +220,9 @@ def test_the_report_names_the_winner_and_fits_a_laptop_screen(browser, demo_work
             assert row[name] == "" or 0 <= float(row[name]) <= 1, row
         assert float(row["p_vs_start"]) < 0.05 and "over its start: more than noise" in row["margin"], row
     shown = {(r["experiment"], r["stage"], r["split"]): r for r in table_rows(browser, "Results")}
-    for row in shown.values():
-        assert float(row["ci95_low"]) <= float(row["accuracy"]) <= float(row["ci95_high"]), row
+    more = {(r["experiment"], r["stage"], r["split"]): r for r in table_rows(browser, "Results", nth=1)}
+    for key, row in shown.items():
+        assert float(more[key]["ci95_low"]) <= float(row["accuracy"]) <= float(more[key]["ci95_high"]), row
     # What it rests on: the packages, the commit, the base model, each stage's settings.
     rests_on = browser.find_element("xpath", "//h2[text()='What this rests on']/following-sibling::ul[1]").text
     assert "torch: " in rests_on and "workflow commit: " in rests_on and "base model: " in rests_on
@@ -239,5 +242,29 @@ def test_the_report_names_the_winner_and_fits_a_laptop_screen(browser, demo_work
         assert shown[("exp4", "stage1", split)]["repeats"] == "exp3/stage1"
         assert [k for k, r in shown.items() if r["repeats"] and k[2] == split] == [("exp4", "stage1", split)]
     # One panel per experiment, two a row: a picture taller than wide for the demo's seven.
-    losses = browser.find_element("css selector", "img[alt^='training loss curves']")
-    assert losses.get_property("naturalHeight") > losses.get_property("naturalWidth")
+    losses = browser.find_element("css selector", "figure[aria-label^='training loss curves'] svg")
+    assert losses.size["height"] > losses.size["width"]
+
+
+def test_the_reports_metrics_and_chart_labels_read_as_they_should_on_a_laptop(browser, demo_workdir, tmp_path):
+    """At 1,280 pixels the results table shows the field's metrics (BLEU, ROUGE-L, METEOR) with no
+    sideways scrolling, and the loss chart's axis labels are the numbers drawn, not math markup
+    ($\\mathdefault{6\\times10^{0}}$, what a log axis writes where math is not typeset)."""
+    browser.set_window_size(1280, 900)
+    assert problems(browser, demo_workdir / "results/report/index.html") == []
+    results = browser.execute_script("""
+        const h2 = [...document.querySelectorAll('h2')].find(h => h.textContent === 'Results');
+        let box = h2.nextElementSibling;
+        while (!box.matches('div.scroll')) box = box.nextElementSibling;
+        const names = [...box.querySelectorAll('thead th')].map(th => th.textContent);
+        return {names, scroll: box.scrollWidth, shown: box.clientWidth};
+        """)
+    assert {"accuracy", "bleu", "rouge_l", "meteor"} <= set(results["names"]), results
+    assert results["scroll"] <= results["shown"], results
+    labels = browser.execute_script(
+        "return [...document.querySelectorAll(\"figure[aria-label^='training loss'] g[id^='ytick'] text\")]"
+        ".map(t => t.textContent)"
+    )
+    assert labels and all(float(label) > 0 for label in labels), labels
+    browser.find_element("css selector", "figure[aria-label^='training loss']").screenshot(str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").stat().st_size > 10_000  # the chart was drawn, not an empty box

@@ -258,7 +258,7 @@ def test_predict_answers_as_the_stages_evaluation_does(demo_workdir, tmp_path, e
 
 
 def test_an_exported_stage_loads_alone_and_answers_as_its_evaluation(demo_workdir, tmp_path):
-    """`snakemake results/export/exp4/stage2`: transformers loads it with from_pretrained alone; its
+    """`vlft export results/train/exp4/stage2`: transformers loads it with from_pretrained alone; its
     logits are base + adapter's; its answers on the test split are the evaluation's, word for word."""
     import yaml
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
@@ -267,7 +267,7 @@ def test_an_exported_stage_loads_alone_and_answers_as_its_evaluation(demo_workdi
     from vlft.generation.evaluate import evaluate_split
     from vlft.plan import build_plan
 
-    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2")
+    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2/config.json")
     export = demo_workdir / "results/export/exp4/stage2"
     stage = demo_workdir / "results/train/exp4/stage2"
     config = yaml.safe_load((demo_workdir / "config/config.yaml").read_text())
@@ -322,7 +322,7 @@ def test_vllm_serves_an_exported_stage(demo_workdir):
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (it needs a CUDA GPU)")
     from tests.helpers import snakemake
 
-    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2")
+    snakemake(demo_workdir, "--cores", "2", "results/export/exp4/stage2/config.json")
     model = vllm.LLM(str(demo_workdir / "results/export/exp4/stage2"), max_model_len=512)
     [output] = model.generate(["Hello"], vllm.SamplingParams(max_tokens=4, temperature=0))
     assert output.outputs[0].token_ids

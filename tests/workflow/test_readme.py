@@ -375,6 +375,10 @@ def run_from_own_directory(command, fixture, tmp_path):
     assert not (study / "scripts").exists() and not (clone / "results").exists()
     assert "Results of this study: results/my-study/" in said
     assert "The report: results/my-study/report/index.html" in said
+    # Exported from the study's directory with no other argument: its config and the cores found.
+    shell("vlft export results/my-study/train/only/main", study)
+    exported = study / "results/my-study/export/only/main"
+    assert (exported / "config.json").is_file() and not [p for p in exported.iterdir() if p.name.startswith(".")]
 
 
 def run_env(command, fixture, tmp_path):
@@ -454,7 +458,7 @@ def run_demo_qwen3_5(command, fixture, tmp_path):
         text=True,
     )
     assert said.returncode == 0 and said.stdout.splitlines()[-1] == evaluated["prediction"], said.stderr
-    shell(f"{command.replace('--cores all', '--cores 2')} results/demo-qwen3_5/export/exp1/main", workdir)
+    shell(f"vlft export {stage} --cores 2", workdir)  # its config found in config/examples
     assert AutoConfig.from_pretrained(results / "export/exp1/main").model_type == "qwen3_5"
 
 
@@ -464,9 +468,14 @@ def run_export(command, fixture, tmp_path):
     demo = fixture("demo_workdir")
     shell(command, demo)
     export = demo / "results/export/exp4/stage2"
-    assert {"model.safetensors", "config.json", "preprocessor_config.json", "README.md"} <= {
-        p.name for p in export.iterdir()
+    # The model's files alone: no file of Snakemake's (a directory output would hold its timestamp).
+    assert {p.name for p in export.iterdir()} >= {
+        "model.safetensors",
+        "config.json",
+        "preprocessor_config.json",
+        "README.md",
     }
+    assert not [p.name for p in export.iterdir() if p.name.startswith(".")]
 
 
 def run_chat(command, fixture, tmp_path):
@@ -548,7 +557,7 @@ RUNNERS = {
     "snakemake -s <clone>/Snakefile --configfile my-study.yaml --cores all": run_from_own_directory,
     "vlft env": run_env,
     "vlft chat results/train/exp5/main --image results/demo/shapes/images/test/00000.png": run_chat,
-    "snakemake --cores all results/export/exp4/stage2": run_export,
+    "vlft export results/train/exp4/stage2": run_export,
     "python scripts/predict.py results/train/exp5/main --image results/demo/shapes/images/test/00000.png "
     '--question "How many shapes are there?"': run_predict,
     "python scripts/predict.py results/train/click/main --image results/demo/screens/images/test/00000.png "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vlft.cli import export_target
+from vlft.cli import export_arguments, export_target
 
 
 def vlft(*args, cwd):
@@ -33,10 +33,49 @@ def test_run_is_the_workflow_through_snakemake_from_any_directory(tmp_path):
 
 
 def test_export_names_the_stages_export_and_a_wrong_verb_says_the_verbs(tmp_path):
-    assert export_target("results/train/exp4/stage2") == "results/export/exp4/stage2"
-    assert export_target("results/my/train/exp1/main/") == "results/my/export/exp1/main"
+    assert export_target("results/train/exp4/stage2") == ("results", "results/export/exp4/stage2/config.json")
+    assert export_target("results/my/train/exp1/main/") == ("results/my", "results/my/export/exp1/main/config.json")
     wrong = vlft("train", cwd=tmp_path)
     assert wrong.returncode != 0 and "vlft run [snakemake's arguments]" in wrong.stderr
+
+
+def test_export_finds_the_studys_config_and_cores_from_its_directory_and_its_help_helps(tmp_path):
+    """`vlft export STAGE` alone, in the study's directory: the config file whose outputs land in the
+    stage's results (by its name, or its `results`), all cores; what the user gives is kept."""
+    import yaml
+
+    study = {"experiments": {"exp1": {"stages": {"main": {}}}}}
+    (tmp_path / "my-study.yaml").write_text(yaml.safe_dump(study))
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/other.yaml").write_text(yaml.safe_dump(study | {"results": "results/elsewhere"}))
+    (tmp_path / "notes.yaml").write_text("- not a study\n")
+    stage = "results/my-study/train/exp1/main"
+    assert export_arguments(stage, [], tmp_path) == [
+        "results/my-study/export/exp1/main/config.json",
+        "--configfile",
+        "my-study.yaml",
+        "--cores",
+        "all",
+    ]
+    assert export_arguments("results/elsewhere/train/exp1/main", ["-j", "4"], tmp_path)[-2:] == [
+        "--configfile",
+        "configs/other.yaml",
+    ]
+    assert export_arguments(stage, ["--configfile", "x.yaml", "--profile", "p"], tmp_path) == [
+        "results/my-study/export/exp1/main/config.json",
+        "--configfile",
+        "x.yaml",
+        "--profile",
+        "p",
+    ]
+    lost = vlft("export", "results/nobody/train/exp1/main", cwd=tmp_path)
+    assert lost.returncode != 0
+    assert f"no config file here ({tmp_path}) writes its study to results/nobody/: run it from" in lost.stderr
+    (tmp_path / "copy.yaml").write_text(yaml.safe_dump(study | {"results": "results/my-study"}))
+    twice = vlft("export", stage, cwd=tmp_path)
+    assert "copy.yaml, my-study.yaml all write to results/my-study/: give the study's with --configfile" in twice.stderr
+    helped = vlft("export", "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and "Run it from the study's directory" in helped.stdout
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
-"""The report's charts, each a PNG file (for Snakemake's report) and the same bytes base64-encoded
-for the self-contained page: loss and accuracy over the steps, accuracy by category, and the panels
-every chart is laid out in. The only part of the report that loads matplotlib."""
+"""The report's charts, each a PNG file (for Snakemake's report) and the same figure as SVG inside the
+self-contained page, its text kept as text (sharp at any zoom, found by the browser's search): loss
+and accuracy over the steps, accuracy by category, and the panels every chart is laid out in. The
+only part of the report that loads matplotlib."""
 
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 
@@ -14,23 +14,36 @@ matplotlib.use("Agg")  # no display on cluster nodes
 # Every label drawn as the text it is: a category named "$5 or more" is no math to typeset (an
 # unknown macro in one failed the whole report, after all training), nor is a stage's name.
 matplotlib.rcParams["text.parse_math"] = False
+# In the page's SVG: text as text, drawn in the page's fonts; ids the same each time the report is made.
+matplotlib.rcParams["svg.fonttype"] = "none"
+matplotlib.rcParams["svg.hashsalt"] = "vlft-report"
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from vlft.files import atomic_path  # noqa: E402
 from vlft.report.study import StageResult, step_offsets  # noqa: E402
 
 
-def save_png(fig, path: Path | None) -> str:
+def save_chart(fig, path: Path | None) -> str:
     """Write the figure as a PNG file (for Snakemake's report; None: the page alone has it) and return
-    it base64-encoded (for the self-contained page)."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    it as SVG markup for the page."""
     if path is not None:
         with atomic_path(path) as tmp:
-            tmp.write_bytes(buffer.getvalue())
-    return base64.b64encode(buffer.getvalue()).decode()
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg") :]
+
+
+class PlainLogFormatter(ticker.LogFormatter):
+    """A log axis's labels as plain numbers (0.3, 6, 20), on the ticks matplotlib's LogFormatter would
+    label: its default writes them as math (6x10^0), which the page's labels are not parsed as."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return f"{x:g}"
 
 
 def panels(experiments: list[str]):
@@ -66,8 +79,10 @@ def loss_curves(stages: list[StageResult], path: Path) -> str:
             start, log = offsets[trained.label], trained.log
             ax.plot([start + r["step"] for r in log], [r["loss"] for r in log], label=trained.stage, linewidth=1.2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(PlainLogFormatter())
+        ax.yaxis.set_minor_formatter(PlainLogFormatter())
     label_panels(fig, axes, experiments, "training loss (per answer token)")
-    return save_png(fig, path)
+    return save_chart(fig, path)
 
 
 def accuracy_curves(stages: list[StageResult], evals: dict[str, tuple[list[dict], dict | None]]) -> str:
@@ -87,7 +102,7 @@ def accuracy_curves(stages: list[StageResult], evals: dict[str, tuple[list[dict]
     label_panels(fig, axes, experiments, "accuracy during training")
     # In the page only: a study without evaluations during training has no such chart, and the
     # report rule's outputs are the same files for every study.
-    return save_png(fig, None)
+    return save_chart(fig, None)
 
 
 def category_chart(categories: pd.DataFrame, path: Path) -> str:
@@ -106,4 +121,4 @@ def category_chart(categories: pd.DataFrame, path: Path) -> str:
         ax.grid(axis="y", alpha=0.3)
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
-    return save_png(fig, path)
+    return save_chart(fig, path)

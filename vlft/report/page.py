@@ -12,7 +12,7 @@ import pandas as pd
 
 from vlft.files import atomic_path, read_jsonl
 from vlft.plan import BASE_EXPERIMENT, BASE_STAGE
-from vlft.report.charts import accuracy_curves, category_chart, label_panels, loss_curves, panels, plt, save_png
+from vlft.report.charts import accuracy_curves, category_chart, label_panels, loss_curves, panels, plt, save_chart
 from vlft.report.study import (
     Evaluation,
     StageResult,
@@ -24,6 +24,24 @@ from vlft.report.study import (
 )
 from vlft.report.tables import JOB_COLUMNS, inert_for_spreadsheets, preference_stages, stopped_arms_html, table_html
 from vlft.thumbnails import thumbnail_jpeg
+
+# The results' columns the page's table shows, where a study has them: the stage, its scores (accuracy,
+# the field's text metrics, a click's distance) and what it gained. Each evaluation's other columns
+# (its interval, loss, count, time) follow in a table of their own.
+COMPARED = [
+    "experiment",
+    "stage",
+    "split",
+    "accuracy",
+    "bleu",
+    "rouge_l",
+    "meteor",
+    "mean_distance",
+    "gain_over_base",
+    "gain_over_start",
+    "started_from",
+    "repeats",
+]
 
 # Per evaluation: the first this many right and wrong answers, so that a page of nine evaluations
 # of thousands of samples still opens at once.
@@ -92,7 +110,14 @@ table.t th { background: #f3f3f3; }
 table.examples td, table.examples th { text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; overflow-wrap: anywhere; }
 tr.wrong td:last-child { color: #b00; }
 img { max-width: 100%; }
+figure.chart { margin: 0 0 1.5rem; }
+figure.chart svg { max-width: 100%; height: auto; }
 </style>"""
+
+
+def figure(svg: str, label: str) -> str:
+    """A chart in the page: its SVG, named for screen readers as an image's alt text would."""
+    return f'<figure class="chart" role="img" aria-label="{html.escape(label)}">{svg}</figure>'
 
 
 def reward_stages(stages: list[StageResult], jobs: pd.DataFrame, results: pd.DataFrame, path: Path) -> str:
@@ -115,14 +140,14 @@ def reward_stages(stages: list[StageResult], jobs: pd.DataFrame, results: pd.Dat
         ax.plot(steps, mean, linewidth=1.2, label="reward")
         ax.fill_between(steps, [m - d for m, d in zip(mean, spread)], [m + d for m, d in zip(mean, spread)], alpha=0.2)
     label_panels(fig, axes, [t.label for t in rewarded], "mean reward of the step's answers (± their groups' spread)")
-    png = save_png(fig, path)
+    svg = save_chart(fig, path)
     return (
         "<h2>Reward stages</h2><p>The mean reward of each step's sampled answers (the weighted sum of the "
         "stage's <code>rewards</code>), over the first (<code>reward_start</code>) and the last tenth "
         "(<code>reward_end</code>) of the steps, and per step below; accuracy: answers, as every stage is "
         "judged, beside the stage it started from.</p>"
         + table_html(shown)
-        + f'<img alt="mean reward per step, one panel per reward stage" src="data:image/png;base64,{png}">'
+        + figure(svg, "mean reward per step, one panel per reward stage")
     )
 
 
@@ -138,7 +163,7 @@ def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path, se
         fig, ax = plt.subplots(figsize=(5.5, 1.5))
         ax.axis("off")
         ax.text(0.5, 0.5, "no sweep's final stage is evaluated (eval_splits)", ha="center", va="center")
-        save_png(fig, path)
+        save_chart(fig, path)
         return (
             "<h2>Sweeps</h2><p>No sweep's final stage is evaluated (its <code>eval_splits</code> are empty).</p>"
             + stopped_arms_html(selections)
@@ -178,13 +203,13 @@ def sweep_section(results: pd.DataFrame, sweeps: dict[str, dict], path: Path, se
     for ax in axes[:, 0]:
         ax.set_ylabel("accuracy of the final stage (95% interval)", fontsize=8)
     fig.tight_layout()
-    png = save_png(fig, path)
+    svg = save_chart(fig, path)
     return (
         "<h2>Sweeps</h2><p>Each sweep's experiments (a stage's <code>sweep</code>), their final stage on each "
         "split, by the values swept; the stages they share were trained once (<code>repeats</code> in the "
         "results).</p>"
         + table_html(table)
-        + f'<img alt="accuracy against the swept values, one panel per sweep" src="data:image/png;base64,{png}">'
+        + figure(svg, "accuracy against the swept values, one panel per sweep")
         + stopped_arms_html(selections)
     )
 
@@ -232,21 +257,21 @@ def write_report(
         with atomic_path(output_dir / name) as tmp:
             inert_for_spreadsheets(table).to_csv(tmp, index=False, float_format="%.4f")
 
-    # The columns a reader compares first, then the rest.
-    first = ["experiment", "stage", "split", "accuracy", "gain_over_base", "gain_over_start", "started_from", "repeats"]
-    results_shown = results[first + [c for c in results.columns if c not in first]]
+    # The columns a reader compares, the field's text metrics among them, fit the page; the rest below.
+    compared = [c for c in COMPARED if c in results and results[c].notna().any()]
+    details = ["experiment", "stage", "split"] + [c for c in results.columns if c not in compared]
 
     charts = category_chart(categories, output_dir / "accuracy_by_category.png")
     losses = loss_curves(stages, output_dir / "loss_curves.png")
     during = evaluations_during_training(stages)
     accuracy_over_steps = ""
     if during:
-        png = accuracy_curves(stages, during)
+        svg = accuracy_curves(stages, during)
         accuracy_over_steps = (
             "<h2>Accuracy during training</h2><p>The evaluations as each stage trained (<code>eval_every</code>), on a "
             "fixed subset of one split (<code>eval_samples</code>); a star marks the adapter a stage kept "
             "(<code>keep: best</code>). <code>eval_share</code> in the jobs table: their share of the stage's time.</p>"
-            f'<img alt="accuracy during training, one panel per experiment" src="data:image/png;base64,{png}">'
+            + figure(svg, "accuracy during training, one panel per experiment")
         )
     job_columns = [c for c in JOB_COLUMNS if c in jobs]
     right = {(e.experiment, e.stage, e.split): answers_right(e) for e in evaluations}
@@ -262,14 +287,16 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 <h2>Who won</h2>
 <p>Per evaluated split, the trained stage of the best accuracy (every one, where they tie), its gain over the base model, and the next best.</p>
 {table_html(winners(results, right))}
-<p><code>p_vs_runner_up</code>, <code>p_vs_start</code>: the exact McNemar test of the winner against the runner-up, and against the stage it started from (the base model for a first stage), on the samples both answered: how likely a split of the samples they answer differently at least this lopsided is by chance. Below 0.05 the margin is more than noise; above it, another draw of as many samples could reverse it. <code>ci95_low</code> and <code>ci95_high</code> in the results: the 95% Wilson interval of each accuracy.</p>
+<p><code>p_vs_runner_up</code>, <code>p_vs_start</code>: the exact McNemar test of the winner against the runner-up, and against the stage it started from (the base model for a first stage), on the samples both answered: how likely a split of the samples they answer differently at least this lopsided is by chance. Below 0.05 the margin is more than noise; above it, another draw of as many samples could reverse it. <code>ci95_low</code> and <code>ci95_high</code> under the results (more of each evaluation): the 95% Wilson interval of each accuracy.</p>
 <h2>Results</h2>
 <p><code>gain_over_start</code>: over the stage it started from (<code>started_from</code>, by <code>init_from</code>), on the same split. <code>repeats</code>: an earlier stage that trained on the very records, in the very order, with the very settings (its filter may read otherwise), whose results these repeat: no second finding.</p>
-{table_html(results_shown)}
+{table_html(results[compared])}
+<details><summary>More of each evaluation: {", ".join(details[3:])} (every column is in results.csv)</summary>
+{table_html(results[details])}</details>
 <h2>Accuracy by category</h2>{table_html(categories)}
-<img alt="accuracy by category, one panel per split" src="data:image/png;base64,{charts}">
+{figure(charts, "accuracy by category, one panel per split")}
 <h2>Training loss</h2><p>One panel per experiment; a curriculum's stages one after the other.</p>
-<img alt="training loss curves, one panel per experiment" src="data:image/png;base64,{losses}">
+{figure(losses, "training loss curves, one panel per experiment")}
 {accuracy_over_steps}
 {preferences}
 {rewards}

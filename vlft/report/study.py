@@ -174,6 +174,10 @@ def winners(results: pd.DataFrame, right: dict | None = None) -> pd.DataFrame:
         }
         if right is not None:
             row |= _margins(results, jobs, best.iloc[0], right)
+        if len(best) > 1:  # a tie is a finding of its own, said in the row rather than left to blanks
+            row["runner_up"] = row["runner_up"] or f"none: all {len(best)} trained stages tie"
+            ahead = f"a tie of {len(best)}: none is ahead of the others"
+            row["margin"] = "; ".join(filter(None, [ahead, row.get("margin")])) if right is not None else ahead
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -3,6 +3,8 @@ the sections that are a table alone (preference stages, the arms a sweep stopped
 
 from __future__ import annotations
 
+import re
+
 
 import pandas as pd
 
@@ -26,8 +28,10 @@ JOB_COLUMNS = (
 
 
 def table_html(frame: pd.DataFrame) -> str:
-    """A table that scrolls inside its own box where it is wider than the page, never cut off."""
+    """A table that scrolls inside its own box where it is wider than the page, never cut off; its
+    column names may wrap after each underscore (gain_over_base), as they would at spaces."""
     table = frame.to_html(index=False, float_format=lambda v: f"{v:.3f}", classes="t", border=0, na_rep="")
+    table = re.sub(r"<th>([^<]*)</th>", lambda th: f"<th>{th.group(1).replace('_', '_<wbr>')}</th>", table)
     return f'<div class="scroll">{table}</div>'
 
 
