@@ -414,6 +414,15 @@ def attempts_needed(seconds: float, margin: float, ceiling: int) -> int:
     return max(1, math.ceil(seconds * margin / 60 / ceiling))
 
 
+def duration(seconds: float) -> str:
+    """A time as the forecast says it: seconds, minutes or hours."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def wall_seconds(durations: dict, needs: dict, gpus: dict, capacity: float) -> float:
     """The plan's wall time: jobs started as soon as what they need is done and enough GPUs are free
     (`capacity`, unbounded with math.inf), earliest-ready first."""

@@ -18,6 +18,7 @@ from vlft.costs import (
     Refinement,
     SplitCounts,
     attempts_needed,
+    duration,
     eval_seconds,
     runtime_minutes,
     train_seconds,
@@ -212,7 +213,7 @@ class StudyCosts:
             if prediction is None:
                 lines.append(f"  {name:<{width}}  not predicted")
                 continue
-            lines.append(f"  {name:<{width}}  {_duration(prediction.seconds):>8}  {prediction.what}")
+            lines.append(f"  {name:<{width}}  {duration(prediction.seconds):>8}  {prediction.what}")
             if ceiling and name.startswith("train ") and prediction.seconds * self.planning["margin"] > ceiling * 60:
                 attempts = attempts_needed(prediction.seconds, self.planning["margin"], ceiling)
                 short = (
@@ -240,7 +241,7 @@ class StudyCosts:
             if once and of_kind:
                 gpu_hours += once * min(capacity, of_kind) / 3600
                 wall += once
-                lines.append(f"  once a GPU, before its first {kind} job: {_duration(once)} ({what})")
+                lines.append(f"  once a GPU, before its first {kind} job: {duration(once)} ({what})")
         shapes = {p.compiles for _, _, p, _ in priced if p and p.compiles}
         compile_s = len(shapes) * (self.rate["eval_compile_s"] if self.rate else 0.0)
         if compile_s:  # paid by whichever evaluation of each shape runs first
@@ -248,10 +249,10 @@ class StudyCosts:
             wall += compile_s
             lines.append(
                 f"  once an evaluation shape (a split at its pixels), its decode step's compile: "
-                f"{len(shapes)} x {_duration(compile_s / len(shapes))}"
+                f"{len(shapes)} x {duration(compile_s / len(shapes))}"
             )
         lines.append(
-            f"  total: {gpu_hours:.2f} {hours}; wall time {_duration(wall)} at {capacity_named}"
+            f"  total: {gpu_hours:.2f} {hours}; wall time {duration(wall)} at {capacity_named}"
             + (f"; {uncounted} job(s) not predicted (their data or model is made by this run)" if uncounted else "")
         )
         if split_up:
@@ -267,20 +268,14 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
-
-
 def capacity_of(resources: dict, nodes) -> tuple[float, str]:
     """The GPUs the plan's jobs share: --resources gpu=N, else the jobs Snakemake runs at once (a
-    SLURM profile's `jobs`), else unbounded (the longest chain)."""
-    gpu = resources.get("gpu")
+    SLURM profile's `jobs`; on this machine, one a core of --cores), else unbounded (the longest chain)."""
+    gpu, cores = resources.get("gpu"), resources.get("_cores")
     if isinstance(gpu, int) and gpu < 10**9:
         return gpu, f"gpu={gpu}"
     if isinstance(nodes, int) and nodes < 10**9:
         return nodes, f"{nodes} jobs at once"
+    if isinstance(cores, int) and cores < 10**9:
+        return cores, f"{cores} jobs at once (--cores {cores})"
     return math.inf, "as many GPUs as jobs (the longest chain)"

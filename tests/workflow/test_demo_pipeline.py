@@ -335,6 +335,20 @@ def test_the_run_says_where_its_results_are_first_and_who_won_and_where_the_repo
 
     said = (demo_workdir.parent / "terminal.txt").read_text().strip().splitlines()
     assert "Results of this study: results/" in said
+    # Its own progress as each job finished: jobs done of all, time spent, time left by the forecast.
+    progress = [
+        re.match(r"Study: (\d+) of (\d+) jobs done .*; (.+) spent; about (.+) left by the forecast", line)
+        for line in said
+    ]
+    counts = [(int(m.group(1)), int(m.group(2))) for m in progress if m]
+    [total] = {total for _, total in counts}
+    assert [done for done, _ in counts] == list(range(1, total + 1))
+    assert said.index("Results of this study: results/") < next(i for i, m in enumerate(progress) if m)
+    assert any(line.startswith("Study: its data and model made, the forecast: ") for line in said)
+    [done] = [line for line in said if line.startswith("Study done in ")]
+    assert re.search(
+        r"against .+ forecast at \d+ jobs at once \(--cores \d+\); its GPU jobs took .+ against .+ predicted \(\d", done
+    )
     expected = winners(pd.read_csv(demo_workdir / "results/report/results.csv", keep_default_na=False))
     # The run's own last words, before Snakemake names its log file.
     end = said.index("The report: results/report/index.html")

@@ -49,12 +49,20 @@ def a_module_of(study, snakefile):
 
 
 def test_the_workflow_runs_as_a_module_of_the_users_own_snakefile(tmp_path, tiny_model_dir):
+    from tests.helpers import planned_outputs
+
     """As snakedeploy deploys it: a module whose Snakefile is workflow/Snakefile. A study from a
     directory of its own with `-s` is the README's command, run by tests/workflow/test_readme.py."""
     clone = copy_workflow(tmp_path / "clone")
     study = a_study_of_ones_own(tmp_path / "study", tiny_model_dir)
     a_module_of(study, f'"{clone}/workflow/Snakefile"')
-    snakemake(study, "--cores", "2")
+    said = snakemake(study, "--cores", "2").stderr
+    # What a run from a clone says, said here too (a module's onstart and onsuccess never run).
+    assert said.index("Results of this study: results/") < said.index("Study: 1 of ")
+    assert said.index("Study done in ") < said.index("The report: results/report/index.html")
+    # The clone's rerun policy holds too, its profiles/default unread: a second run plans nothing (and
+    # a later release's command lines rerun nothing: test_a_deployed_study_upgraded_to_a_later_tag...).
+    assert planned_outputs(study) == set()
     # The module's config comes through `config:`, not a --configfile: the study names no
     # directory, so its outputs are the workflow's own results/ of the user's directory.
     assert (study / "results/report/index.html").is_file() and (study / "results/train/only/main/adapter").is_dir()

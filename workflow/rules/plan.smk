@@ -16,6 +16,7 @@ from vlft.families import family_problem
 from vlft.model_files import model_config_file, model_dir_problem
 from vlft.plan import build_plan
 from vlft.study_costs import StudyCosts, capacity_of
+from vlft.study_progress import PlannedJob
 from vlft.trained_once import shared_lines, trained_once
 from vlft.training.trackers import PACKAGES, missing_packages
 
@@ -79,28 +80,56 @@ for sentence in shared_lines(TRAINED_ONCE):
 COSTS = StudyCosts(PLAN, config, DIGESTS, RESULTS)
 
 
-def print_dry_run_costs():
-    """After a dry run (Snakemake calls no hook there: atexit), what the jobs that would run cost."""
-    if not workflow.dryrun or workflow.dag is None:
-        return
+def priced_jobs(costs=COSTS):
+    """The jobs this run would run, each as (job, its name, its predicted time or None, its GPUs), the
+    CPU jobs counted by rule, and what each job waits for."""
     jobs, needs, cpu_jobs = [], {}, {}
     for job in workflow.dag.needrun_jobs(exclude_finished=False):
         needs[job] = list(workflow.dag.job_dependencies(job))
         w, step = job.wildcards, job.rule.name
         if step == "train":
             gpus = PLAN.resources(w.experiment, w.stage)["gpus"]
-            jobs.append((job, f"train {w.experiment}/{w.stage}", COSTS.train(w.experiment, w.stage), gpus))
+            jobs.append((job, f"train {w.experiment}/{w.stage}", costs.train(w.experiment, w.stage), gpus))
         elif step == "evaluate":
-            prediction = COSTS.evaluation(w.experiment, w.stage, w.split)
+            prediction = costs.evaluation(w.experiment, w.stage, w.split)
             gpus = config["evaluation"]["resources"]["gpus"]
             jobs.append((job, f"evaluate {w.experiment}/{w.stage} on {w.split}", prediction, gpus))
         elif step == "cache_vision":
-            prediction = COSTS.vision_cache(w.dataset, w.split, w.pixels)
+            prediction = costs.vision_cache(w.dataset, w.split, w.pixels)
             jobs.append((job, f"cache_vision {w.dataset}/{w.split}", prediction, PLAN.defaults["resources"]["gpus"]))
         elif step != "all":
             cpu_jobs[step] = cpu_jobs.get(step, 0) + 1
+    return jobs, needs, cpu_jobs
+
+
+def study_capacity():
+    """The GPUs the run's jobs share, and how that was told (vlft.study_costs.capacity_of)."""
     resources = {name: getattr(value, "value", value) for name, value in workflow.global_resources.items()}
-    capacity, named = capacity_of(resources, resources.get("_nodes"))
+    if workflow.dryrun and resources.get("_cores") == 1:
+        # Snakemake's dry run takes --cores 1 where none is given: the run's own --cores will say.
+        resources.pop("_cores")
+    return capacity_of(resources, resources.get("_nodes"))
+
+
+def planned_jobs(again=False):
+    """The run's jobs as the study's progress counts them (vlft.study_progress); `again`: priced anew,
+    from the data and model this run has made since it started."""
+    jobs, needs, _ = priced_jobs(StudyCosts(PLAN, config, DIGESTS, RESULTS) if again else COSTS)
+    priced = {job: (prediction, gpus) for job, _, prediction, gpus in jobs}
+    planned = []
+    for job, waits_for in needs.items():
+        prediction, gpus = priced.get(job, (None, 0))
+        ids = tuple(workflow.dag.jobid(other) for other in waits_for if other in needs)
+        planned.append(PlannedJob(workflow.dag.jobid(job), job.rule.name, prediction and prediction.seconds, gpus, ids))
+    return planned
+
+
+def print_dry_run_costs():
+    """After a dry run (Snakemake calls no hook there: atexit), what the jobs that would run cost."""
+    if not workflow.dryrun or workflow.dag is None:
+        return
+    jobs, needs, cpu_jobs = priced_jobs()
+    capacity, named = study_capacity()
     # The most a job may run: max_runtime, else the SLURM partition's own limit.
     partition = slurm_partition()
     ceiling = config["max_runtime"] or (partition.time_limit_min if partition else None)
