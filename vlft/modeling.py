@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import socket
@@ -188,6 +189,17 @@ def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
     return torch.autocast(device.type, dtype=dtype)
+
+
+def cache_keyword(module) -> str:
+    """The name `module`'s forward takes the KV cache by: `cache` in this transformers' releases from
+    5.2x on, `past_key_values` before (passed by the old name, the new ones warn once a job)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """A forward's KV cache, under either name (cache_keyword)."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
 
 
 def language_model(model):

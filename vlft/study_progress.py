@@ -87,6 +87,8 @@ class StudyProgress(logging.Handler):
         """The forecast of the whole run, made now: the time spent and the GPU jobs' time left."""
         priced = sum(job.predicted_s is not None for job in self.jobs.values())
         self.forecast_s = self.clock() - self.run_started + self.left_s()
+        if not priced:
+            return "no forecast before this run has made the data and model its GPU jobs are priced by"
         return f"the forecast: {duration(self.forecast_s)} for its {priced} GPU jobs (snakemake -n lists them)"
 
     def finished(self, jobid: int) -> None:

@@ -335,6 +335,10 @@ def test_the_run_says_where_its_results_are_first_and_who_won_and_where_the_repo
 
     said = (demo_workdir.parent / "terminal.txt").read_text().strip().splitlines()
     assert "Results of this study: results/" in said
+    # Read top to bottom, no warning a researcher cannot act on: the libraries' API changes, addressed
+    # to this code, and CUDA's complaints on a machine without it.
+    noise = ("deprecated", "warning", "Cannot re-initialize CUDA")
+    assert [line for line in said if any(word.lower() in line.lower() for word in noise)] == []
     # Its own progress as each job finished: jobs done of all, time spent, time left by the forecast.
     progress = [
         re.match(r"Study: (\d+) of (\d+) jobs done .*; (.+) spent; about (.+) left by the forecast", line)

@@ -83,7 +83,7 @@ def test_progress_counts_jobs_and_time_left_and_ends_with_the_forecast_against_t
     assert asked == [False, True]  # read at the start, priced again once the CPU job made its data
     assert out.getvalue().splitlines() == [
         "Results of this study: results/x/",
-        "Study: 4 jobs to run; the forecast: 0 s for its 0 GPU jobs (snakemake -n lists them)",
+        "Study: 4 jobs to run; no forecast before this run has made the data and model its GPU jobs are priced by",
         "Study: its data and model made, the forecast: 1.3 min for its 3 GPU jobs (snakemake -n lists them)",
         "Study: 1 of 4 jobs done (train 0 of 1, evaluate 0 of 2); 6 s spent; about 1.2 min left by the forecast",
         "Study: 2 of 4 jobs done (train 1 of 1, evaluate 0 of 2); 1.6 min spent; about 10 s left by the forecast; "

@@ -18,7 +18,7 @@ from vlft.generation.kv_cache import SlotCache, live_blocks, prompt_states_cache
 from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
-from vlft.modeling import is_hybrid_model, language_model, unwrapped
+from vlft.modeling import cache_keyword, is_hybrid_model, language_model, output_cache, unwrapped
 from vlft.forward.image_groups import RowLayout, common_prefix
 from vlft.forward.loss import linear_cross_entropy_sums
 
@@ -191,7 +191,7 @@ class DecodeStep:
             input_ids=self.tokens[:rows, None],
             attention_mask=mask[:, None, None, :],
             position_ids=positions,
-            past_key_values=window,
+            **{cache_keyword(self.text): window},
             use_cache=True,
             **live,
         ).last_hidden_state
@@ -305,7 +305,7 @@ def prefill(model, group: list[Request], sampler=None) -> Prefilled:
     # Each request's stretches of the cache, cut at its prompt's end: the answer's keys are not kept.
     prompts = [_cut(request_spans, r.prompt) for request_spans, r in zip(spans, group)]
     shared = [prefix for prefix, run in runs for _ in run]
-    return Prefilled(firsts, output.past_key_values, prompts, losses, layout.segments[-1][1], shared, last_hidden)
+    return Prefilled(firsts, output_cache(output), prompts, losses, layout.segments[-1][1], shared, last_hidden)
 
 
 def _attention_inputs(outer, layout: RowLayout, lasts: list[int], device) -> dict:
@@ -319,7 +319,9 @@ def _attention_inputs(outer, layout: RowLayout, lasts: list[int], device) -> dic
     inputs = layout.attention_inputs(prefix_once=torch.is_grad_enabled(), linear=linear)
     attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     if linear:
-        attention["past_key_values"] = prompt_states_cache(outer, linear, [linear.piece_ending_at(e) for e in ends])
+        attention[cache_keyword(outer.model)] = prompt_states_cache(
+            outer, linear, [linear.piece_ending_at(e) for e in ends]
+        )
     return attention
 
 
