@@ -192,8 +192,8 @@ def adapter_autocast(model, device: torch.device, dtype: torch.dtype):
 
 
 def cache_keyword(module) -> str:
-    """The name `module`'s forward takes the KV cache by: `cache` in this transformers' releases from
-    5.2x on, `past_key_values` before (passed by the old name, the new ones warn once a job)."""
+    """The name `module`'s forward takes the KV cache by: `cache` in newer transformers releases,
+    `past_key_values` in older ones (the newer ones take the old name too, with a warning a job)."""
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 

@@ -89,3 +89,41 @@ def test_the_readmes_study_in_one_page_is_a_valid_plan(tiny_model_dir, tmp_path,
     config = yaml.safe_load(study.replace("/models/Qwen3-VL-8B-Instruct", str(tiny_model_dir)))
     plan = build_plan(resolve_config(config))
     assert {"exp1/main", "exp4/stage1", "exp4/stage2", "exp7/dpo", "exp8/grpo"} <= set(plan.stages)
+
+
+def test_the_speed_page_is_one_table_whose_every_figure_is_in_the_log_entry_it_links():
+    """docs/performance.md: one table of what is true today, each row with its command, device, date
+    and commit, and a link to its dated entry of the benchmarks log, which holds the row's figure
+    (a figure changed on one side only fails here). mkdocs --strict checks that each anchor exists."""
+    from markdown.extensions.toc import slugify
+
+    page = (REPO / "docs/performance.md").read_text()
+    log = (REPO / "benchmarks/README.md").read_text()
+    tables = re.findall(r"((?:^\|.*\|\n)+)", page, re.M)
+    assert len(tables) == 1
+    header, _, *rows = tables[0].splitlines()
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "workload",
+        "figure",
+        "against",
+        "command",
+        "device",
+        "date",
+        "commit",
+        "entry",
+    ]
+    assert len(rows) >= 10
+    sections = {}  # anchor -> the entry's text, to its next heading of the same or a higher level
+    headings = list(re.finditer(r"^(#+) (.+)$", log, re.M))
+    for i, heading in enumerate(headings):
+        level = len(heading.group(1))
+        end = next((h.start() for h in headings[i + 1 :] if len(h.group(1)) <= level), len(log))
+        sections.setdefault(slugify(heading.group(2), "-"), log[heading.start() : end])
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        workload, figure, _, command, device, date, commit, entry = cells
+        assert command.startswith("`") and device and re.fullmatch(r"\d{4}-\d\d-\d\d", date), row
+        assert re.fullmatch(r"[0-9a-f]{7}(, [0-9a-f]{7})*", commit), row
+        [anchor] = re.findall(r"\]\(log\.md#([^)]+)\)", entry)
+        number = re.search(r"[\d,]+(\.\d+)?", figure).group(0)
+        assert number in sections[anchor] and date in sections[anchor] + log, (workload, number, anchor)
