@@ -22,7 +22,7 @@ from vlft.costs import duration, wall_seconds
 # The rules whose jobs the forecast prices, where their data and model are on disk.
 PRICED = ("train", "evaluate", "cache_vision")
 # Snakemake's log events, by the names its logger plugin interface gives them (LogEvent's values).
-RUN_STARTED, JOB_STARTED, JOB_FINISHED = "run_info", "job_info", "job_finished"
+RUN_STARTED, JOB_STARTED, JOB_FINISHED, STEPS_DONE = "run_info", "job_info", "job_finished", "progress"
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,11 @@ class StudyProgress(logging.Handler):
         self.took: dict[int, float] = {}
         self.run_started: float | None = None
         self.forecast_s = 0.0
+        self.repriced = False
 
     def emit(self, record: logging.LogRecord) -> None:
         event = str(getattr(record, "event", ""))
-        if event not in (RUN_STARTED, JOB_STARTED, JOB_FINISHED) or self.dry_run():
+        if event not in (RUN_STARTED, JOB_STARTED, JOB_FINISHED, STEPS_DONE) or self.dry_run():
             return
         try:
             if event == RUN_STARTED:
@@ -71,6 +72,9 @@ class StudyProgress(logging.Handler):
                     self.read_plan()
             elif event == JOB_FINISHED and record.job_id in self.started_at:
                 self.finished(record.job_id)
+            elif event == STEPS_DONE and self.run_started is not None and record.done == record.total:
+                # Said after Snakemake's own last count, as its onsuccess handler would be.
+                self.say(self.end_line(), *self.last_lines())
         except Exception:  # the run goes on whatever this says
             self.handleError(record)
 
@@ -94,15 +98,23 @@ class StudyProgress(logging.Handler):
     def finished(self, jobid: int) -> None:
         self.took[jobid] = self.clock() - self.started_at.pop(jobid)
         job = self.jobs.get(jobid)
-        if job is not None and job.rule != "all":
-            unpriced = sum(j.predicted_s is None and j.rule in PRICED for j in self.jobs.values())
-            if job.predicted_s is None and unpriced:  # the data or model it made may price them now
-                self.read_plan(again=True)
-                if sum(j.predicted_s is None and j.rule in PRICED for j in self.jobs.values()) < unpriced:
-                    self.say(f"Study: its data and model made, {self.forecast()}")
-            self.say(self.progress_line())
-        if self.jobs and set(self.took) >= set(self.jobs):
-            self.say(self.end_line(), *self.last_lines())
+        if job is None or job.rule == "all":
+            return
+        if self.made_what_prices_them():
+            self.read_plan(again=True)
+            self.say(f"Study: its data and model made, {self.forecast()}")
+        self.say(self.progress_line())
+
+    def made_what_prices_them(self) -> bool:
+        """Whether the jobs the forecast could not price may be priced now: the jobs they wait for that
+        it never prices (those that make their data and model) have all finished. Asked once a job:
+        pricing reads every split's counts, so it is done once, when it can succeed."""
+        unpriced = [job for job in self.jobs.values() if job.predicted_s is None and job.rule in PRICED]
+        makers = {n for job in unpriced for n in job.needs if self.jobs[n].rule not in PRICED}
+        if not unpriced or self.repriced or not makers <= set(self.took):
+            return False
+        self.repriced = True
+        return True
 
     def read_plan(self, again: bool = False) -> None:
         self.jobs = {job.jobid: job for job in self.plan(again)}

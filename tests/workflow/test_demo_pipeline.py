@@ -160,7 +160,7 @@ def test_the_preference_stage_learns_its_pairs_and_keeps_its_answers(demo_workdi
     assert summary["held_out_pairs"] == val_pairs > 0
     assert summary["held_out_preference_accuracy"] > 0.6 and summary["held_out_reward_margin"] > 0, summary
     assert {"eval/rewards/accuracies", "eval/rewards/margins"} <= set(events.Tags()["scalars"])
-    page = (demo_workdir / "results/report/index.html").read_text()
+    page = (demo_workdir / "results/report/index.html").read_text().replace("<wbr>", "")  # headers' breaks
     section = page.split("<h2>Preference stages</h2>")[1].split("<h2>")[0]
     assert "<td>exp7</td>" in section and "<td>exp1/main</td>" in section and "<td>exp1</td>" not in section
     assert "held_out_preference_accuracy" in section
@@ -199,7 +199,7 @@ def test_report_has_every_job_beside_the_base_model(demo_workdir):
         assert f"<td>{experiment}</td>" in page and f"<td>{stage}</td>" in page
     # Loss curves, accuracy by category (a panel per split), accuracy during training (exp4's),
     # the reward stage's rewards.
-    assert page.count("data:image/png;base64,") == 4 and "<h2>Accuracy during training</h2>" in page
+    assert page.count('<figure class="chart"') == 4 and "<h2>Accuracy during training</h2>" in page
     assert all((report / name).stat().st_size > 0 for name in ("loss_curves.png", "accuracy_by_category.png"))
     assert "<script" not in page and 'src="http' not in page  # self-contained: images inline
     results = (report / "results.csv").read_text().splitlines()

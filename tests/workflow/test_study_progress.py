@@ -78,6 +78,7 @@ def test_progress_counts_jobs_and_time_left_and_ends_with_the_forecast_against_t
     finished(4, 112)
     started(0, 112)
     finished(0, 112)
+    log.info("", extra={"event": LogEvent.PROGRESS, "done": 5, "total": 5})  # Snakemake's last count
     log.removeHandler(progress)
 
     assert asked == [False, True]  # read at the start, priced again once the CPU job made its data

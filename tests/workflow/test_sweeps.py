@@ -98,8 +98,8 @@ def test_a_sweep_trains_its_shared_stage_once_and_the_report_plots_accuracy_agai
 
     report = workdir / "results/report"
     assert (report / "sweeps.png").stat().st_size > 0
-    page = (report / "index.html").read_text()
-    assert "<h2>Sweeps</h2>" in page and 'alt="accuracy against the swept values' in page
+    page = (report / "index.html").read_text().replace("<wbr>", "")  # the headers' breaks
+    assert "<h2>Sweeps</h2>" in page and 'aria-label="accuracy against the swept values' in page
     results = pd.read_csv(report / "results.csv")
     finals = results[(results.stage == "stage2") & (results.split == "test")].set_index("experiment")
     assert sorted(finals.index) == arms
