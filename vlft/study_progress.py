@@ -35,9 +35,12 @@ class PlannedJob:
 
 
 class StudyProgress(logging.Handler):
-    """`plan(again)`: the run's jobs (PlannedJob), read when it starts (again: priced anew); `capacity()`: the GPUs its jobs share
-    (math.inf: each its own) and how that was told (vlft.study_costs.capacity_of); `first_lines()` and `last_lines()`: what the study says at its start and
-    when every job is done; `dry_run()`: whether nothing runs (then it says nothing)."""
+    """Arguments, each a function called when needed:
+    - `plan(again)`: the run's jobs (PlannedJob), read when it starts (again: priced anew);
+    - `capacity()`: the GPUs its jobs share (math.inf: each its own) and how that was told
+      (vlft.study_costs.capacity_of);
+    - `first_lines()`, `last_lines()`: what the study says at its start and when every job is done;
+    - `dry_run()`: whether nothing runs (then it says nothing)."""
 
     def __init__(
         self,
