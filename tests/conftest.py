@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers import DEMO_COMMAND, REPO, copy_workflow, snakemake
@@ -17,17 +18,35 @@ from tests.slurm_runs import (
     CHANGED_STAGE_TEST,
     SLURM_DEMO_EXPERIMENTS,
     SLURM_DEMO_RUN,
+    OWN_WAIT_POLICY,
+    background_runs_working,
     site_profile,
     slurm_problem,
     start_changed_stage,
     start_slurm_driver,
 )
 
-# Pipelines run side by side in this suite (the demo through SLURM beside the local demo and other
-# tests) on few cores. Threads of jobs that share a core must sleep at their barriers, not spin, or
-# each waits on the other's descheduled threads (scripts/slurm_cluster.sh sets the same for SLURM
-# jobs). How threads wait changes no result.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch loaded before any test sets OMP_WAIT_POLICY (threads_share_cores_politely), so that this
+# process's OpenMP threads keep the default wait, spinning briefly at their barriers.
+torch_threads = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def threads_share_cores_politely(request):
+    """While a SLURM run of this session works in the background (tests/slurm_runs.py), pipelines
+    share CI's few cores, and threads that spin at their barriers wait on each other's descheduled
+    threads: a 2-thread training job beside another took many times as long. Then the pipelines this
+    test starts wait passively, as the cluster's jobs do (scripts/slurm_cluster.sh), and this
+    process's torch uses one thread. Alone, they keep the default wait: on a 2-core VM a passive one
+    makes a training job slower, for waking a sleeping core is slow (../benchmarks/README.md has the
+    figures). How threads wait or how many there are changes no result beyond rounding."""
+    if background_runs_working(request.session):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        torch.set_num_threads(1)
+    else:
+        if OWN_WAIT_POLICY is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        torch.set_num_threads(torch_threads)
 
 
 # Fixtures that run whole pipelines: a test that uses one is slow, whatever its own marks say, so

@@ -5,6 +5,7 @@ its key."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,16 @@ import yaml
 
 from tests.helpers import DEMO_THREADS, copy_demo_upstream, wait_for
 
+# The wait policy of OpenMP threads this session was given, if any (tests/conftest.py's
+# threads_share_cores_politely sets PASSIVE while SLURM runs work in the background).
+OWN_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+
 
 def start_slurm_driver(workdir: Path, profile: Path, targets: list[str], output: Path) -> subprocess.Popen:
     """Snakemake through profiles/slurm and a site's `profile` (site_profile) in `workdir`, in the
-    background, its terminal's output into the file `output`."""
+    background, its terminal's output into the file `output`. From now on, until it ends, what this
+    session starts waits passively (threads_share_cores_politely), the local demo among them."""
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--profile", str(profile), *targets],
         cwd=workdir,
@@ -201,6 +208,19 @@ CHANGED_STAGE_TEST = "test_a_stage_changed_after_its_outputs_were_lost_reruns_th
 
 # The SLURM runs this session starts in the background: tests that read the whole queue wait for them.
 BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS, CHANGED_STAGE_RUN)
+
+
+def background_runs_working(session: pytest.Session) -> bool:
+    """Whether a run of BACKGROUND_SLURM_RUNS still works: its driver, its reference run on this
+    machine or the thread that starts its driver later."""
+    for key in BACKGROUND_SLURM_RUNS:
+        run = session.stash.get(key, None)
+        processes = [getattr(run, name, None) for name in ("driver", "uninterrupted")]
+        if any(process is not None and process.poll() is None for process in processes):
+            return True
+        if getattr(run, "thread", None) is not None and run.thread.is_alive():
+            return True
+    return False
 
 
 # The demo's experiments the run through SLURM trains: one of each kind (a single stage, a curriculum
