@@ -64,6 +64,8 @@ class StageSettings:
     epsilon: float
     epsilon_high: float | None
     scale_rewards: str
+    importance_sampling_level: str  # token (GRPO) or sequence (GSPO)
+    mask_truncated_completions: bool
     rewards: dict
     quantization_bit: int | None
     eval_every: int

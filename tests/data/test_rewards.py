@@ -217,9 +217,25 @@ def test_advantages_are_normalised_within_each_prompts_group():
     assert batch[8].item() == pytest.approx(-0.5 / (rewards.std().item() + 1e-4))
 
 
-def trl_grpo_loss(logps, old, ref, advantages, mask, loss_type, beta, epsilon_low, epsilon_high, max_completion_length):
+def trl_grpo_loss(
+    logps,
+    old,
+    ref,
+    advantages,
+    mask,
+    loss_type,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    max_completion_length,
+    level="token",
+    truncated=None,
+):
     """TRL's GRPO loss (trl 0.24's GRPOTrainer._compute_loss) on given per-token log-probabilities:
-    a stand-in for the trainer holds the settings it reads and hands it `logps` as the model's."""
+    a stand-in for the trainer holds the settings it reads and hands it `logps` as the model's.
+    `level`: its importance_sampling_level. `truncated`: the answers cut off, whose tokens its
+    mask_truncated_completions takes out of the completion mask, as its
+    _generate_and_score_completions does (after counting every token into num_items_in_batch)."""
     import importlib
 
     flags = importlib.import_module("trl.import_utils")
@@ -234,7 +250,7 @@ def trl_grpo_loss(logps, old, ref, advantages, mask, loss_type, beta, epsilon_lo
         beta=beta,
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
-        importance_sampling_level="token",
+        importance_sampling_level=level,
         args=types.SimpleNamespace(delta=None),
         use_vllm=False,
         loss_type=loss_type,
@@ -248,7 +264,7 @@ def trl_grpo_loss(logps, old, ref, advantages, mask, loss_type, beta, epsilon_lo
         "prompt_ids": torch.zeros(logps.shape[0], 3, dtype=torch.long),
         "prompt_mask": torch.ones(logps.shape[0], 3, dtype=torch.long),
         "completion_ids": torch.zeros_like(mask, dtype=torch.long),
-        "completion_mask": mask,
+        "completion_mask": mask if truncated is None else mask * (~truncated).long()[:, None],
         "advantages": advantages,
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
@@ -287,3 +303,61 @@ def test_the_grpo_loss_and_its_gradients_are_trls(loss_type, beta, epsilon_high)
     assert 0 < clipped < 1 and clipped == pytest.approx(metrics["clip_ratio/region_mean"][0], rel=1e-6)
     if beta:
         assert flags["kl"].mean().item() == pytest.approx(metrics["kl"][0], rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("masked", [False, True], ids=["all-learned", "truncated-masked"])
+def test_gspo_and_overlong_filtering_are_trls(loss_type, level, masked):
+    """GSPO's sequence-level ratio (TRL's `importance_sampling_level: sequence`) and overlong
+    filtering (`mask_truncated_completions`: answers 0 and 4, cut off at the longest, learned from
+    by no token), with the KL and clip-higher on: the same loss and gradient as TRL's code, and the
+    same KL and clip fractions as it logs (GSPO's per answer)."""
+    generator = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([7, 3, 1, 5, 7, 2])
+    mask = (torch.arange(7)[None, :] < lengths[:, None]).long()
+    logps = (-torch.rand(6, 7, generator=generator, dtype=torch.float64) * 3).requires_grad_()
+    # Off by whole answers as well as by tokens, so that sequence-level ratios clip too: answer 2's
+    # above 1 + 0.28 (advantage above 0), answer 3's below 1 - 0.2 (advantage below 0).
+    shift = torch.tensor([0.0, 0.1, -0.5, 0.4, 0.0, 0.0], dtype=torch.float64)[:, None]
+    old = logps.detach() + shift + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.1
+    ref = logps.detach() + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.5
+    advantages = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2], dtype=torch.float64)
+    truncated = torch.tensor([True, False, False, False, True, False]) if masked else None
+    theirs, metrics = trl_grpo_loss(
+        logps, old, ref, advantages, mask, loss_type, 0.04, 0.2, 0.28, 8, level=level, truncated=truncated
+    )
+    (their_grad,) = torch.autograd.grad(theirs, logps)
+
+    ours_logps = logps.detach().clone().requires_grad_()
+    where = mask.bool()
+    owners = torch.arange(6)[:, None].expand(6, 7)[where]
+    learned = (~truncated).double()[owners] if masked else None
+    losses, flags = grpo_token_losses(
+        ours_logps[where],
+        old[where],
+        ref[where],
+        advantages[owners],
+        0.04,
+        0.2,
+        0.28,
+        sequences=(owners, 6) if level == "sequence" else None,
+        learned=learned,
+    )
+    kept = lengths * (~truncated) if masked else lengths
+    weight = grpo_step_weight(lengths.tolist(), loss_type, 8, kept.tolist())
+    ours = grpo_loss_sum(losses, owners, lengths, loss_type) / weight
+    (our_grad,) = torch.autograd.grad(ours, ours_logps)
+    assert ours.item() == pytest.approx(theirs.item(), rel=FLOAT64_RTOL)
+    torch.testing.assert_close(our_grad, their_grad, rtol=FLOAT64_RTOL, atol=1e-15)
+    if masked:  # a truncated answer's tokens have no gradient
+        assert (our_grad[truncated] == 0).all() and (our_grad[~truncated][mask[~truncated].bool()] != 0).all()
+    clipped = flags["clipped_low"] | flags["clipped_high"]
+    if level == "sequence":  # one flag an answer: TRL's fraction of answers
+        share = torch.zeros(6, dtype=torch.bool).index_put((owners,), clipped).double().mean()
+    else:  # TRL's fraction of learned tokens
+        share = clipped.double().sum() / (learned.sum() if masked else clipped.numel())
+    # TRL averages the flags in float32: its share is within float32's rounding (6e-8) of ours.
+    assert 0 < share.item() < 1 and share.item() == pytest.approx(metrics["clip_ratio/region_mean"][0], rel=1e-6)
+    kl = flags["kl"].sum() / (learned.sum() if masked else flags["kl"].numel())
+    assert kl.item() == pytest.approx(metrics["kl"][0], rel=1e-12)

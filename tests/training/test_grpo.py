@@ -6,6 +6,7 @@ draws and trains what an uninterrupted one does."""
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 import json
 import re
 import shutil
@@ -478,6 +479,40 @@ def test_a_rollout_learned_twice_is_clipped_against_its_log_probabilities_at_the
     on.step_equals_trls(groups, "dapo", old=old, clipped=True)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_a_gspo_step_masking_its_truncated_answers_equals_trls_loss_over_separate_sequences(shared_images, loss_type):
+    """`importance_sampling_level: sequence` (GSPO) and `mask_truncated_completions` in a step of
+    two questions on each of two images, image groups, learned twice a rollout: the loss and LoRA
+    gradients equal TRL's over each answer alone, each answer's ratio the mean of its tokens', the
+    answers cut off at max_completion_length learned from by no token. A random tiny model's answers
+    never reach their end (checked): the test then takes every third answer as one that did, so
+    that the mask keeps some answers and drops others."""
+    on = MethodOn(
+        shared_images,
+        "final",
+        loss_type=loss_type,
+        num_iterations=2,
+        importance_sampling_level="sequence",
+        mask_truncated_completions=True,
+    )
+    keys = [r["key"] for r in on.data.records[:4]]
+    step = [keys[:2], keys[2:]]
+    groups = on.method.step_groups(step, 0)
+    answers = [s for g in groups for s in g.samples]
+    end = on.builder.end_of_turn
+    assert all(s.input_ids[-1] != end for s in answers) and on.method.rollout.truncated == {
+        s.record_id for s in answers
+    }
+    on.method.rollout = replace(on.method.rollout, truncated=frozenset(s.record_id for s in answers[1::3]))
+    old = on.separate_logps(answers)
+    with torch.no_grad():  # an update's worth of change: the answers' ratios move off 1
+        for name, param in on.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    assert on.method.step_groups(step, 1) is groups
+    on.step_equals_trls(groups, loss_type, old=old)
+
+
 def test_a_rollouts_passes_without_gradients_go_a_row_at_a_time_in_the_updates_rows(shared_images, monkeypatch):
     """The reference's and the rollout's log-probabilities (`beta` above 0, `num_iterations` above
     1) are computed in the rows the update lays the step out in, a forward a row, each image's
@@ -556,7 +591,8 @@ class MethodOn:
         """Our step's loss and LoRA gradients (each prompt once for its answers; `kept`: from the
         rollout's prefill) against TRL's GRPO loss over every answer as a padded sequence of its own
         (`old`: the rollout's token log-probabilities, None: the current ones, detached), within
-        `rtol` of the gradient's parts; the step's advantages."""
+        `rtol` of the gradient's parts; the step's advantages. The method's
+        importance_sampling_level and mask_truncated_completions apply to both."""
         method, model = self.method, self.model
         weight = method.step_weight(groups)
         batch = method.rollout.kept
@@ -574,15 +610,22 @@ class MethodOn:
             per_token[i, : len(logps)], mask[i, : len(logps)] = logps, 1
             per_token_old[i, : len(logps)] = (old[i] if old is not None else logps).detach()
         advantages = torch.tensor([method.rollout.advantages[s.record_id] for s in samples], dtype=FLOAT64)
+        if method.settings.mask_truncated_completions:  # TRL's completion mask without the truncated answers
+            mask = mask * torch.tensor([s.record_id not in method.rollout.truncated for s in samples])[:, None]
 
         def trl_loss(advantages):
-            ratio = torch.exp(per_token - per_token_old)
+            log_ratio = per_token - per_token_old
+            if method.settings.importance_sampling_level == "sequence":
+                log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+            ratio = torch.exp(log_ratio)
             clipped = torch.clamp(ratio, 0.8, 1.2)
             token_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
             if loss_type == "grpo":
                 return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
             if loss_type == "dr_grpo":
                 return (token_loss * mask).sum() / (len(samples) * GRPO["max_completion_length"])
+            if loss_type == "dapo":  # TRL's num_items_in_batch: every answer token, masked or not
+                return (token_loss * mask).sum() / sum(len(t) for t in token_logps)
             return (token_loss * mask).sum() / mask.sum().clamp(min=1)
 
         expected = trl_loss(advantages)
@@ -597,8 +640,9 @@ class MethodOn:
             # A question's prompt serves its answers in one copy: tests/training/test_preferences.py's bound for a
             # prefix shared by up to 8 answers (measured here: 4.0e-8 of the parts, with 4 answers).
             assert (a - b).norm() <= rtol * (up.norm() + down.norm())
-        ratio = torch.exp(per_token - per_token_old)[mask.bool()]
-        assert bool(((ratio < 0.8) | (ratio > 1.2)).any()) == clipped
+        if method.settings.importance_sampling_level == "token":
+            ratio = torch.exp(per_token - per_token_old)[mask.bool()]
+            assert bool(((ratio < 0.8) | (ratio > 1.2)).any()) == clipped
         return advantages
 
 

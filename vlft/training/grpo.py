@@ -14,7 +14,9 @@ checkpoint within a rollout's steps keeps the adapter's weights the rollout was 
 MB), so a resumed stage draws the same rollout again and goes on as an uninterrupted one would. With
 `beta` above 0 the KL is to the stage's starting weights: the starting adapter's weights are kept (a
 copy of the adapter, not of the model) and swapped in for a pass over the rollout's answers without
-gradients.
+gradients. `importance_sampling_level: sequence` clips each answer's ratio (GSPO) rather than each
+token's, and `mask_truncated_completions` learns nothing of the answers the rollout cut off
+(overlong filtering), both as TRL computes them.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class GroupRelativePolicyOptimization(Method):
         self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward
         self.rollout: Rollout | None = None  # the one the steps learn now
         self.fields: dict = {}  # the step's log line's, beside the loss sums
-        self.token_weight = 0.0
+        self.token_weight = self.answer_weight = 0.0
         # With several updates a rollout: the adapter's weights it was drawn with, until its last update.
         self.drawn_with: list[torch.Tensor] | None = None
         self.next_index = 0  # the step after the last one laid out
@@ -163,11 +165,19 @@ class GroupRelativePolicyOptimization(Method):
         return self.fields
 
     def step_weight(self, groups: list[ImageGroup]) -> int:
-        lengths = [len(s.input_ids) - s.prompt_length for g in groups for s in g.samples]
-        weight = grpo_step_weight(lengths, self.settings.loss_type, self.settings.max_completion_length)
-        # The KL and clip fractions are logged as means per answer token of the step.
-        self.token_weight = weight / max(1, sum(lengths))
+        samples = [s for g in groups for s in g.samples]
+        lengths = [len(s.input_ids) - s.prompt_length for s in samples]
+        learned = [n * self._learned(s.record_id) for s, n in zip(samples, lengths)]
+        weight = grpo_step_weight(lengths, self.settings.loss_type, self.settings.max_completion_length, learned)
+        # The KL and clip fractions are logged as TRL logs them: means per learned answer token of
+        # the step; with GSPO's ratio, the clip fractions per answer.
+        self.token_weight = weight / max(1, sum(learned))
+        self.answer_weight = weight / max(1, len(lengths))
         return weight
+
+    def _learned(self, answer: str) -> int:
+        """1 where the step learns from the answer, 0 where it is masked (truncated, with mask_truncated_completions)."""
+        return int(not (self.settings.mask_truncated_completions and answer in self.rollout.truncated))
 
     def loss_sums(self, model, batch) -> tuple[torch.Tensor, ...]:
         rollout = self.rollout
@@ -193,16 +203,32 @@ class GroupRelativePolicyOptimization(Method):
         drawn = logps.detach()
         if self.iterations > 1:
             drawn = torch.cat([rollout.drawn[i] for i in ids]).to(logps.device, logps.dtype)
+        learned = None
+        if self.settings.mask_truncated_completions:
+            learned = torch.tensor([self._learned(i) for i in ids], dtype=logps.dtype)
+            learned = host_to_device(learned, logps.device)[owners]
+        by_answer = self.settings.importance_sampling_level == "sequence"
         losses, flags = grpo_token_losses(
-            logps, drawn, reference, advantages[owners], self.settings.beta, self.settings.epsilon, epsilon_high
+            logps,
+            drawn,
+            reference,
+            advantages[owners],
+            self.settings.beta,
+            self.settings.epsilon,
+            epsilon_high,
+            sequences=(owners, len(ids)) if by_answer else None,
+            learned=learned,
         )
         loss = grpo_loss_sum(losses, owners, lengths, self.settings.loss_type)
-        w = self.token_weight
+        # A clip fraction per learned answer token, or per answer (GSPO: an answer's tokens share its ratio).
+        per_token = self.token_weight
+        if by_answer:
+            per_token = self.answer_weight / lengths.clamp(min=1)[owners].to(logps.dtype)
         return (
             loss,
-            flags["kl"].sum() * w,
-            flags["clipped_low"].sum().to(logps.dtype) * w,
-            flags["clipped_high"].sum().to(logps.dtype) * w,
+            flags["kl"].sum() * self.token_weight,
+            (flags["clipped_low"].to(logps.dtype) * per_token).sum(),
+            (flags["clipped_high"].to(logps.dtype) * per_token).sum(),
         )
 
     def after_last_step(self, model, log) -> None:

@@ -46,24 +46,38 @@ def grpo_token_losses(
     beta: float,
     epsilon_low: float,
     epsilon_high: float,
+    sequences: tuple[torch.Tensor, torch.Tensor] | None = None,
+    learned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each answer token's loss (all tensors per token, `advantages` its answer's): PPO's clipped
     objective on the ratio of the policy's probability to the rollout's, plus `beta` times the k3
     estimate of the KL to the reference; and per token, the KL and whether the ratio was clipped
     (low: below 1 - epsilon_low where the advantage is negative; high: above 1 + epsilon_high where
-    it is positive). TRL's GRPOTrainer._compute_loss, token-level importance sampling."""
-    ratio = torch.exp(logps - old_logps)
+    it is positive). TRL's GRPOTrainer._compute_loss.
+
+    `sequences`: (each token's answer, the number of answers) for GSPO's sequence-level ratio, each
+    answer's mean log-ratio over its learned tokens, which all its tokens share (TRL's
+    `importance_sampling_level: sequence`); None: each token's own. `learned`: 1 for a token the
+    step learns from, 0 for one it does not (a truncated answer's, `mask_truncated_completions`);
+    None: all."""
+    log_ratio = logps - old_logps
+    if sequences is not None:
+        owners, answers = sequences
+        weight = learned if learned is not None else torch.ones_like(log_ratio)
+        tokens = torch.zeros(answers, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, owners, weight)
+        sums = torch.zeros_like(tokens).index_add(0, owners, log_ratio * weight)
+        log_ratio = (sums / tokens.clamp(min=1.0))[owners]
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     losses = -torch.min(ratio * advantages, clipped * advantages)
     kl = torch.zeros_like(logps)
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         losses = losses + beta * kl
-    flags = {
-        "kl": kl.detach(),
-        "clipped_low": ((ratio < 1 - epsilon_low) & (advantages < 0)).detach(),
-        "clipped_high": ((ratio > 1 + epsilon_high) & (advantages > 0)).detach(),
-    }
+    low, high = (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+    if learned is not None:
+        losses, kl, low, high = losses * learned, kl * learned, low & learned.bool(), high & learned.bool()
+    flags = {"kl": kl.detach(), "clipped_low": low.detach(), "clipped_high": high.detach()}
     return losses, flags
 
 
@@ -77,10 +91,12 @@ def grpo_loss_sum(token_losses: torch.Tensor, owners: torch.Tensor, lengths: tor
     return token_losses.sum()
 
 
-def grpo_step_weight(lengths: list[int], loss_type: str, max_completion_length: int) -> int:
-    """What a step's GRPO loss sum is divided by (TRL's normalizers, the step as its batch)."""
+def grpo_step_weight(lengths: list[int], loss_type: str, max_completion_length: int, learned: list[int] | None = None):
+    """What a step's GRPO loss sum is divided by (TRL's normalizers, the step as its batch): each
+    answer's `lengths`, and `learned`, its tokens the step learns from where some are masked (bnpo
+    divides by those; dapo, as TRL's `num_items_in_batch`, by every answer token)."""
     if loss_type == "grpo":
         return len(lengths)
     if loss_type == "dr_grpo":
         return len(lengths) * max_completion_length
-    return max(1, sum(lengths))
+    return max(1, sum(learned if loss_type == "bnpo" and learned is not None else lengths))

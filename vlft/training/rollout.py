@@ -59,7 +59,8 @@ class Rollout:
     """A step's answers, rewarded, as the update learns them: their image groups, each answer's
     advantage, its log-probabilities under the starting weights (for the KL, where `beta` is above
     0) and at the rollout (where a rollout is learned more than once), by answer id; the prompts'
-    forward where the rollout kept it; and what the step's log line says of it (TRL's names)."""
+    forward where the rollout kept it; what the step's log line says of it (TRL's names); and the
+    answers cut off at max_completion_length, before their end (`truncated`, by answer id)."""
 
     groups: list[ImageGroup]
     advantages: dict[str, float]
@@ -67,6 +68,7 @@ class Rollout:
     drawn: dict[str, torch.Tensor]
     kept: KeptPrompts | None
     fields: dict
+    truncated: frozenset[str] = frozenset()
 
 
 def answer_id(key: str, number: int) -> str:

@@ -249,14 +249,15 @@ class Rollouts:
             references = {i: logps for part, _ in passed for i, logps in part.items()}
             drawn = {i: logps for _, part in passed for i, logps in part.items()}
         lengths = [len(a) for key in keys for a in answers[key]]
+        end = [self.builder.end_of_turn]
+        truncated = frozenset(answer_id(key, n) for key in keys for n, a in enumerate(answers[key]) if a[-1:] != end)
         fields = {
             "reward": float(total.mean()),
             "reward_std": float(total.view(-1, self.generations).std(dim=1).mean()),
             "advantage_std": float(advantages.std()),
             "completions/mean_length": sum(lengths) / len(lengths),
             "completions/max_length": max(lengths),
-            "completions/clipped_ratio": sum(a[-1:] != [self.builder.end_of_turn] for key in keys for a in answers[key])
-            / len(lengths),
+            "completions/clipped_ratio": len(truncated) / len(lengths),
         }
         for name in self.rewards.weights:
             values = [v for v in scored[name] if v == v]  # NaN: the reward does not apply
@@ -274,7 +275,7 @@ class Rollouts:
         )
         self.kept_answers = None
         advantages_of = dict(zip(ids, advantages.tolist()))
-        return Rollout(answer_groups(step, samples), advantages_of, references, drawn, kept, fields)
+        return Rollout(answer_groups(step, samples), advantages_of, references, drawn, kept, fields, truncated)
 
     def _sample(self, keys: list[str], rollout: int, keep_prompts: bool = False) -> dict[str, list[list[int]]]:
         """`num_generations` answers to each record's question, each drawn with its own seed (the
