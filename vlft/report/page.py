@@ -109,6 +109,7 @@ table.t th, table.t td { padding: 0.25rem 0.6rem; border-bottom: 1px solid #ddd;
 table.t th { background: #f3f3f3; }
 table.examples td, table.examples th { text-align: left; vertical-align: top; max-width: 28rem; white-space: pre-wrap; overflow-wrap: anywhere; }
 tr.wrong td:last-child { color: #b00; }
+p.problem { color: #b00; font-weight: bold; }
 img { max-width: 100%; }
 figure.chart { margin: 0 0 1.5rem; }
 figure.chart svg { max-width: 100%; height: auto; }
@@ -244,6 +245,35 @@ def rests_on_html(stages: list[StageResult]) -> str:
     )
 
 
+def trained_parts_html(stages: list[StageResult]) -> str:
+    """What each stage trained, by part (vlft.training.census): its tensors changed of all, a part
+    it trains marked; a frozen part that moved or a trained part that did not, one line in red."""
+    from vlft.training.census import PARTS
+
+    counted = [t for t in stages if t.summary.get("trained_parts")]
+    if not counted:
+        return ""
+
+    def cell(part: dict | None) -> str:
+        if part is None:
+            return ""
+        changed, tensors = part["changed"], part["changed"] + part["unchanged"]
+        return f"{changed} of {tensors} changed" + (" (trained)" if part["trained"] else "")
+
+    table = pd.DataFrame(
+        [{"stage": t.label, **{name: cell(t.summary["trained_parts"].get(name)) for name in PARTS}} for t in counted]
+    )
+    problems = "".join(
+        f'<p class="problem">{html.escape(t.label)}: {html.escape(problem)}.</p>'
+        for t in counted
+        for problem in t.summary.get("trained_parts_problems", [])
+    )
+    return (
+        "<h2>What trained</h2><p>Each stage's tensors, by part of the model, whose values its training changed "
+        "(checksums at its start and end); (trained): the part it trains.</p>" + table_html(table) + problems
+    )
+
+
 def write_report(
     evaluations: list[Evaluation],
     stages: list[StageResult],
@@ -301,6 +331,7 @@ Accuracy compares the final answer parsed out of each generated answer with the 
 {preferences}
 {rewards}
 {swept}
+{trained_parts_html(stages)}
 <h2>Jobs: wall time and throughput</h2>{table_html(jobs[job_columns])}
 {rests_on_html(stages)}
 <h2>Example answers</h2>

@@ -115,8 +115,10 @@ def collect(
     for trained in stages:
         summary = dict(trained.summary)  # a copy: what is for using the adapter is left out of it
         # For using the adapter, not for reading (the evaluations during training have a chart of their own).
-        for key in ("adapter_crc32", "model", "answering", "evaluations_during_training", "settings"):
+        # What trained has a section of its own (vlft.report.page.trained_parts_html).
+        for key in ("adapter_crc32", "model", "answering", "evaluations_during_training", "settings", "trained_parts"):
             summary.pop(key, None)
+        summary.pop("trained_parts_problems", None)
         if "kept" in summary:  # keep: best: the step whose adapter the stage kept
             summary["kept_step"] = summary.pop("kept")["step"]
         job_rows.append({"experiment": trained.experiment, "stage": trained.stage, **summary})

@@ -61,6 +61,7 @@ from vlft.modeling import (
 from vlft.stage_params import schedule_problem, warmup_steps
 from vlft.training import step_evals, token_budget
 from vlft.forward.batching import prefetched, to_device
+from vlft.training.census import Census
 from vlft.training.host_batches import HostBatcher
 from vlft.training.method_registry import METHODS
 from vlft.training.methods import MethodInputs, TrainingMethod
@@ -114,8 +115,10 @@ def train_stage(
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
-    # Before a checkpoint is restored: a method's reference is the stage's starting weights.
+    # Before a checkpoint is restored: a method's reference is the stage's starting weights, and
+    # what trained is told against them.
     method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group)
+    census = Census.start(model)
     first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
@@ -151,6 +154,7 @@ def train_stage(
     summary = _summary(
         run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
     )
+    summary |= census.finish(model)
     run.finish(summary, model, during.kept_step())
     result = run.publish(outputs)
     distributed.barrier()

@@ -1,0 +1,79 @@
+"""What a stage trained, by part of the model (vlft.training.census): an ordinary stage's adapter
+changed and nothing else did; the peers' two silent failures, made here, are each one sentence in the
+summary and one line in red in the report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import vlft.training.train as train_module
+from vlft.report.page import trained_parts_html
+from vlft.report.study import StageResult
+from vlft.training.census import checksum, part_of
+
+
+def trained(small_stage, out, steps=2):
+    inputs, settings = small_stage
+    settings = settings | {"max_steps": steps, "micro_batch": 4, "warmup_ratio": 0.0, "learning_rate": 1e-3}
+    train_module.train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "c", 100)
+    summary = json.loads((out / "summary.json").read_text())
+    page = trained_parts_html([StageResult("exp", "main", summary, [])])
+    return summary, page
+
+
+def test_an_ordinary_stage_changed_its_adapter_and_nothing_else(small_stage, tmp_path):
+    summary, page = trained(small_stage, tmp_path)
+    parts = summary["trained_parts"]
+    assert set(parts) == {"language model", "vision tower", "merger", "LoRA adapter"}
+    assert parts["LoRA adapter"]["trained"] and parts["LoRA adapter"]["changed"] > 0
+    for frozen in ("language model", "vision tower", "merger"):
+        assert parts[frozen] == {"changed": 0, "unchanged": parts[frozen]["unchanged"], "trained": False}
+        assert parts[frozen]["unchanged"] > 0
+    assert summary["trained_parts_problems"] == []
+    assert "<h2>What trained</h2>" in page and 'class="problem"' not in page
+
+
+def test_a_merger_trained_while_the_tower_was_frozen_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
+    """LLaMA-Factory PR #9399: Qwen3-VL's mergers (DeepStack's among them) took gradients while the
+    vision tower was frozen. Made here by the same mistake: the mergers' parameters left trainable."""
+    setup_model = train_module._setup_model
+
+    def mergers_left_trainable(*args, **kwargs):
+        model = setup_model(*args, **kwargs)
+        for name, param in model.named_parameters():
+            if part_of(name) == "merger":
+                param.requires_grad_(True)
+        return model
+
+    monkeypatch.setattr(train_module, "_setup_model", mergers_left_trainable)
+    summary, page = trained(small_stage, tmp_path)
+    merger = summary["trained_parts"]["merger"]
+    assert merger["changed"] > 0 and not merger["trained"]
+    said = f"the merger was frozen, yet {merger['changed']} of its {merger['changed'] + merger['unchanged']} tensors changed"
+    assert summary["trained_parts_problems"] == [said]
+    assert f'<p class="problem">exp/main: {said}.</p>' in page
+
+
+def test_a_trained_part_whose_weights_never_changed_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
+    """2U1/Qwen-VL-Series-Finetune#115: a part meant to train whose weights never changed. Made here
+    by an optimizer that steps none of them (as one built before the part was made trainable)."""
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, closure=None: None)
+    summary, page = trained(small_stage, tmp_path)
+    adapter = summary["trained_parts"]["LoRA adapter"]
+    said = f"the LoRA adapter was trained, yet none of its {adapter['unchanged']} tensors changed"
+    assert adapter["changed"] == 0 and summary["trained_parts_problems"] == [said]
+    assert f'<p class="problem">exp/main: {said}.</p>' in page
+
+
+def test_a_checksum_sees_any_one_value_change_and_reads_every_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
+        tensor = torch.arange(1000).to(dtype)
+        before = checksum(tensor)
+        tensor[5] += 1  # exact in every dtype here
+        assert checksum(tensor) != before, dtype
+    assert part_of("base_model.model.model.visual.deepstack_merger_list.0.linear_fc1.weight") == "merger"
+    assert part_of("model.visual.blocks.0.attn.qkv.lora_A.default.weight") == "LoRA adapter"
+    assert part_of("model.visual.blocks.0.attn.qkv.weight") == "vision tower"
+    assert part_of("model.language_model.layers.0.mlp.up_proj.weight") == "language model"
