@@ -54,8 +54,8 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     assert problems(browser, page) == []
     assert browser.title == "Experiment report"
     # Four charts (loss, accuracy by category, exp4's accuracy during training, click_grpo's rewards)
-    # and seven tables (who won, results, categories, preference stages, reward stages, jobs, the
-    # stages' settings), then the
+    # and nine tables (who won, results and its further columns, categories, preference stages,
+    # reward stages, what trained, jobs, the stages' settings), then the
     # examples: per evaluation (the base model and 10 stages on the shapes' val and test, the base
     # model and the 3 click stages on the screens' test: 26) a table of its first 3 right and 3 wrong
     # answers, each with its image.
@@ -66,7 +66,10 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     assert evaluations * 3 <= len(example_rows) <= evaluations * 6
     assert len(browser.find_elements("css selector", "img")) == len(example_rows)
     assert len(browser.find_elements("css selector", "figure.chart svg")) == 4
-    assert len(browser.find_elements("css selector", "table")) == 8 + evaluations
+    assert len(browser.find_elements("css selector", "table")) == 9 + evaluations
+    # Every stage trained its adapter and nothing else: no line in red.
+    assert "What trained" in [h.text for h in browser.find_elements("css selector", "h2")]
+    assert not browser.find_elements("css selector", "p.problem")
     # The click stage's examples say which colour is which on their drawings.
     click = next(s for s in sections if "click/main on test" in s.get_attribute("textContent"))
     assert "Green: the target box; red: the point answered." in click.get_attribute("textContent")
