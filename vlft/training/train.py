@@ -115,8 +115,7 @@ def train_stage(
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
-    # Before a checkpoint is restored: a method's reference is the stage's starting weights, and
-    # what trained is told against them.
+    # Before a checkpoint is restored: a method's reference and the census are of the starting weights.
     method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group)
     census = Census.start(model)
     first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
@@ -153,8 +152,7 @@ def train_stage(
     # The finished outputs, kept in the run directory (the checkpoints have served), then published.
     summary = _summary(
         run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
-    )
-    summary |= census.finish(model)
+    ) | census.finish(model)
     run.finish(summary, model, during.kept_step())
     result = run.publish(outputs)
     distributed.barrier()
