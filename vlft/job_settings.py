@@ -66,6 +66,9 @@ class StageSettings:
     scale_rewards: str
     importance_sampling_level: str  # token (GRPO) or sequence (GSPO)
     mask_truncated_completions: bool
+    tis_imp_ratio_cap: float | None
+    filter_groups: bool  # dynamic sampling
+    max_num_gen_batches: int
     rewards: dict
     quantization_bit: int | None
     eval_every: int

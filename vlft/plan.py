@@ -55,8 +55,8 @@ class Stage:
 
     def _off(self, key: str) -> bool:
         methods = [method for method, keys in METHOD_KEYS.items() if key in keys]
-        if methods:
-            return self.settings["method"] not in methods
+        if methods and self.settings["method"] not in methods:
+            return True
         key = LEFT_OUT_WITH.get(key, key)
         return key in LEFT_OUT_WHEN_OFF and self.settings[key] == LEFT_OUT_WHEN_OFF[key]
 

@@ -14,12 +14,15 @@ RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 # schema's defaults, once, at its entry (vlft.job_settings).
 LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None, "method": "sft"}
 LEFT_OUT_WHEN_OFF |= {"importance_sampling_level": "token", "mask_truncated_completions": False}
+LEFT_OUT_WHEN_OFF |= {"tis_imp_ratio_cap": None, "filter_groups": False}
 # Options that mean something only while another is on: left out with it.
-LEFT_OUT_WITH = {key: "eval_every" for key in ("eval_samples", "eval_split", "keep", "best_metric")}
+WATCHING_KEYS = ("eval_samples", "eval_split", "keep", "best_metric")  # a stage's evaluations during training
+LEFT_OUT_WITH = {key: "eval_every" for key in WATCHING_KEYS} | {"max_num_gen_batches": "filter_groups"}
 # Each training method's own settings: left out of a stage's params unless it uses that method.
 GRPO_KEYS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon")
 GRPO_KEYS += ("epsilon_high", "scale_rewards", "rewards", "num_iterations")
-GRPO_KEYS += ("importance_sampling_level", "mask_truncated_completions")
+GRPO_KEYS += ("importance_sampling_level", "mask_truncated_completions", "tis_imp_ratio_cap")
+GRPO_KEYS += ("filter_groups", "max_num_gen_batches")
 METHOD_KEYS = {
     "dpo": ("beta", "loss_type", "label_smoothing", "rpo_alpha"),
     "grpo": ("beta", "loss_type") + GRPO_KEYS,

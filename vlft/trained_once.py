@@ -23,12 +23,12 @@ from typing import Callable
 
 from vlft.data.records import selected_by, raw_objects
 from vlft.plan import Plan, Stage
-from vlft.stage_params import LEFT_OUT_WITH
+from vlft.stage_params import WATCHING_KEYS
 
 # What a stage's job trains from but that changes nothing trained: where it is evaluated after.
 NOT_TRAINED = ("eval_splits",)
 # With `keep: last`, its evaluations during training (and the settings they go with).
-WATCHING = ("eval_every", *LEFT_OUT_WITH)
+WATCHING = ("eval_every", *WATCHING_KEYS)
 
 
 def trained_once(

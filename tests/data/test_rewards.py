@@ -16,6 +16,8 @@ import torch
 from vlft.data.clicks import Frame
 from vlft.errors import ConfigError, InputError, TrainingError
 from vlft.training.objectives import grpo_loss_sum, grpo_step_weight, grpo_token_losses, group_advantages
+from vlft.training.mismatch import Mismatch, importance_ratios
+from vlft.jobs import distributed
 from vlft.data.rewards import Answer, Rewards
 from tests.helpers import FLOAT64_RTOL
 
@@ -230,12 +232,14 @@ def trl_grpo_loss(
     max_completion_length,
     level="token",
     truncated=None,
+    importance=None,
 ):
     """TRL's GRPO loss (trl 0.24's GRPOTrainer._compute_loss) on given per-token log-probabilities:
     a stand-in for the trainer holds the settings it reads and hands it `logps` as the model's.
     `level`: its importance_sampling_level. `truncated`: the answers cut off, whose tokens its
     mask_truncated_completions takes out of the completion mask, as its
-    _generate_and_score_completions does (after counting every token into num_items_in_batch)."""
+    _generate_and_score_completions does (after counting every token into num_items_in_batch).
+    `importance`: the truncated importance-sampling ratios its vLLM path weights the loss by."""
     import importlib
 
     flags = importlib.import_module("trl.import_utils")
@@ -252,7 +256,8 @@ def trl_grpo_loss(
         epsilon_high=epsilon_high,
         importance_sampling_level=level,
         args=types.SimpleNamespace(delta=None),
-        use_vllm=False,
+        use_vllm=importance is not None,
+        vllm_importance_sampling_correction=importance is not None,
         loss_type=loss_type,
         current_gradient_accumulation_steps=1,
         max_completion_length=max_completion_length,
@@ -270,6 +275,8 @@ def trl_grpo_loss(
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
+    if importance is not None:
+        inputs["importance_sampling_ratio"] = importance
     return GRPOTrainer._compute_loss(trainer, None, inputs), trainer._metrics["train"]
 
 
@@ -361,3 +368,67 @@ def test_gspo_and_overlong_filtering_are_trls(loss_type, level, masked):
     assert 0 < share.item() < 1 and share.item() == pytest.approx(metrics["clip_ratio/region_mean"][0], rel=1e-6)
     kl = flags["kl"].sum() / (learned.sum() if masked else flags["kl"].numel())
     assert kl.item() == pytest.approx(metrics["kl"][0], rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_importance_sampling_and_the_mismatch_logged_are_trls(loss_type, level):
+    """`tis_imp_ratio_cap`: each token's loss weighted by its ratio at the rollout to the sampler's,
+    capped (TRL's `vllm_importance_sampling_cap`, 2.0 here, which some ratios pass), with the KL on:
+    the same loss and gradient as TRL's code; and the step's mismatch fields as TRL's
+    _generate_and_score_completions computes them from the same log-probabilities (verl's, of
+    the probabilities, alike), over the answers the step learns from."""
+    generator = torch.Generator().manual_seed(13)
+    lengths = torch.tensor([7, 3, 1, 5, 7, 2])
+    mask = (torch.arange(7)[None, :] < lengths[:, None]).long()
+    logps = (-torch.rand(6, 7, generator=generator, dtype=torch.float64) * 3).requires_grad_()
+    old = logps.detach() + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.1
+    sampled = old + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.8
+    ref = logps.detach() + torch.randn(6, 7, generator=generator, dtype=torch.float64) * 0.5
+    advantages = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2], dtype=torch.float64)
+    theirs_ratio = torch.clamp(torch.exp(old - sampled), max=2.0)  # TRL's, as its trainer computes it
+    theirs, _ = trl_grpo_loss(
+        logps, old, ref, advantages, mask, loss_type, 0.04, 0.2, 0.28, 8, level=level, importance=theirs_ratio
+    )
+    (their_grad,) = torch.autograd.grad(theirs, logps)
+
+    ours_logps = logps.detach().clone().requires_grad_()
+    where = mask.bool()
+    owners = torch.arange(6)[:, None].expand(6, 7)[where]
+    ratios = importance_ratios(old[where], sampled[where], 2.0)
+    assert 0 < int((ratios == 2.0).sum()) < len(ratios)  # the cap binds on some tokens, not all
+    losses, _ = grpo_token_losses(
+        ours_logps[where],
+        old[where],
+        ref[where],
+        advantages[owners],
+        0.04,
+        0.2,
+        0.28,
+        sequences=(owners, 6) if level == "sequence" else None,
+        importance=ratios,
+    )
+    ours = grpo_loss_sum(losses, owners, lengths, loss_type) / grpo_step_weight(lengths.tolist(), loss_type, 8)
+    (our_grad,) = torch.autograd.grad(ours, ours_logps)
+    assert ours.item() == pytest.approx(theirs.item(), rel=FLOAT64_RTOL)
+    torch.testing.assert_close(our_grad, their_grad, rtol=FLOAT64_RTOL, atol=1e-15)
+
+    mismatch = Mismatch()  # the step's micro-batches: answers 0-2, then 3-5
+    split = int(lengths[:3].sum())
+    for part in (slice(0, split), slice(split, None)):
+        mismatch.add(old[where][part], sampled[where][part], ratios[part], None)
+    logged = mismatch.fields(distributed.Group())
+    delta = torch.abs(old - sampled)[where]  # TRL's, over the completion mask
+    probs = torch.abs(old.exp() - sampled.exp())[where]  # verl's rollout_probs_diff
+    expected = {
+        "sampling/sampling_logp_difference/mean": delta.mean(),
+        "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": theirs_ratio[where].min(),
+        "sampling/importance_sampling_ratio/mean": theirs_ratio[where].mean(),
+        "sampling/importance_sampling_ratio/max": theirs_ratio[where].max(),
+        "training/rollout_probs_diff_mean": probs.mean(),
+        "training/rollout_probs_diff_max": probs.max(),
+    }
+    assert logged.keys() == expected.keys()
+    for name, value in expected.items():
+        assert logged[name] == pytest.approx(value.item(), rel=FLOAT64_RTOL), name

@@ -33,6 +33,7 @@ import vlft.training.rollouts as rollouts_module
 from vlft.generation import folded_adapter
 from vlft.generation.engine import Engine
 from vlft.training.grpo import GroupRelativePolicyOptimization
+from vlft.training.objectives import group_advantages
 from vlft.training.rollout import answer_seed, keys_of
 from vlft.forward.loss import answer_token_logps
 from vlft.forward.packing import pack, pack_groups, use_packed_attention
@@ -561,7 +562,7 @@ class MethodOn:
             max_seq_len=4096,
             convention=clicks.convention_for(answer_format, model.config),
         )
-        rewards = {"tests.training.test_grpo:answer_length_reward": 1.0}
+        rewards = overrides.pop("rewards", {"tests.training.test_grpo:answer_length_reward": 1.0})
         overrides |= {"rewards": rewards, "answer_format": answer_format}
         settings = StageSettings.resolve(tiny_stage_settings(**(GRPO | overrides)))
         self.method = GroupRelativePolicyOptimization(
@@ -680,6 +681,14 @@ def test_method_settings_are_in_a_stages_params_only_where_it_uses_the_method(tm
     assert dpo["beta"] == 0.1 and dpo["loss_type"] == "sigmoid" and "num_generations" not in dpo
     assert grpo["beta"] == 0.0 and grpo["loss_type"] == "dapo" and grpo["num_generations"] == 8
     assert "rpo_alpha" not in grpo and grpo["rewards"] == {"answer_match": 1.0}
+    # grpo's options added since, left out while off (and max_num_gen_batches with filter_groups):
+    # a grpo stage trained before them reruns not.
+    added = {"importance_sampling_level", "mask_truncated_completions", "tis_imp_ratio_cap", "filter_groups"}
+    assert not (added | {"max_num_gen_batches"}) & set(grpo)
+    stages[2] |= {"importance_sampling_level": "sequence", "filter_groups": True, "tis_imp_ratio_cap": 2.0}
+    on = plan_of_stages(tmp_path, tmp_path / "train.jsonl", stages).stages["e/grpo"].train_params()
+    assert on["importance_sampling_level"] == "sequence" and on["filter_groups"] and on["max_num_gen_batches"] == 4
+    assert on["tis_imp_ratio_cap"] == 2.0 and "mask_truncated_completions" not in on
 
 
 def test_a_forward_numbered_apart_runs_under_the_callers_grad_mode_and_autocast_and_raises_its_errors():
@@ -925,3 +934,91 @@ def test_the_reference_pass_reads_the_images_the_rollout_put_on_the_device_and_g
     )  # nothing placed now: each image read and copied
     assert copied == [2, 0] and len(read) == 4 and again.keys() == reused.keys()
     assert all(torch.equal(again[i], reused[i]) for i in reused)
+
+
+def test_every_step_logs_how_far_the_samplers_log_probabilities_lie_from_the_updates(screens, tmp_path, monkeypatch):
+    """Each step logs the mismatch between the sampler's log-probabilities of the drawn tokens and
+    the update's (TRL's and verl's names), on the adapter as it is and folded into a copy of the
+    weights. In float64 both are the model's own softmax of the same token, one from the decode
+    step's forward of a token at a time, the other from the update's packed forward: they differ by
+    rounding alone (FLOAT64_RTOL of a log-probability, under 16 in magnitude at the tiny model's
+    vocabulary and logits). With `tis_imp_ratio_cap` the ratios are then 1 and the stage learns
+    what one without it does."""
+    runs = {}
+    for folded in (False, True):
+        if folded:
+            monkeypatch.setattr(folded_adapter, "FOLD_DEVICES", ("cuda", "cpu"))
+        for cap in (None, 2.0):
+            runs[folded, cap] = train(screens, tmp_path / f"{folded}-{cap}", tis_imp_ratio_cap=cap, temperature=0.7)
+    for log in runs.values():
+        assert len(log) == GRPO["max_steps"]
+        for record in log:
+            assert 0 <= record["sampling/sampling_logp_difference/max"] <= 16 * FLOAT64_RTOL
+            assert record["sampling/sampling_logp_difference/mean"] <= record["sampling/sampling_logp_difference/max"]
+            assert 0 <= record["training/rollout_probs_diff_max"] <= 16 * FLOAT64_RTOL
+            ratios = [record[f"sampling/importance_sampling_ratio/{part}"] for part in ("min", "mean", "max")]
+            assert all(abs(r - 1) <= 16 * FLOAT64_RTOL for r in ratios) and ratios[0] <= ratios[1] <= ratios[2]
+    watched = ("reward", "completions/mean_length")
+    plain = load_file(tmp_path / "False-None/adapter/adapter_model.safetensors")
+    for (folded, cap), log in runs.items():
+        assert [[r[k] for k in watched] for r in log] == [[r[k] for k in watched] for r in runs[False, None]]
+        adapter = load_file(tmp_path / f"{folded}-{cap}/adapter/adapter_model.safetensors")
+        assert all(torch.allclose(adapter[k], plain[k], rtol=FLOAT64_RTOL, atol=1e-12) for k in plain), (folded, cap)
+
+
+def reward_on_some_questions(records, answers):
+    """A reward under which the answers to every other question (by its record's id) all score
+    alike: those questions teach a step nothing."""
+    return [1.0 if int(r["id"].split("-")[-1]) % 2 else float(len(a) % 5) for r, a in zip(records, answers)]
+
+
+DYNAMIC = dict(
+    filter_groups=True,
+    max_num_gen_batches=3,
+    rewards={"tests.training.test_grpo:reward_on_some_questions": 1.0},
+    num_generations=6,
+)
+
+
+def test_dynamic_sampling_learns_from_the_questions_whose_rewards_differ_refilled_from_the_next_steps(screens):
+    """`filter_groups` (verl's dynamic sampling): a step's questions whose answers all score alike
+    are dropped, and the questions of the plan's next steps are drawn for it at its rollout until
+    it holds its own number of informative ones; their advantages are computed over the step they
+    make up; the step's log line keeps its own questions' rewards."""
+    on = MethodOn(screens, "click", **DYNAMIC)
+    keys = [r["key"] for r in on.data.records]
+    plan = [[[keys[0]], [keys[1]]], [[keys[2]], [keys[3]]], [[keys[4]], [keys[5]]]]
+    on.method.plan = plan
+    ids = {r["key"]: int(r["id"].split("-")[-1]) for r in on.data.records}
+    assert sorted(ids[k] % 2 for k in keys) == [0, 0, 0, 1, 1, 1]  # half the questions teach nothing
+    groups = on.method.step_groups(plan[0], 0)
+    rollout = on.method.rollout
+    learned = [s.record_id.rsplit("#", 1)[0] for g in groups for s in g.samples[:: DYNAMIC["num_generations"]]]
+    informative = [k for step in plan for group in step for k in group if ids[k] % 2 == 0]
+    assert learned == informative[:2]  # in the plan's order, the step's own first
+    generations = DYNAMIC["num_generations"]
+    for key in learned:
+        assert len({rollout.rewards[f"{key}#{n}"] for n in range(generations)}) > 1
+    answers = [f"{k}#{n}" for k in learned for n in range(generations)]
+    expected = group_advantages(torch.tensor([rollout.rewards[i] for i in answers], dtype=FLOAT64), generations)
+    assert [rollout.advantages[i] for i in answers] == expected.tolist()
+    # The step's own questions (one informative), then the next step's (whose first is).
+    assert rollout.fields["train/num_gen_batches"] == 2 and rollout.fields["dynamic_sampling/kept_ratio"] == 1
+    own = [r for k in keys[:2] for r in [rollout.rewards[f"{k}#{n}"] for n in range(generations)]]
+    assert rollout.fields["reward"] == pytest.approx(sum(own) / len(own), rel=FLOAT64_RTOL)
+
+
+def test_a_resumed_stage_with_dynamic_sampling_draws_and_trains_what_an_uninterrupted_one_does(screens, tmp_path):
+    """A step's refills depend on the step alone: stopped after step 2 and run again, the same
+    draws, losses and adapter as one uninterrupted run."""
+    whole = train(screens, tmp_path / "whole", **DYNAMIC)
+    assert {r["dynamic_sampling/kept_ratio"] for r in whole} == {1.0} and max(
+        r["train/num_gen_batches"] for r in whole
+    ) > 1
+    with pytest.raises(Preempted, match="after step 2"):
+        train(screens, tmp_path / "cut", stop=StopAfter(2), **DYNAMIC)
+    resumed = train(screens, tmp_path / "cut", **DYNAMIC)
+    assert [(r["reward"], r["loss"]) for r in resumed] == [(r["reward"], r["loss"]) for r in whole]
+    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
+    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -145,11 +145,13 @@ class Engine:
         on_loss: Callable[[int, float, int], None] | None = None,
         timer: "_Timer | None" = None,
         prefill_with: Callable | None = None,
+        on_logps: Callable[[int, list[float]], None] | None = None,
     ) -> None:
         """Answer every request (as answer_requests does); every row is free again as it returns.
         `prefill_with`: what computes a packed prefill, in place of vlft.generation.runner.prefill
         (its arguments and result); a reward stage's keeps the prompts' forward for its update
-        (vlft.training.shared_prompts)."""
+        (vlft.training.shared_prompts). `on_logps(key, logps)`, where given (sampled answers),
+        before `on_answer`: each answer token's log-probability as the sampler drew it."""
         text = language_model(self.model)
         timer = timer or _Timer(text.embed_tokens.weight.device, stats)
         timer.start()
@@ -166,7 +168,16 @@ class Engine:
                 timer.add("max_length", self.max_length)
                 scheduler = Scheduler(iter(requests), self.slots, prefill_tokens)
                 Generation(
-                    self.model, self.cache, self.step, scheduler, end_id, on_answer, on_loss, timer, prefill_with
+                    self.model,
+                    self.cache,
+                    self.step,
+                    scheduler,
+                    end_id,
+                    on_answer,
+                    on_loss,
+                    timer,
+                    prefill_with,
+                    on_logps,
                 ).run()
             # A first step compiled and captured the step's graph: apart.
             timer.add("compile_s", self.step.capture_s - captured)
@@ -204,9 +215,13 @@ class Generation:
         on_loss,
         timer,
         prefill_with: Callable | None = None,
+        on_logps: Callable | None = None,
     ):
         self.model, self.cache, self.step, self.scheduler = model, cache, step, scheduler
         self.end_id, self.on_answer, self.on_loss, self.timer = end_id, on_answer, on_loss, timer
+        if on_logps is not None and step.sampler.logps is None:
+            raise ValueError("a greedy run keeps no sampled log-probabilities")
+        self.on_logps = on_logps
         slots = scheduler.slots
         self.active = torch.zeros(slots, dtype=torch.long, device=cache.rows.device)  # 1 where a row answers
         # With flex_attention's live blocks a step reads each row only to its own length, so it
@@ -237,12 +252,13 @@ class Generation:
         prefilled = self.prefill(self.model, group, self.step.sampler)
         rows, slots_of = self.scheduler.rows, []  # each prompt's row, None where its first token answered it
         started = []  # (slot, its first token, its next text position) of each row given a prompt
-        for request, first, loss in zip(group, prefilled.firsts, prefilled.losses):
+        firsts_logps = self.step.sampler.first_logps.tolist() if self.on_logps else [None] * len(group)
+        for request, first, loss, logp in zip(group, prefilled.firsts, prefilled.losses, firsts_logps):
             if loss is not None and self.on_loss is not None:
                 self.on_loss(request.key, *loss)
-            row = Row(request, [first])
+            row = Row(request, [first], logps=[logp] if self.on_logps else None)
             if row.finished(self.end_id):  # its row stays free
-                self.on_answer(request.key, row.answer)
+                self._answered(row)
                 slots_of.append(None)
                 continue
             slot = free.pop(0)
@@ -299,6 +315,7 @@ class Generation:
         self.cache.write_at += self.active
         self.step.positions += self.active
         chosen = chosen[:count].tolist()
+        logps = self.step.sampler.logps[:count].tolist() if self.on_logps else None  # read after the tokens: no wait
         self.timer.stop("bookkeeping_s")
         self.timer.add("decode_steps", 1)
         self.timer.add("busy_rows", len(answering))
@@ -307,9 +324,11 @@ class Generation:
         for slot in answering:
             row = rows[slot]
             row.answer.append(chosen[slot])
+            if logps is not None:
+                row.logps.append(logps[slot])
             row.written += 1
             if row.finished(self.end_id):
-                self.on_answer(row.request.key, row.answer)
+                self._answered(row)
                 rows[slot] = None
                 finished.append(slot)
         if finished:  # a write a state for them all (at a rollout's end, every row at once)
@@ -319,6 +338,11 @@ class Generation:
             if self.prefixes is not None:
                 self.prefixes.leave(finished)
         self.timer.stop("answers_s")
+
+    def _answered(self, row: Row) -> None:
+        if self.on_logps is not None:
+            self.on_logps(row.request.key, row.logps)
+        self.on_answer(row.request.key, row.answer)
 
     def move(self, source: int, target: int) -> None:
         """Row `source`'s device state into row `target` (the scheduler has moved its Row)."""

@@ -25,7 +25,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Greedy:
-    """Evaluation's sampler: the most likely token, no state."""
+    """Evaluation's sampler: the most likely token, no state (and no log-probabilities kept)."""
+
+    logps = None
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         return greedy(logits)
@@ -57,12 +59,19 @@ class Seeded:
     """Sampled answers, each prompt with its own seed (`Request.seed`). A row's seed and the text
     position of its answer's first token are set when it gets a prompt; a decode step reads how far
     each answer has come from the step's own text positions (`positions`, bound by the engine), so
-    a step changes no state of the sampler's (a CUDA graph's warm-up runs the step three times)."""
+    a step changes no state of the sampler's (a CUDA graph's warm-up runs the step three times).
+
+    Each drawn token's log-probability under the model (`drawn_logps`) is kept: the first tokens'
+    of a prefill in `first_logps`, each row's latest in `logps` (written by the step, within its
+    CUDA graph), so that a reward stage can measure how far its update's lie from them
+    (vlft.training.mismatch)."""
 
     def __init__(self, settings: Sampling, slots: int, positions: torch.Tensor):
         self.settings, self.positions = settings, positions
         self.seeds = torch.zeros(slots, dtype=torch.long, device=positions.device)
         self.first_positions = torch.zeros(slots, dtype=torch.long, device=positions.device)
+        self.logps = torch.zeros(slots, dtype=torch.float64, device=positions.device)
+        self.first_logps = self.logps[:0]
         # A GPU's decode step adds the noise and takes the argmax compiled (the same arithmetic,
         # fused): eagerly, the noise of every row over the whole vocabulary is some 25 elementwise
         # kernels over int64 and float64 tensors, a tenth of the 8B's step (benchmarks/README.md).
@@ -70,14 +79,18 @@ class Seeded:
 
     def first(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=logits.device)
-        return draw_tokens(logits, seeds, torch.zeros_like(seeds), self.settings)
+        tokens = draw_tokens(logits, seeds, torch.zeros_like(seeds), self.settings)
+        self.first_logps = drawn_logps(logits, tokens)
+        return tokens
 
     def next(self, logits: torch.Tensor) -> torch.Tensor:
         rows = logits.shape[0]
         # The step's input is the row's latest token, at answer index positions - first_positions:
         # it predicts the token one further.
         index = self.positions[:rows] - self.first_positions[:rows] + 1
-        return draw_tokens(logits, self.seeds[:rows], index, self.settings, self.noise_and_argmax)
+        tokens = draw_tokens(logits, self.seeds[:rows], index, self.settings, self.noise_and_argmax)
+        self.logps[:rows].copy_(drawn_logps(logits, tokens))
+        return tokens
 
     def start(self, slots: torch.Tensor, requests: list, positions: torch.Tensor) -> None:
         """Rows `slots` answer `requests`, each one's first answer token (already drawn) at its text
@@ -95,6 +108,12 @@ def sampler_for(sampling: Sampling | None, slots: int, positions: torch.Tensor):
     if sampling is None or sampling.temperature == 0:
         return Greedy()
     return Seeded(sampling, slots, positions)
+
+
+def drawn_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's drawn token's log-probability under the model's own softmax (not the warped one
+    it was drawn from): what the update computes of the same token (vlft.forward.loss), in float64."""
+    return torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
 
 
 def warped_logits(logits: torch.Tensor, settings: Sampling) -> torch.Tensor:

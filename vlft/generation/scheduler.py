@@ -25,6 +25,7 @@ class Row:
     request: Request
     answer: list[int] = field(default_factory=list)  # the tokens so far
     written: int = 0  # its length in the cache, as the cache's write_at holds it on the device
+    logps: list[float] | None = None  # each token's log-probability as the sampler drew it, where kept
 
     def finished(self, end_id: int) -> bool:
         """Ended by the model (its end of turn) or at the request's token limit."""

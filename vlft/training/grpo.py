@@ -16,7 +16,11 @@ MB), so a resumed stage draws the same rollout again and goes on as an uninterru
 copy of the adapter, not of the model) and swapped in for a pass over the rollout's answers without
 gradients. `importance_sampling_level: sequence` clips each answer's ratio (GSPO) rather than each
 token's, and `mask_truncated_completions` learns nothing of the answers the rollout cut off
-(overlong filtering), both as TRL computes them.
+(overlong filtering), both as TRL computes them. Every step logs how far the update's
+log-probabilities of the drawn tokens at the rollout lie from the sampler's, and with
+`tis_imp_ratio_cap` weights each token's loss by their capped ratio (vlft.training.mismatch).
+With `filter_groups` a step learns only from questions whose answers' rewards differ, refilled
+from further questions (vlft.training.dynamic_sampling).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from vlft.forward.batching import host_to_device
 from vlft.forward.image_groups import ImageGroup
 from vlft.forward.loss import answer_token_logps
 from vlft.jobs import distributed
+from vlft.training import dynamic_sampling
 from vlft.training.methods import Method, MethodInputs, SupervisedFineTuning
+from vlft.training.mismatch import FIELDS as MISMATCH_FIELDS, Mismatch, importance_ratios
 from vlft.training.objectives import grpo_loss_sum, grpo_step_weight, grpo_token_losses
 from vlft.training.rollout import ROLLOUT_FIELDS, TIMING, KeptPrompts, Rollout
 from vlft.training.rollouts import Rollouts
@@ -62,15 +68,19 @@ class GroupRelativePolicyOptimization(Method):
         dtype,
         prompts_once=False,
         group: distributed.Group = distributed.Group(),
+        plan: list[Step] | None = None,
     ):
-        self.data, self.settings, self.device = data, settings, device
+        self.data, self.settings, self.device, self.group = data, settings, device, group
         self.rollouts = Rollouts(data, settings, rewards, builder, tokenizer, model, device, dtype, prompts_once, group)
         self.generations, self.iterations = settings.num_generations, settings.num_iterations
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # The starting weights, for the KL: the adapter's own tensors, a few MB (beta 0: not needed).
         self.start = [p.detach().clone() for p in self.trainable] if settings.beta else None
         each_reward = tuple(f"rewards/{name}/{part}" for name in rewards.weights for part in ("mean", "std"))
-        self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward
+        self.plan = plan or []  # the stage's steps, whose questions refill a step's with filter_groups
+        filtering = dynamic_sampling.FIELDS if settings.filter_groups else ()
+        self.logged = self.METRICS + ROLLOUT_FIELDS + each_reward + MISMATCH_FIELDS + filtering
+        self.mismatch = Mismatch()  # the step's, over its micro-batches
         self.rollout: Rollout | None = None  # the one the steps learn now
         self.fields: dict = {}  # the step's log line's, beside the loss sums
         self.token_weight = self.answer_weight = 0.0
@@ -99,6 +109,7 @@ class GroupRelativePolicyOptimization(Method):
             made.dtype,
             prompts_once=twice is None,
             group=made.group,
+            plan=made.steps,
         )
 
     def measured_as(self) -> SupervisedFineTuning:
@@ -147,7 +158,14 @@ class GroupRelativePolicyOptimization(Method):
         # Resumed within a rollout's updates: drawn again with the weights it was drawn with.
         with swapped_data(self.trainable, self.drawn_with) if iteration else nullcontext():
             rollout = index // self.iterations
-            self.rollout = self.rollouts.draw(step, rollout, keep_prompts, self.start, self.iterations > 1, self.rows)
+
+            def draw(questions: Step) -> Rollout:
+                return self.rollouts.draw(questions, rollout, keep_prompts, self.start, self.iterations > 1, self.rows)
+
+            if self.settings.filter_groups:
+                self.rollout = dynamic_sampling.filtered(draw, step, self.plan, index, self.settings)
+            else:
+                self.rollout = draw(step)
         self.fields = dict(self.rollout.fields)
         return self.rollout.groups
 
@@ -162,7 +180,7 @@ class GroupRelativePolicyOptimization(Method):
             self.drawn_with = [tensors[f"drawn_with.{i}"].to(p.device) for i, p in enumerate(self.trainable)]
 
     def step_fields(self) -> dict:
-        return self.fields
+        return self.fields | self.mismatch.fields(self.group)
 
     def step_weight(self, groups: list[ImageGroup]) -> int:
         samples = [s for g in groups for s in g.samples]
@@ -173,6 +191,7 @@ class GroupRelativePolicyOptimization(Method):
         # the step; with GSPO's ratio, the clip fractions per answer.
         self.token_weight = weight / max(1, sum(learned))
         self.answer_weight = weight / max(1, len(lengths))
+        self.mismatch = Mismatch()
         return weight
 
     def _learned(self, answer: str) -> int:
@@ -207,6 +226,10 @@ class GroupRelativePolicyOptimization(Method):
         if self.settings.mask_truncated_completions:
             learned = torch.tensor([self._learned(i) for i in ids], dtype=logps.dtype)
             learned = host_to_device(learned, logps.device)[owners]
+        # The sampler's log-probabilities of the drawn tokens against the update's at the rollout.
+        sampled = host_to_device(torch.cat([rollout.sampled[i] for i in ids]), logps.device).to(logps.dtype)
+        ratios = importance_ratios(drawn, sampled, self.settings.tis_imp_ratio_cap)
+        self.mismatch.add(drawn, sampled, ratios, learned)
         by_answer = self.settings.importance_sampling_level == "sequence"
         losses, flags = grpo_token_losses(
             logps,
@@ -218,6 +241,7 @@ class GroupRelativePolicyOptimization(Method):
             epsilon_high,
             sequences=(owners, len(ids)) if by_answer else None,
             learned=learned,
+            importance=ratios if self.settings.tis_imp_ratio_cap is not None else None,
         )
         loss = grpo_loss_sum(losses, owners, lengths, self.settings.loss_type)
         # A clip fraction per learned answer token, or per answer (GSPO: an answer's tokens share its ratio).

@@ -29,7 +29,7 @@ its methods").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -57,6 +57,7 @@ class MethodInputs:
     dtype: torch.dtype
     group: object  # vlft.jobs.distributed.Group
     batcher_of: Callable
+    steps: list = field(default_factory=list)  # the stage's plan of steps (vlft.training.steps)
 
 
 class TrainingMethod(Protocol):

@@ -48,6 +48,7 @@ def grpo_token_losses(
     epsilon_high: float,
     sequences: tuple[torch.Tensor, torch.Tensor] | None = None,
     learned: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each answer token's loss (all tensors per token, `advantages` its answer's): PPO's clipped
     objective on the ratio of the policy's probability to the rollout's, plus `beta` times the k3
@@ -59,7 +60,9 @@ def grpo_token_losses(
     answer's mean log-ratio over its learned tokens, which all its tokens share (TRL's
     `importance_sampling_level: sequence`); None: each token's own. `learned`: 1 for a token the
     step learns from, 0 for one it does not (a truncated answer's, `mask_truncated_completions`);
-    None: all."""
+    None: all. `importance`: each token's truncated importance-sampling weight, the clipped
+    objective's factor before the KL is added (TRL's `importance_sampling_ratio`,
+    vlft.training.mismatch); None: none."""
     log_ratio = logps - old_logps
     if sequences is not None:
         owners, answers = sequences
@@ -70,6 +73,8 @@ def grpo_token_losses(
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     losses = -torch.min(ratio * advantages, clipped * advantages)
+    if importance is not None:
+        losses = losses * importance
     kl = torch.zeros_like(logps)
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1

@@ -6,7 +6,7 @@ vlft.training.rollouts, learned by vlft.training.grpo."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,7 +60,9 @@ class Rollout:
     advantage, its log-probabilities under the starting weights (for the KL, where `beta` is above
     0) and at the rollout (where a rollout is learned more than once), by answer id; the prompts'
     forward where the rollout kept it; what the step's log line says of it (TRL's names); and the
-    answers cut off at max_completion_length, before their end (`truncated`, by answer id)."""
+    answers cut off at max_completion_length, before their end (`truncated`, by answer id); and each
+    answer token's log-probability as the sampler drew it (`sampled`, by answer id: float64, on the
+    host), which the update's are measured against (vlft.training.mismatch)."""
 
     groups: list[ImageGroup]
     advantages: dict[str, float]
@@ -69,6 +71,8 @@ class Rollout:
     kept: KeptPrompts | None
     fields: dict
     truncated: frozenset[str] = frozenset()
+    sampled: dict[str, torch.Tensor] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)  # each answer's total reward, by answer id
 
 
 def answer_id(key: str, number: int) -> str:

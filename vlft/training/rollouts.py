@@ -225,9 +225,12 @@ class Rollouts:
         keys, own = list(keys_of(step)), list(keys_of(share))
         began = time.perf_counter()
         self.kept_answers = [] if keep_prompts else None
-        answers = self._sample(own, rollout, keep_prompts) if own else {}  # read back to the host: the device is done
+        # Each answer's tokens and their log-probabilities as the sampler drew them, read back to the host.
+        answers, sampled = self._sample(own, rollout, keep_prompts) if own else ({}, {})
         if self.group.size > 1:  # every process's answers: the rewards and advantages are the whole step's
-            answers = {key: drawn for part in distributed.gathered(answers) for key, drawn in part.items()}
+            parts = distributed.gathered((answers, sampled))
+            answers = {key: drawn for part, _ in parts for key, drawn in part.items()}
+            sampled = {key: logps for _, part in parts for key, logps in part.items()}
         timing = dict.fromkeys(TIMING, 0.0) | {"timing_s/gen": time.perf_counter() - began}
         samples = {key: [self._answer_sample(key, n, ids) for n, ids in enumerate(answers[key])] for key in keys}
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for key in keys for ids in answers[key]]
@@ -275,15 +278,24 @@ class Rollouts:
         )
         self.kept_answers = None
         advantages_of = dict(zip(ids, advantages.tolist()))
-        return Rollout(answer_groups(step, samples), advantages_of, references, drawn, kept, fields, truncated)
+        sampled_logps = {
+            answer_id(key, n): torch.tensor(logps, dtype=torch.float64)
+            for key in keys
+            for n, logps in enumerate(sampled[key])
+        }
+        groups = answer_groups(step, samples)
+        rewards = dict(zip(ids, total.tolist()))
+        return Rollout(groups, advantages_of, references, drawn, kept, fields, truncated, sampled_logps, rewards)
 
-    def _sample(self, keys: list[str], rollout: int, keep_prompts: bool = False) -> dict[str, list[list[int]]]:
+    def _sample(self, keys: list[str], rollout: int, keep_prompts: bool = False) -> tuple[dict, dict]:
         """`num_generations` answers to each record's question, each drawn with its own seed (the
-        rollout's number: the step's, with one update a rollout). `keep_prompts`: prefilled by the
-        prompt pass, which keeps their forward for the update (`kept_answers`, in the order asked)."""
+        rollout's number: the step's, with one update a rollout), and each answer token's
+        log-probability as the sampler drew it, by record. `keep_prompts`: prefilled by the prompt
+        pass, which keeps their forward for the update (`kept_answers`, in the order asked)."""
         settings, data = self.settings, self.data
         asked = [(key, n) for key in keys for n in range(self.generations)]
         answers: dict[str, list] = {key: [None] * self.generations for key in keys}
+        sampled: dict[str, list] = {key: [None] * self.generations for key in keys}
         # Read a step ahead where it could be; put on the device here, by the thread that runs the
         # device (a copy from another thread would meet a CUDA graph's capture).
         read = self.read_ahead.pop(tuple(keys), None)
@@ -313,6 +325,10 @@ class Rollouts:
             key, n = asked[index]
             answers[key][n] = list(ids)
 
+        def drawn_logps(index: int, logps: list[float]) -> None:
+            key, n = asked[index]
+            sampled[key][n] = logps
+
         engine = self._engine(asked)
         if engine.step.graphs == {}:
             # Its decode step's CUDA graph is captured in this run, and a capture forbids the CUDA
@@ -326,7 +342,9 @@ class Rollouts:
                 answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable),
             ):
                 prefill = self.prompt_pass.prefill
-                engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, prefill_with=prefill)
+                engine.answer(
+                    requests(), self.builder.end_of_turn, answered, prefill_with=prefill, on_logps=drawn_logps
+                )
             self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
             self.kept_ids = [answer_id(key, n) for key, n in asked]
             # The images it read and put on the device, by their source, for its passes without
@@ -337,13 +355,13 @@ class Rollouts:
                 if ready[key]["images"]
                 for host in [ready[key]["images"][0][1]]
             }
-            return answers
+            return answers, sampled
         with (
             answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable),
             self.release.around(),
         ):
-            engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered)
-        return answers
+            engine.answer(requests(), self.builder.end_of_turn, answered, on_logps=drawn_logps)
+        return answers, sampled
 
     def prompts_once_or_folded(self, chosen: dict, steps: list[Step]) -> dict:
         """`max_batch_tokens: auto`'s choice (vlft.training.token_budget, `chosen`, measured with the

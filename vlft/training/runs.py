@@ -19,7 +19,7 @@ from vlft.integrity import adapter_checksums, verify_adapter
 from vlft.caches.shards import INDEX
 from vlft.errors import InputError
 from vlft.files import atomic_path, remove_inside, write_json
-from vlft.stage_params import LEFT_OUT_WITH
+from vlft.stage_params import WATCHING_KEYS
 from vlft.trained_stage import TrainedStage
 from vlft.training import checkpoints, step_evals
 
@@ -187,7 +187,7 @@ def training_fingerprint(inputs: StageInputs, settings, evaluation: dict | None,
     key, files = run_key(settings, evaluation), inputs.files()
     left_out = ["filter", "eval_splits"]
     if settings.keep == "last":  # evaluating as it trains changes nothing it trains
-        left_out += ["eval_every", *LEFT_OUT_WITH, "evaluation"]
+        left_out += ["eval_every", *WATCHING_KEYS, "evaluation"]
     else:
         files += inputs.eval_files()
     computed = {k: v for k, v in key.items() if k not in left_out} | {"steps": steps}

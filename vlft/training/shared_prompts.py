@@ -45,6 +45,8 @@ def prompts_once_unless(model, settings) -> str | None:
     dropout = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if settings.num_iterations != 1:
         return f"num_iterations {settings.num_iterations}: a rollout is learned by later weights too"
+    if settings.filter_groups:
+        return "filter_groups: a step learns some of the questions its rollout prefilled, and others'"
     if dropout:
         return f"the adapter's LoRA dropout {max(dropout)}: the answers are drawn without it"
     if getattr(language_model(unwrapped(model)), "gradient_checkpointing", False):

@@ -116,7 +116,7 @@ def train_stage(
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference and the census are of the starting weights.
-    method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group)
+    method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, steps)
     census = Census.start(model)
     first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
     during.resume(first_step)
@@ -352,12 +352,22 @@ def _setup_optimizer(model, settings: StageSettings, n_steps: int, n_records: in
 
 
 def _setup_method(
-    settings: StageSettings, inputs: StageInputs, data: StageData, model, tokenizer, builder, run, device, dtype, group
+    settings: StageSettings,
+    inputs: StageInputs,
+    data: StageData,
+    model,
+    tokenizer,
+    builder,
+    run,
+    device,
+    dtype,
+    group,
+    steps: list,
 ):
     """The stage's training method (vlft.training.methods), built with what it computes once before
     the first step."""
     batcher_of = partial(_host_batcher, settings, tokenizer, builder, model=model, device=device, group=group)
-    made = MethodInputs(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, batcher_of)
+    made = MethodInputs(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, batcher_of, steps)
     return METHODS[settings.method].build(made)
 
 
