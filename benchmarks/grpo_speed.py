@@ -19,6 +19,11 @@ steady state (`grpo_over_sft_step_matched_steady`).
 
     python benchmarks/grpo_speed.py --arch qwen3-vl-8b --prompts 16 --generations 8 --out benchmarks/results/grpo
     python benchmarks/grpo_speed.py --arch qwen3-vl-8b --prompts 18 --questions-per-image 9 --out ...
+
+`--also-dynamic` runs GRPO twice more under `half_informative` (a reward under which half the
+questions' answers all score alike): as it is, and with GSPO and dynamic sampling (filter_groups),
+whose steps draw further questions for the half they drop. Every GRPO run reports the mismatch of
+the sampler's log-probabilities and the update's (vlft.training.mismatch), over its measured steps.
 """
 
 from __future__ import annotations
@@ -417,6 +422,37 @@ def stage_settings(args) -> tuple[dict, dict]:
     return sft, grpo
 
 
+def half_informative(records, answers):
+    """A reward under which every other question's answers (by its record's id) all score alike, and
+    the others' differ: a random model's answers all score 0 under `format`, which dynamic sampling
+    would drop every question of."""
+    return [1.0 if int(r["id"].split("-")[-1]) % 2 else float(len(set(a)) % 2) for r, a in zip(records, answers)]
+
+
+def dynamic_runs(grpo: dict) -> dict[str, dict]:
+    """--also-dynamic's two runs' settings: GRPO under `half_informative`, plain and with GSPO and dynamic sampling."""
+    half = dict(grpo, rewards={"grpo_speed:half_informative": 1.0})
+    return {
+        "grpo, half the questions informative": half,
+        "grpo, GSPO and dynamic sampling, half the questions informative": dict(
+            half, importance_sampling_level="sequence", filter_groups=True
+        ),
+    }
+
+
+def mismatch_of(log: list[dict]) -> dict:
+    """The sampler/update mismatch over a run's measured steps: each field's mean, and its extreme."""
+    fields = [k for k in log[0] if k.startswith(("sampling/", "training/rollout_probs"))] if log else []
+    result = {k: statistics.fmean(r[k] for r in log) for k in fields}
+    for k in fields:
+        extreme = min if k.endswith("min") else max
+        result[f"{k} (extreme)"] = extreme(r[k] for r in log)
+    for k in ("train/num_gen_batches", "dynamic_sampling/kept_ratio"):
+        if log and k in log[0]:
+            result[k] = statistics.fmean(r[k] for r in log)
+    return result
+
+
 def allocator_counts() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
@@ -659,6 +695,7 @@ def parse_args() -> argparse.Namespace:
         "--trl-site", help="a folder with TRL and its pinned packages: TRL's GRPOTrainer on the same workload too"
     )
     parser.add_argument("--swift-site", help="a folder with ms-swift and its pins: `swift rlhf --rlhf_type grpo` too")
+    parser.add_argument("--also-dynamic", action="store_true", help="GRPO under half_informative, plain and GSPO+DAPO")
     return parser.parse_args()
 
 
@@ -730,6 +767,8 @@ def planned_runs(args: argparse.Namespace, prompts: Path, answers: Path, matched
         runs[UNFOLDED] = (prompts, grpo)
     for repeat in range(2, args.grpo_runs + 1):  # the host's speed drifts between runs: the same run again
         runs[f"{ours}, run {repeat}"] = (prompts, grpo)
+    if args.also_dynamic:
+        runs |= {name: (prompts, settings) for name, settings in dynamic_runs(grpo).items()}
     return runs, ours
 
 
@@ -784,6 +823,7 @@ def measure_run(
         parts = {k: sum(r[k] for r in run["log"]) / len(run["log"]) for k in TIMING}
         parts["update"] = result["s_per_step"] - sum(parts.values())
         result["parts_s"] = parts
+        result["mismatch"] = mismatch_of(run["log"])
         # Over all the run's rollouts (one a step), the first's included.
         result["collections"] = {
             "full_ones": sum(g == 2 for g, *_ in COLLECTIONS),
