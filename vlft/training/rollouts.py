@@ -343,7 +343,11 @@ class Rollouts:
             ):
                 prefill = self.prompt_pass.prefill
                 engine.answer(
-                    requests(), self.builder.end_of_turn, answered, prefill_with=prefill, on_logps=drawn_logps
+                    requests(),
+                    end_id=self.builder.end_of_turn,
+                    on_answer=answered,
+                    prefill_with=prefill,
+                    on_logps=drawn_logps,
                 )
             self.kept_answers = [(index, answers[key][n]) for index, (key, n) in enumerate(asked)]
             self.kept_ids = [answer_id(key, n) for key, n in asked]
@@ -360,7 +364,7 @@ class Rollouts:
             answering(self.model, self.dtype, self.answer_weights, self.switch_modes, self.trainable),
             self.release.around(),
         ):
-            engine.answer(requests(), self.builder.end_of_turn, answered, on_logps=drawn_logps)
+            engine.answer(requests(), end_id=self.builder.end_of_turn, on_answer=answered, on_logps=drawn_logps)
         return answers, sampled
 
     def prompts_once_or_folded(self, chosen: dict, steps: list[Step]) -> dict:
