@@ -36,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -423,10 +424,13 @@ def stage_settings(args) -> tuple[dict, dict]:
 
 
 def half_informative(records, answers):
-    """A reward under which every other question's answers (by its record's id) all score alike, and
-    the others' differ: a random model's answers all score 0 under `format`, which dynamic sampling
-    would drop every question of."""
-    return [1.0 if int(r["id"].split("-")[-1]) % 2 else float(len(set(a)) % 2) for r, a in zip(records, answers)]
+    """A reward under which half the questions' answers all score alike (by a hash of the question)
+    and the others' differ (a hash of the answer's text): a random model's answers all score 0
+    under `format`, which dynamic sampling would drop every question of."""
+    return [
+        1.0 if zlib.crc32(r["question"].encode()) % 2 else float(zlib.crc32(a.encode()) % 2)
+        for r, a in zip(records, answers)
+    ]
 
 
 def dynamic_runs(grpo: dict) -> dict[str, dict]:
