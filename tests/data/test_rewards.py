@@ -312,6 +312,19 @@ def test_the_grpo_loss_and_its_gradients_are_trls(loss_type, beta, epsilon_high)
         assert flags["kl"].mean().item() == pytest.approx(metrics["kl"][0], rel=1e-12)
 
 
+def packed_token_losses(logps, old, ref, advantages, mask, level, **options):
+    """Our token losses (KL 0.04, clip 0.2 / 0.28) over padded answers' tokens packed end to end:
+    the log-probabilities they differentiate (a leaf copy of `logps`), the losses and the flags."""
+    ours = logps.detach().clone().requires_grad_()
+    where = mask.bool()
+    owners = torch.arange(mask.shape[0])[:, None].expand(*mask.shape)[where]
+    sequences = (owners, mask.shape[0]) if level == "sequence" else None
+    losses, flags = grpo_token_losses(
+        ours[where], old[where], ref[where], advantages[owners], 0.04, 0.2, 0.28, sequences=sequences, **options
+    )
+    return ours, losses, flags
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all-learned", "truncated-masked"])
@@ -336,21 +349,10 @@ def test_gspo_and_overlong_filtering_are_trls(loss_type, level, masked):
     )
     (their_grad,) = torch.autograd.grad(theirs, logps)
 
-    ours_logps = logps.detach().clone().requires_grad_()
     where = mask.bool()
     owners = torch.arange(6)[:, None].expand(6, 7)[where]
     learned = (~truncated).double()[owners] if masked else None
-    losses, flags = grpo_token_losses(
-        ours_logps[where],
-        old[where],
-        ref[where],
-        advantages[owners],
-        0.04,
-        0.2,
-        0.28,
-        sequences=(owners, 6) if level == "sequence" else None,
-        learned=learned,
-    )
+    ours_logps, losses, flags = packed_token_losses(logps, old, ref, advantages, mask, level, learned=learned)
     kept = lengths * (~truncated) if masked else lengths
     weight = grpo_step_weight(lengths.tolist(), loss_type, 8, kept.tolist())
     ours = grpo_loss_sum(losses, owners, lengths, loss_type) / weight
@@ -392,22 +394,11 @@ def test_truncated_importance_sampling_and_the_mismatch_logged_are_trls(loss_typ
     )
     (their_grad,) = torch.autograd.grad(theirs, logps)
 
-    ours_logps = logps.detach().clone().requires_grad_()
     where = mask.bool()
     owners = torch.arange(6)[:, None].expand(6, 7)[where]
     ratios = importance_ratios(old[where], sampled[where], 2.0)
     assert 0 < int((ratios == 2.0).sum()) < len(ratios)  # the cap binds on some tokens, not all
-    losses, _ = grpo_token_losses(
-        ours_logps[where],
-        old[where],
-        ref[where],
-        advantages[owners],
-        0.04,
-        0.2,
-        0.28,
-        sequences=(owners, 6) if level == "sequence" else None,
-        importance=ratios,
-    )
+    ours_logps, losses, _ = packed_token_losses(logps, old, ref, advantages, mask, level, importance=ratios)
     ours = grpo_loss_sum(losses, owners, lengths, loss_type) / grpo_step_weight(lengths.tolist(), loss_type, 8)
     (our_grad,) = torch.autograd.grad(ours, ours_logps)
     assert ours.item() == pytest.approx(theirs.item(), rel=FLOAT64_RTOL)

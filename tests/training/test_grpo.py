@@ -87,6 +87,12 @@ def screens(tmp_path_factory):
     return tiny_family_data(root, "qwen3_vl", root / "raw.jsonl")
 
 
+def same_adapter(a, b) -> bool:
+    """Whether two runs' adapters are bit for bit the same."""
+    a, b = (load_file(run / "adapter/adapter_model.safetensors") for run in (a, b))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def train(root, out, stop=None, **overrides):
     inputs = StageInputs(str(root / "model"), [str(root / "prepared.jsonl")], [str(root / "pixels")], None)
     train_float64(inputs, tiny_stage_settings(**(GRPO | overrides)), out, stop)
@@ -122,9 +128,7 @@ def test_a_resumed_grpo_stage_draws_and_trains_what_an_uninterrupted_one_does(sc
     assert [r["reward"] for r in resumed] == [r["reward"] for r in whole]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
     assert whole[-1]["kl"] > 0  # beta above 0: the KL to the starting weights, after it has moved
-    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
-    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_adapter(tmp_path / "whole", tmp_path / "cut")
 
 
 def train_in_a_process_of_its_own(root, out, stop_after: int | None = None, dtype: str = "float32") -> str:
@@ -190,9 +194,7 @@ def test_a_stage_learning_each_rollout_twice_resumed_within_a_rollout_trains_wha
         train(screens, tmp_path / "cut", stop=StopAfter(1), **twice)
     resumed = train(screens, tmp_path / "cut", **twice)
     assert [(r["reward"], r["loss"]) for r in resumed] == [(r["reward"], r["loss"]) for r in whole]
-    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
-    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_adapter(tmp_path / "whole", tmp_path / "cut")
 
 
 def test_rollouts_through_one_kept_engine_with_each_prompt_once_draw_and_train_what_fresh_engines_do(
@@ -1019,6 +1021,4 @@ def test_a_resumed_stage_with_dynamic_sampling_draws_and_trains_what_an_uninterr
         train(screens, tmp_path / "cut", stop=StopAfter(2), **DYNAMIC)
     resumed = train(screens, tmp_path / "cut", **DYNAMIC)
     assert [(r["reward"], r["loss"]) for r in resumed] == [(r["reward"], r["loss"]) for r in whole]
-    a = load_file(tmp_path / "whole/adapter/adapter_model.safetensors")
-    b = load_file(tmp_path / "cut/adapter/adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_adapter(tmp_path / "whole", tmp_path / "cut")
