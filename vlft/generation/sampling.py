@@ -55,6 +55,12 @@ class Sampling:
     never: tuple[int, ...] = ()
 
 
+def image_markers(config) -> tuple[int, ...]:
+    """The ids of the tokens that stand for or around an image or a video in a Qwen-VL prompt."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return tuple(sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None}))
+
+
 class Seeded:
     """Sampled answers, each prompt with its own seed (`Request.seed`). A row's seed and the text
     position of its answer's first token are set when it gets a prompt; a decode step reads how far

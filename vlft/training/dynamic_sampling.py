@@ -42,10 +42,15 @@ def informative(rollout: Rollout, step: Step, generations: int) -> Step:
     """The step's groups with only their questions whose answers' rewards differ (empty groups dropped)."""
     kept = []
     for keys in step:
-        differ = [key for key in keys if len({rollout.rewards[answer_id(key, n)] for n in range(generations)}) > 1]
+        differ = [key for key in keys if _rewards_differ(rollout.rewards, key, generations)]
         if differ:
             kept.append(differ)
     return kept
+
+
+def _rewards_differ(rewards: dict[str, float], key: str, generations: int) -> bool:
+    """Whether the answers to question `key` score otherwise than alike."""
+    return len({rewards[answer_id(key, n)] for n in range(generations)}) > 1
 
 
 def filtered(draw, step: Step, plan: list[Step], index: int, settings) -> Rollout:
@@ -101,9 +106,8 @@ def _merged(drawn: list[tuple[Step, Rollout]], kept: Step, needed: int, settings
     for name in TIMING:
         fields[name] = sum(rollout.fields[name] for _, rollout in drawn)
     fields["train/num_gen_batches"] = len(drawn)
-    fields["dynamic_sampling/kept_ratio"] = sum(
-        len({merged["rewards"][answer_id(key, n)] for n in range(generations)}) > 1 for key in keys_of(kept)
-    ) / max(1, needed)
+    informative = sum(_rewards_differ(merged["rewards"], key, generations) for key in keys_of(kept))
+    fields["dynamic_sampling/kept_ratio"] = informative / max(1, needed)
     return Rollout(
         answer_groups(kept, samples),
         dict(zip(ids, advantages.tolist())),

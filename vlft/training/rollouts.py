@@ -43,7 +43,7 @@ from vlft.forward.packing import pack_groups
 from vlft.generation.engine import Engine
 from vlft.generation.evaluate import prompt_inputs, prompt_request
 from vlft.generation.folded_adapter import FoldedAdapter
-from vlft.generation.sampling import Sampling
+from vlft.generation.sampling import Sampling, image_markers
 from vlft.generation.shared_prefixes import cascade_for, prefixes_shareable
 from vlft.jobs import distributed
 from vlft.modeling import adapter_autocast, rope_index, unwrapped
@@ -59,12 +59,6 @@ from vlft.training.steps import Step
 # Where a question's prompt is kept once in the rollout's KV cache for its answers and read once a
 # decode step (vlft.generation.shared_prefixes); a CPU answers as `generate` does (a test adds it).
 SHARED_PROMPT_DEVICES = ("cuda",)
-
-
-def image_markers(config) -> tuple[int, ...]:
-    """The ids of the tokens that stand for or around an image or a video in a Qwen-VL prompt."""
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return tuple(sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None}))
 
 
 class Rollouts:
