@@ -78,19 +78,22 @@ def planned_outputs(workdir: Path, *args: str) -> set[str]:
 FLOAT64_RTOL = 1e-8
 
 
-def image_groups_rtol(family: str, questions_on_a_prefix: int) -> float:
+def image_groups_rtol(family: str, questions_on_a_prefix: int, tower_trains: bool = False) -> float:
     """The tolerance of an image group's loss and gradients against each question alone, in float64.
 
-    transformers' Gated DeltaNet (a hybrid family's, vlft.demo.tiny_model.HYBRID_FAMILIES) computes
-    its decay and its gated norm in float32 whatever the model's dtype. A row with an image's prefix
-    once rounds the prefix's gradient there summed over its questions; each question alone rounds
-    its own part before the weights' gradients sum them. Each rounding is within float32's unit, so
-    the two differ by at most that unit times the questions on one prefix, normwise; a question that
-    misses its prefix's state differs at 1e-3 and more. Other families compute in float64 throughout."""
+    Two computations round in float32 whatever the model's dtype: transformers' Gated DeltaNet (a
+    hybrid family's, vlft.demo.tiny_model.HYBRID_FAMILIES), its decay and its gated norm; and every
+    vision tower's rotary embedding (apply_rotary_pos_emb_vision casts its queries and keys with
+    .float()), which gradients cross only where the tower trains (`tower_trains`). A row with an
+    image's prefix once rounds the prefix's gradient there summed over its questions; each question
+    alone rounds its own part before the weights' gradients sum them. Each rounding is within
+    float32's unit, so the two differ by at most that unit times the questions on one prefix,
+    normwise; a question that misses its prefix's state differs at 1e-3 and more. Elsewhere every
+    family computes in float64 throughout."""
     import torch
     from vlft.demo.tiny_model import HYBRID_FAMILIES
 
-    if family not in HYBRID_FAMILIES:
+    if family not in HYBRID_FAMILIES and not tower_trains:
         return FLOAT64_RTOL
     return max(FLOAT64_RTOL, questions_on_a_prefix * torch.finfo(torch.float32).eps)
 

@@ -27,12 +27,17 @@ from pathlib import Path
 from vlft.data.records import raw_objects, selected_by
 from vlft.devices import Throughputs
 from vlft.files import atomic_path
+from vlft.stage_params import trains_vision
 
 # The chat template's tokens around a question and its answer (Qwen-VL's: the turns' markers, the
 # image's start and end): the same for every sample, too few to count one by one.
 TEMPLATE_TOKENS = 20
 # Counted without a tokenizer on disk (a model not fetched yet): characters a token, English text.
 CHARACTERS_A_TOKEN = 4
+# A tower that trains (vision_lora, train_merger) runs its forward and then a backward to its
+# inputs, about as much work again (its LoRA's own gradients are small): twice a frozen tower's
+# forward. Not yet measured on a GPU (benchmarks/train_speed.py --trained-tower measures it).
+TRAINED_TOWER_WORK = 2
 COUNTS_VERSION = 1
 
 
@@ -299,6 +304,7 @@ def train_seconds(
     image = counts.distinct_image_tokens if settings["image_groups"] else counts.image_tokens
     text = counts.records * TEMPLATE_TOKENS + counts.question_tokens
     method = settings["method"]
+    tower = TRAINED_TOWER_WORK if trains_vision(settings) else 1
     extra_s = 0.0
     if method == "grpo":
         generations = settings["num_generations"]
@@ -323,7 +329,7 @@ def train_seconds(
     step_s = passes * (
         counts.records * rate["train_s_per_sample"]
         + (image + text) / rate["train_tokens_per_s"]
-        + (0 if settings["vision_cache"] else counts.distinct_image_tokens * rate["vision_s_per_image_token"])
+        + (0 if settings["vision_cache"] else counts.distinct_image_tokens * rate["vision_s_per_image_token"] * tower)
     )
     if method == "dpo":  # the reference's log-probabilities: one pass without gradients, a third of a step's work
         extra_s = (image + text) / rate["train_tokens_per_s"] / 3

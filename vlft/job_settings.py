@@ -41,6 +41,8 @@ class StageSettings:
     lora_alpha: int
     lora_dropout: float
     lora_target_modules: list[str]
+    vision_lora: bool  # LoRA on the vision tower's blocks too
+    train_merger: bool  # the merger trained in full, saved with the adapter
     min_pixels: int | None
     max_pixels: int | None
     max_seq_len: int

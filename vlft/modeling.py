@@ -6,6 +6,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import socket
 from contextlib import nullcontext
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import ModulesToSaveWrapper
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from vlft.errors import DeviceError, InputError
@@ -144,27 +146,63 @@ def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False)
     return AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def lora_config(settings: dict) -> LoraConfig:
-    # The pattern restricts LoRA to the language model: Qwen2.5-VL's vision MLP also has
-    # gate/up/down projections, and the vision tower stays frozen.
+# The linear layers of a vision tower's blocks, in each family's names: attention's qkv and proj;
+# the MLP's fc1/fc2 (Qwen2-VL), gate/up/down projections (Qwen2.5-VL), linear_fc1/linear_fc2
+# (Qwen3-VL, Qwen3.5). Not the patch embedding (a convolution) nor the merger (`train_merger`).
+VISION_BLOCK_LINEARS = r"attn\.(qkv|proj)|mlp\.(fc1|fc2|gate_proj|up_proj|down_proj|linear_fc1|linear_fc2)"
+
+
+def merger_modules(model) -> list[str]:
+    """The merger and Qwen3-VL's DeepStack mergers, by their names in the model: each trained in
+    full as a module of its own (the DeepStack ones are called one by one from their list)."""
+    return [
+        name
+        for name, _ in unwrapped(model).named_modules()
+        if re.search(r"visual\.(merger|deepstack_merger_list\.\d+)$", name)
+    ]
+
+
+def lora_config(settings, model=None) -> LoraConfig:
+    """LoRA on the language model's `lora_target_modules`, and on the vision tower's blocks with
+    `vision_lora` (a pattern: Qwen2.5-VL's vision MLP also has gate/up/down projections, which the
+    language model's names alone would reach); the mergers of `model` trained in full with
+    `train_merger`."""
     modules = "|".join(settings["lora_target_modules"])
+    pattern = rf".*language_model.*\.({modules})"
+    if settings["vision_lora"]:
+        pattern = rf"({pattern})|(.*visual\.blocks\.\d+\.({VISION_BLOCK_LINEARS}))"
     return LoraConfig(
         r=settings["lora_r"],
         lora_alpha=settings["lora_alpha"],
         lora_dropout=settings["lora_dropout"],
-        target_modules=rf".*language_model.*\.({modules})",
+        target_modules=pattern,
+        modules_to_save=merger_modules(model) if settings["train_merger"] else None,
         task_type="CAUSAL_LM",
     )
 
 
-def with_new_adapter(model, settings: dict):
-    return get_peft_model(model, lora_config(settings))
+def with_new_adapter(model, settings):
+    return trained_copies_in_float32(get_peft_model(model, lora_config(settings, model)))
+
+
+def trained_copies_in_float32(model):
+    """The modules PEFT trains in full (modules_to_save: the merger) copied in the model's dtype,
+    upcast to float32 as PEFT keeps the adapter's own weights: in bf16 most of an AdamW step's
+    change to a weight rounds away. They compute in the model's dtype under adapter_autocast, and
+    answer in it (vlft.training.step_evals.adapter_in_model_dtype), as the adapter does."""
+    for module in model.modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for param in module.modules_to_save.parameters():
+                if param.dtype in (torch.bfloat16, torch.float16):
+                    param.data = param.data.float()
+    return model
 
 
 def with_adapter(model, adapter_dir: str | Path, trainable: bool):
     """A trained stage's adapter on the model, its files checked against its summary's checksums."""
     verify_adapter(adapter_dir)
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    return trained_copies_in_float32(model) if trainable else model
 
 
 def use_activation_checkpointing(model) -> None:

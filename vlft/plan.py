@@ -26,6 +26,7 @@ from vlft.stage_params import (
     METHOD_KEYS,
     RUN_ONLY_KEYS,
     schedule_problem,
+    trains_vision,
     warmup_steps,
 )
 
@@ -80,6 +81,8 @@ class Plan:
     sweeps: dict[str, dict] = field(default_factory=dict)
     # Sweeps that keep only their best arms past a stage (vlft.sweeps.arm_selections), by name.
     selections: dict[str, dict] = field(default_factory=dict)
+    # What the plan decided otherwise than the config asked, a sentence each, said when it is made.
+    notes: list[str] = field(default_factory=list)
 
     def selection_of(self, stage: Stage) -> str | None:
         """The sweep whose keep_best decides whether this stage trains: a stage after `after` of
@@ -199,6 +202,8 @@ def build_plan(config: dict) -> Plan:
             if init_from is not None and "/" not in init_from:
                 init_from = f"{experiment}/{init_from}"
             settings["init_from"] = init_from
+            if note := _pixels_for_a_trained_tower(settings, key):
+                plan.notes.append(note)
             stage = Stage(experiment, name, index, settings, init_from)
             plan.stages[stage.id] = stage
 
@@ -208,6 +213,20 @@ def build_plan(config: dict) -> Plan:
     _check_demo(config.get("demo", {}).get("datasets", {}), datasets)
     _check_runtimes(config, plan)
     return plan
+
+
+def _pixels_for_a_trained_tower(settings: dict, key: str) -> str | None:
+    """A stage that trains the tower's LoRA or the merger trains from the pixel cache: the vision
+    cache holds the frozen tower's outputs, which its trained tower no longer computes. Said, not
+    refused: `vision_cache: true` in `defaults` is a study's usual choice for its other stages."""
+    if not (settings["vision_cache"] and trains_vision(settings)):
+        return None
+    settings["vision_cache"] = False
+    trained = " and ".join(k for k in ("vision_lora", "train_merger") if settings[k])
+    return (
+        f"{key}.vision_cache: the stage trains from the pixel cache instead, as its {trained} trains the "
+        "image's path, whose outputs the vision cache (the frozen tower's) does not hold"
+    )
 
 
 def _check_rewards(settings: dict, key: str) -> None:

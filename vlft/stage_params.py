@@ -15,6 +15,7 @@ RUN_ONLY_KEYS = ("resources", "checkpoint_every", "activation_checkpointing")
 LEFT_OUT_WHEN_OFF = {"image_groups": False, "eval_every": 0, "quantization_bit": None, "method": "sft"}
 LEFT_OUT_WHEN_OFF |= {"importance_sampling_level": "token", "mask_truncated_completions": False}
 LEFT_OUT_WHEN_OFF |= {"tis_imp_ratio_cap": None, "filter_groups": False}
+LEFT_OUT_WHEN_OFF |= {"vision_lora": False, "train_merger": False}
 # Options that mean something only while another is on: left out with it.
 WATCHING_KEYS = ("eval_samples", "eval_split", "keep", "best_metric")  # a stage's evaluations during training
 LEFT_OUT_WITH = {key: "eval_every" for key in WATCHING_KEYS} | {"max_num_gen_batches": "filter_groups"}
@@ -29,8 +30,15 @@ METHOD_KEYS = {
 }
 LOSS_TYPES = {"dpo": ("sigmoid",), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
 
-# Settings that must match between a stage and the stage it starts from (the adapter's shape).
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")
+# Settings that must match between a stage and the stage it starts from (the adapter's shape: what
+# it holds trains on in the later stage).
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules", "vision_lora", "train_merger")
+
+
+def trains_vision(settings) -> bool:
+    """Whether a stage trains any part of the image's path (the tower's LoRA, the merger): then the
+    vision cache, the frozen tower's outputs, cannot stand in for it."""
+    return bool(settings["vision_lora"] or settings["train_merger"])
 
 
 def warmup_steps(settings: dict, n_steps: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from vlft.data.prompts import PromptBuilder
 from vlft.training.train import compile_decoder_layers
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
 from vlft.demo.tiny_model import FAMILIES, HYBRID_FAMILIES
+from vlft.training.census import part_of
 from tests.helpers import FLOAT64_RTOL, assert_close_normwise, image_groups_rtol, tiny_family_data, train_float64
 
 FLOAT64 = torch.float64
@@ -32,6 +34,8 @@ LORA = {
     "lora_r": 8,
     "lora_alpha": 16,
     "lora_dropout": 0.0,
+    "vision_lora": False,
+    "train_merger": False,
     "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 
@@ -44,9 +48,9 @@ def family_setup(request, tmp_path_factory):
     return tiny_family_data(root, request.param, root / "train.jsonl")
 
 
-def lora_model(model_dir, dtype=FLOAT64):
+def lora_model(model_dir, dtype=FLOAT64, lora=LORA):
     torch.manual_seed(0)
-    model = with_new_adapter(load_base_model(model_dir, torch.device("cpu"), dtype), LORA)
+    model = with_new_adapter(load_base_model(model_dir, torch.device("cpu"), dtype), lora)
     # Non-zero B matrices, so that every LoRA gradient is non-trivial.
     for name, param in model.named_parameters():
         if "lora_B" in name:
@@ -244,6 +248,17 @@ def test_a_stage_trained_from_the_vision_cache_follows_the_pixel_trained_loss_cu
     )
     assert len(from_pixels) == 12
     assert from_vision_cache == pytest.approx(from_pixels, rel=FLOAT64_RTOL)
+    # A stage whose tower trains cannot read the frozen tower's outputs: given them, it stops at once.
+    with pytest.raises(
+        ConfigError, match="trains the vision tower's LoRA or the merger, but was given the vision cache"
+    ):
+        demo_stage_losses(
+            demo_workdir,
+            tmp_path / "tower",
+            demo_stage_inputs(demo_workdir, str(tmp_path / "vision")),
+            vision_lora=True,
+        )
+    assert not (tmp_path / "tower" / "adapter").exists()
 
 
 def test_lora_in_bf16_uses_float32_weights_in_bf16_and_keeps_float32_gradients(family_setup):
@@ -417,11 +432,13 @@ def record_index(records, record):
     return next(i for i, r in enumerate(records) if r is record)
 
 
-@pytest.mark.parametrize("source", ["pixels", "vision cache"])
+@pytest.mark.parametrize("source", ["pixels", "vision cache", "trained tower"])
 def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(grouped_family_setup, source):
     """A grouped step: every image's prefix (template header and image) once, its questions after
     it, in packed rows with the fused loss, the largest group cut across rows by the token budget;
-    against every sample computed separately on the plain path, in float64 with lora_dropout 0."""
+    against every sample computed separately on the plain path, in float64 with lora_dropout 0.
+    With a trained tower (LoRA on its blocks, the mergers trained in full) the tower still runs
+    once per image, and its gradients are the sum of each question's alone."""
     from vlft.forward.image_groups import ImageGroup, group_rows
     from vlft.training.steps import groups_in_order, image_of
     from vlft.forward.packing import pack_groups
@@ -429,7 +446,8 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     root = grouped_family_setup
     pixels = ImageCache(root / "pixels")
     assert len(pixels.entries) == 5 and len(pixels.records) == 12  # the cache holds each image once
-    model = lora_model(root / "model")
+    trained_tower = source == "trained tower"
+    model = lora_model(root / "model", lora=LORA | {"vision_lora": trained_tower, "train_merger": trained_tower})
     samples, pixel_images, builder, pad_id = samples_and_images(root, pixels)
     cpu = torch.device("cpu")
 
@@ -440,6 +458,17 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     n_targets = int((batch["labels"][:, 1:] != -100).sum())
     (plain / n_targets).backward()
     plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    tower_grads = [g for n, g in plain_grads.items() if "visual." in n]
+    assert bool(tower_grads) == trained_tower and all(g.abs().sum() > 0 for g in tower_grads)
+    if trained_tower:  # LoRA on every block's linear layers, and each merger (DeepStack's too) in full
+        parts = {part_of(n) for n in plain_grads}
+        assert parts == {"LoRA adapter", "vision LoRA adapter", "merger"}, parts
+        left_out = [
+            n
+            for n, m in model.named_modules()
+            if "visual.blocks" in n and type(m) is torch.nn.Linear and not re.search(r"lora_[AB]|base_layer", n)
+        ]
+        assert not left_out, left_out  # every linear layer of the tower's blocks carries LoRA
 
     grouped_model = copy.deepcopy(model)
     images = pixel_images
@@ -483,7 +512,7 @@ def test_image_groups_give_each_question_the_loss_and_gradients_it_gets_alone(gr
     assert laid_out == sum(len(s.input_ids) for s in samples) - sum((len(g.samples) - 1) * g.shared for g in parts)
     assert counted == n_targets
     family = json.loads((root / "model" / "config.json").read_text())["model_type"]
-    rtol = image_groups_rtol(family, max(len(g.samples) for g in parts))
+    rtol = image_groups_rtol(family, max(len(g.samples) for g in parts), trained_tower)
     assert loss_sum == pytest.approx(plain.item(), rel=rtol)
     for name, grad in plain_grads.items():
         assert_close_normwise(dict(grouped_model.named_parameters())[name].grad, grad, rtol, name)

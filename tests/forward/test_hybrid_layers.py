@@ -38,6 +38,8 @@ LORA = {
     "lora_r": 8,
     "lora_alpha": 16,
     "lora_dropout": 0.0,
+    "vision_lora": False,
+    "train_merger": False,
     "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     + ["in_proj_qkv", "in_proj_z", "out_proj"],
 }

@@ -14,9 +14,9 @@ from vlft.report.study import StageResult
 from vlft.training.census import checksum, part_of
 
 
-def trained(small_stage, out, steps=2):
+def trained(small_stage, out, steps=2, **options):
     inputs, settings = small_stage
-    settings = settings | {"max_steps": steps, "micro_batch": 4, "warmup_ratio": 0.0, "learning_rate": 1e-3}
+    settings = settings | options | {"max_steps": steps, "micro_batch": 4, "warmup_ratio": 0.0, "learning_rate": 1e-3}
     train_module.train_stage(inputs, settings, out / "adapter", out / "log.jsonl", out / "summary.json", out / "c", 100)
     summary = json.loads((out / "summary.json").read_text())
     page = trained_parts_html([StageResult("exp", "main", summary, [])])
@@ -26,7 +26,7 @@ def trained(small_stage, out, steps=2):
 def test_an_ordinary_stage_changed_its_adapter_and_nothing_else(small_stage, tmp_path):
     summary, page = trained(small_stage, tmp_path)
     parts = summary["trained_parts"]
-    assert set(parts) == {"language model", "vision tower", "merger", "LoRA adapter"}
+    assert set(parts) == {"language model", "vision tower", "merger", "LoRA adapter"}  # no vision LoRA adapter
     assert parts["LoRA adapter"]["trained"] and parts["LoRA adapter"]["changed"] > 0
     for frozen in ("language model", "vision tower", "merger"):
         assert parts[frozen] == {"changed": 0, "unchanged": parts[frozen]["unchanged"], "trained": False}
@@ -67,6 +67,42 @@ def test_a_trained_part_whose_weights_never_changed_is_one_line_in_red(small_sta
     assert f'<p class="problem">exp/main: {said}.</p>' in page
 
 
+def test_a_stage_that_trains_the_tower_changed_its_lora_and_its_mergers_copies_and_nothing_else(small_stage, tmp_path):
+    """vision_lora and train_merger: the tower's LoRA and PEFT's trained copy of each merger
+    changed (the originals, kept for the adapter switched off, did not); the base stayed as it was."""
+    summary, page = trained(small_stage, tmp_path, vision_lora=True, train_merger=True)
+    parts = summary["trained_parts"]
+    assert parts["vision LoRA adapter"]["trained"] and parts["vision LoRA adapter"]["unchanged"] == 0
+    assert parts["merger"]["trained"] and parts["merger"]["changed"] == parts["merger"]["unchanged"] > 0
+    for frozen in ("language model", "vision tower"):
+        assert parts[frozen]["changed"] == 0 and not parts[frozen]["trained"]
+    assert summary["trained_parts_problems"] == [] and 'class="problem"' not in page
+    # The adapter holds what trained: the tower's LoRA and the mergers' weights, which a later
+    # stage or the evaluation loads with it.
+    adapter = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert "visual" in adapter["target_modules"] and any("merger" in m for m in adapter["modules_to_save"])
+
+
+def test_a_tower_unfrozen_whose_lora_never_changed_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
+    """2U1/Qwen-VL-Series-Finetune#115 as it happened there: the tower set to train, and frozen
+    again by later code before the optimizer was built; its LoRA's weights never changed."""
+    setup_model = train_module._setup_model
+
+    def tower_frozen_again(*args, **kwargs):
+        model = setup_model(*args, **kwargs)
+        for name, param in model.named_parameters():
+            if part_of(name) == "vision LoRA adapter":
+                param.requires_grad_(False)
+        return model
+
+    monkeypatch.setattr(train_module, "_setup_model", tower_frozen_again)
+    summary, page = trained(small_stage, tmp_path, vision_lora=True)
+    tower = summary["trained_parts"]["vision LoRA adapter"]
+    said = f"the vision LoRA adapter was trained, yet none of its {tower['unchanged']} tensors changed"
+    assert tower["changed"] == 0 and summary["trained_parts_problems"] == [said]
+    assert f'<p class="problem">exp/main: {said}.</p>' in page
+
+
 def test_a_checksum_sees_any_one_value_change_and_reads_every_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.uint8):
         tensor = torch.arange(1000).to(dtype)
@@ -74,6 +110,7 @@ def test_a_checksum_sees_any_one_value_change_and_reads_every_dtype():
         tensor[5] += 1  # exact in every dtype here
         assert checksum(tensor) != before, dtype
     assert part_of("base_model.model.model.visual.deepstack_merger_list.0.linear_fc1.weight") == "merger"
-    assert part_of("model.visual.blocks.0.attn.qkv.lora_A.default.weight") == "LoRA adapter"
+    assert part_of("model.visual.blocks.0.attn.qkv.lora_A.default.weight") == "vision LoRA adapter"
+    assert part_of("model.language_model.layers.0.mlp.up_proj.lora_B.default.weight") == "LoRA adapter"
     assert part_of("model.visual.blocks.0.attn.qkv.weight") == "vision tower"
     assert part_of("model.language_model.layers.0.mlp.up_proj.weight") == "language model"

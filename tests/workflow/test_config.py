@@ -147,3 +147,46 @@ def test_a_filter_is_checked_on_the_stages_splits_as_a_whole_and_one_that_select
         assert f"Invalid config: experiments.x.stages[0].{named}" in result.stdout + result.stderr, result.stdout[
             -1500:
         ]
+
+
+def test_a_stage_that_trains_the_tower_trains_from_pixels_says_so_and_its_later_stages_set_it_the_same(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """vision_cache: true for the study, one stage with vision_lora: the plan gives that stage the
+    pixel cache (the vision cache holds the frozen tower's outputs) and says so in one line, while
+    the other keeps its vision cache; a stage that starts from the tower's adapter without
+    vision_lora is refused in one sentence (it would train the tower's LoRA it loads all the same)."""
+    from vlft.demo.shapes import make_dataset
+
+    workdir = copy_workflow(tmp_path / "clone")
+    (workdir / "model").symlink_to(tiny_model_dir)
+    make_dataset({"train": workdir / "train.jsonl"}, workdir / "images", {"train": 4}, seed=0)
+    config = {
+        "model": {"path": "model"},
+        "datasets": {"mine": {"image_root": "images", "splits": {"train": "train.jsonl"}}},
+        "defaults": {"vision_cache": True, "eval_splits": []},
+        "experiments": {
+            "frozen": {"stages": [{"name": "main"}]},
+            "tower": {"stages": [{"name": "main", "vision_lora": True}]},
+        },
+    }
+    (workdir / "study.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(workdir, "--dry-run", "--configfile", "study.yaml")
+    said = (
+        "experiments.tower.stages[0].vision_cache: the stage trains from the pixel cache instead, as its "
+        "vision_lora trains the image's path, whose outputs the vision cache (the frozen tower's) does not hold"
+    )
+    assert (result.stdout + result.stderr).count(said) == 1
+    monkeypatch.chdir(workdir)  # where the config's relative paths lead
+    plan = build_plan(resolve_config(yaml.safe_load((workdir / "study.yaml").read_text())))
+    assert plan.stage("tower", "main").settings["vision_cache"] is False
+    assert plan.stage("frozen", "main").settings["vision_cache"] is True and plan.notes == [said]
+    # The tower stage's job reads pixels; the frozen one's the vision cache, made for it alone.
+    jobs = planned_outputs(workdir, "--configfile", "study.yaml")
+    assert sum(o.startswith("results/study/cache/vision/") for o in jobs) == 1
+
+    config["experiments"]["tower"]["stages"].append({"name": "more", "init_from": "main"})
+    with pytest.raises(
+        ConfigError, match=r"experiments\.tower\.stages\[1\]\.vision_lora: must equal that of 'tower/main'"
+    ):
+        build_plan(resolve_config(config))

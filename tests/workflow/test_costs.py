@@ -135,7 +135,7 @@ NO_HOST = {"grpo_step_host_s": 0, "grpo_pass_host_s": 0}
 
 STAGE = dict(
     micro_batch=16, grad_accum=1, max_steps=None, epochs=1, image_groups=False, method="sft", vision_cache=True
-)
+) | dict(vision_lora=False, train_merger=False)
 # A reward stage whose rollouts keep their prompts' forward (one update a rollout, no LoRA dropout).
 GRPO_STAGE = dict(
     STAGE,
@@ -190,6 +190,10 @@ def test_a_prediction_follows_what_the_stage_computes():
     assert pixels.work_s - plain.work_s == pytest.approx(
         counts.distinct_image_tokens * rate["vision_s_per_image_token"]
     )
+    # A tower that trains runs its backward too: twice a frozen tower's forward, whichever part trains.
+    for trained in (dict(vision_lora=True), dict(train_merger=True)):
+        tower = train_seconds(dict(STAGE, vision_cache=False, **trained), counts, rate)
+        assert tower.work_s - pixels.work_s == pytest.approx(pixels.work_s - plain.work_s)
     # A twice larger model takes twice the time a token; its fixed cost is the same.
     larger = train_seconds(STAGE, counts, throughputs("H100", 2 * 7.57e9))
     assert larger.work_s == pytest.approx(2 * plain.work_s) and larger.fixed_s == plain.fixed_s

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 # The parts, in the order a reader meets them in the report.
-PARTS = ("language model", "vision tower", "merger", "LoRA adapter")
+PARTS = ("language model", "vision tower", "merger", "LoRA adapter", "vision LoRA adapter")
 
 # Elements a checksum reads at once: a bounded int64 copy, whatever the tensor's size.
 CHUNK = 1 << 24
@@ -28,8 +28,8 @@ _INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def part_of(name: str) -> str:
     """The part a parameter belongs to, by its name in a Qwen-VL model (PEFT-wrapped or not)."""
-    if "lora_" in name:
-        return "LoRA adapter"
+    if "lora_" in name:  # the language model's adapter, or the tower's (`vision_lora`)
+        return "vision LoRA adapter" if "visual." in name else "LoRA adapter"
     if "merger" in name:  # the merger, and Qwen3-VL's DeepStack mergers
         return "merger"
     if "visual." in name:
@@ -48,8 +48,18 @@ def checksums(model) -> dict[str, int]:
     return {name: checksum(p) for name, p in model.named_parameters()}
 
 
-# What a stage trains by its settings: its LoRA adapter, the rest frozen.
+# What every stage trains: its LoRA adapter, the rest frozen unless its settings say (trained_by).
 TRAINED_BY_SETTINGS = ("LoRA adapter",)
+
+
+def trained_by(settings) -> tuple[str, ...]:
+    """The parts a stage's settings train: its adapter, the tower's LoRA (`vision_lora`), the
+    mergers (`train_merger`: PEFT's trained copy of each; the original stays as it was)."""
+    return (
+        TRAINED_BY_SETTINGS
+        + ("vision LoRA adapter",) * settings["vision_lora"]
+        + ("merger",) * settings["train_merger"]
+    )
 
 
 @dataclass

@@ -58,10 +58,10 @@ from vlft.modeling import (
     with_adapter,
     with_new_adapter,
 )
-from vlft.stage_params import schedule_problem, warmup_steps
+from vlft.stage_params import schedule_problem, trains_vision, warmup_steps
 from vlft.training import step_evals, token_budget
 from vlft.forward.batching import prefetched, to_device
-from vlft.training.census import Census
+from vlft.training.census import Census, trained_by
 from vlft.training.host_batches import HostBatcher
 from vlft.training.method_registry import METHODS
 from vlft.training.methods import MethodInputs, TrainingMethod
@@ -113,11 +113,16 @@ def train_stage(
     # Without image groups each record is a group of its own.
     steps = plan_steps(data.records, settings, image_of(data.images) if settings.image_groups else None)
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
+    if trains_vision(settings) and uses_vision_cache(data):  # the plan gives such a stage the pixel cache
+        raise ConfigError(
+            "this stage trains the vision tower's LoRA or the merger, but was given the vision cache, the frozen "
+            "tower's outputs: give it the pixel cache (the plan does, whatever its vision_cache says)"
+        )
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference and the census are of the starting weights.
     method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, steps)
-    census = Census.start(model)
+    census = Census.start(model, trained_by(settings))
     first_step = run.resume(model, optimizer, scheduler, method, group.is_main)
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)

@@ -49,6 +49,9 @@ RESULTS = config["results"]
 # the plan is made, and `all` asks for them until they are made again (vlft.empty_outputs).
 for sentence in remove_empty_outputs(RESULTS, TO_REMAKE):
     print(sentence, file=sys.stderr)
+# What the plan decided otherwise than the config asked (vlft.plan.Plan.notes).
+for sentence in PLAN.notes:
+    print(sentence, file=sys.stderr)
 MODEL = config["model"]["path"]
 TRUST_REMOTE_CODE = "--trust-remote-code" if config["model"]["trust_remote_code"] else ""
 # GPU jobs fail where CUDA is not usable, unless the config lets them run on the CPU (the demo's).
