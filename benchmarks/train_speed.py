@@ -448,6 +448,11 @@ def parse_args() -> argparse.Namespace:
         help="also run ours with image_groups (each image's questions in one step, the image computed once)",
     )
     parser.add_argument(
+        "--trained-tower",
+        action="store_true",
+        help="also run ours from pixels, the tower frozen and then trained (vision_lora and train_merger)",
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         action="store_true",
         help="also run ours with activation_checkpointing (each layer recomputed in the backward pass)",
@@ -477,6 +482,10 @@ def our_runs(args) -> list[tuple[str, int | str, dict]]:
         runs += [(f"ours images@{b}", b, dict(image_groups=True)) for b in budgets]
     if args.activation_checkpointing:
         runs += [(f"ours recompute@{b}", b, dict(packing=True, activation_checkpointing=True)) for b in budgets]
+    if args.trained_tower:  # from pixels, frozen and trained: the tower's backward is the difference
+        runs += [(f"ours pixels@{b}", b, dict(vision_cache=False)) for b in budgets]
+        tower = dict(vision_cache=False, vision_lora=True, train_merger=True)
+        runs += [(f"ours trained tower@{b}", b, tower) for b in budgets]
     if args.qlora:
         runs += [
             (f"ours 4-bit recompute@{b}", b, dict(quantization_bit=4, activation_checkpointing=True)) for b in budgets
@@ -504,7 +513,7 @@ def measure_ours(args, work: Path, model_dir: Path, cache_seconds: dict, flops_p
             ours = run_ours(
                 model_dir,
                 work / "prepared.jsonl",
-                work / "vision",
+                work / ("vision" if options.get("vision_cache", True) else "pixels"),
                 args.steps,
                 args.warmup,
                 dict(settings, max_batch_tokens=budget, **options),
