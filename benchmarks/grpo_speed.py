@@ -424,12 +424,13 @@ def stage_settings(args) -> tuple[dict, dict]:
 
 
 def half_informative(records, answers):
-    """A reward under which half the questions' answers all score alike (by a hash of the question)
-    and the others' differ (a hash of the answer's text): a random model's answers all score 0
-    under `format`, which dynamic sampling would drop every question of."""
+    """A reward under which half the questions' answers all score alike and the others' differ:
+    by a hash of the record's id (every record asks the same question, and the ids are multiples of
+    G), then of each answer with its place (a random model's answers may repeat one text). A random
+    model's answers all score 0 under `format`, which dynamic sampling would drop every question of."""
     return [
-        1.0 if zlib.crc32(r["question"].encode()) % 2 else float(zlib.crc32(a.encode()) % 2)
-        for r, a in zip(records, answers)
+        1.0 if zlib.crc32(str(r["id"]).encode()) % 2 else float(zlib.crc32(f"{n}:{a}".encode()) % 2)
+        for n, (r, a) in enumerate(zip(records, answers))
     ]
 
 
