@@ -34,10 +34,10 @@ from vlft.stage_params import trains_vision
 TEMPLATE_TOKENS = 20
 # Counted without a tokenizer on disk (a model not fetched yet): characters a token, English text.
 CHARACTERS_A_TOKEN = 4
-# A tower that trains (vision_lora, train_merger) runs its forward and then a backward to its
-# inputs, about as much work again (its LoRA's own gradients are small): twice a frozen tower's
-# forward. Not yet measured on a GPU (benchmarks/train_speed.py --trained-tower measures it).
-TRAINED_TOWER_WORK = 2
+# A tower that trains (vision_lora, train_merger) runs its forward, then a backward to its inputs
+# and its LoRA's weights, and the mergers' in full: on the 8B about three times a frozen tower's
+# forward (benchmarks/README.md, "Training the vision tower").
+TRAINED_TOWER_WORK = 3
 COUNTS_VERSION = 1
 
 
