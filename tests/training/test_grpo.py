@@ -54,6 +54,7 @@ from tests.helpers import (
 from vlft.demo.shapes import questions_on_shared_images
 from tests.forward.test_fast_path import LORA
 from tests.training.test_preferences import SHARED_BY_EIGHT_RTOL
+from vlft.training.census import part_of
 
 CPU, FLOAT64 = torch.device("cpu"), torch.float64
 GRPO = dict(
@@ -395,6 +396,28 @@ def test_a_grpo_step_with_each_questions_prompt_once_equals_trls_loss_over_separ
     assert torch.allclose(advantages.view(-1, 4).sum(1), torch.zeros(len(keys), dtype=FLOAT64), atol=1e-9)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["update's own forward", "prompts kept from the rollout"])
+def test_a_grpo_step_training_the_tower_equals_trls_loss_over_separate_sequences(shared_images, kept):
+    """vision_lora and train_merger: the tower's LoRA and the mergers learn from a step whose
+    answers share their image (image groups), the prompts computed by the update or kept from the
+    rollout's prefill, as TRL's loss over each answer alone would teach them. Tolerance: an
+    image's prefix serves 8 answers, its gradient crossing the tower's float32 rotary embedding
+    (tests.helpers.image_groups_rtol)."""
+    on = MethodOn(shared_images, "final", loss_type="dapo", prompts_once=kept, tower=True)
+    keys = [r["key"] for r in on.data.records[:4]]
+    groups = on.method.step_groups([keys[:2], keys[2:]], 0, keep_prompts=kept)
+    assert {part_of(n) for n, p in on.model.named_parameters() if p.requires_grad} == {
+        "LoRA adapter",
+        "vision LoRA adapter",
+        "merger",
+    }
+    rtol = max(SHARED_BY_EIGHT_RTOL, image_groups_rtol("qwen3_vl", 8, tower_trains=True))
+    on.step_equals_trls(groups, "dapo", old=None, kept=kept, rtol=rtol)
+    # Every tensor of the image's path learns (the mergers' originals, kept for the adapter off, do not train).
+    tower = {n: g for n, g in on.gradients.items() if part_of(n) in ("vision LoRA adapter", "merger")}
+    assert tower and all(g.abs().sum() > 0 for g in tower.values()), [n for n, g in tower.items() if not g.abs().sum()]
+
+
 @pytest.fixture(scope="module")
 def hybrid_shared_images(tmp_path_factory):
     """shared_images' questions on a tiny Qwen3.5 (Gated DeltaNet layers beside attention)."""
@@ -547,9 +570,10 @@ class MethodOn:
     """A grpo method over a tiny float64 model (of the family `root` holds) with a random adapter,
     and TRL's loss beside it."""
 
-    def __init__(self, root, answer_format: str, prompts_once: bool = False, **overrides):
+    def __init__(self, root, answer_format: str, prompts_once: bool = False, tower: bool = False, **overrides):
         tokenizer = load_tokenizer(root / "model")
-        self.model = model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), LORA)
+        lora = LORA | {"vision_lora": tower, "train_merger": tower}  # `tower`: the image's path trained too
+        self.model = model = with_new_adapter(load_base_model(root / "model", CPU, FLOAT64), lora)
         use_packed_attention(model)
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -604,6 +628,8 @@ class MethodOn:
         loss = method.loss_sums(model, batch)[0] / weight
         trainable = [p for p in model.parameters() if p.requires_grad]
         shared = torch.autograd.grad(loss, trainable)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.gradients = dict(zip(names, shared))  # the step's, for a test to look into
 
         samples = [s for g in groups for s in g.samples]
         token_logps = self.separate_logps(samples)
