@@ -263,6 +263,7 @@ def trained_parts_html(stages: list[StageResult]) -> str:
     table = pd.DataFrame(
         [{"stage": t.label, **{name: cell(t.summary["trained_parts"].get(name)) for name in PARTS}} for t in counted]
     )
+    table = table.loc[:, (table != "").any()]  # a part no stage has (the tower's LoRA, mostly) is no column
     problems = "".join(
         f'<p class="problem">{html.escape(t.label)}: {html.escape(problem)}.</p>'
         for t in counted
