@@ -33,6 +33,7 @@ def test_an_ordinary_stage_changed_its_adapter_and_nothing_else(small_stage, tmp
         assert parts[frozen]["unchanged"] > 0
     assert summary["trained_parts_problems"] == []
     assert "<h2>What trained</h2>" in page and 'class="problem"' not in page
+    assert "vision LoRA adapter" not in page  # a part no stage has is no column
 
 
 def test_a_merger_trained_while_the_tower_was_frozen_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
@@ -77,6 +78,7 @@ def test_a_stage_that_trains_the_tower_changed_its_lora_and_its_mergers_copies_a
     for frozen in ("language model", "vision tower"):
         assert parts[frozen]["changed"] == 0 and not parts[frozen]["trained"]
     assert summary["trained_parts_problems"] == [] and 'class="problem"' not in page
+    assert "vision LoRA adapter" in page
     # The adapter holds what trained: the tower's LoRA and the mergers' weights, which a later
     # stage or the evaluation loads with it.
     adapter = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
