@@ -152,6 +152,7 @@ def test_an_empty_adapter_or_cache_index_is_named_and_a_dry_run_lists_what_makes
     assert planned_outputs(workdir) == {
         str(cache.relative_to(workdir)),
         "results/eval/click/main/test/predictions.jsonl",
+        "results/eval/click_tower/main/test/predictions.jsonl",
         "results/eval/click_grpo/sft/test/predictions.jsonl",
         "results/eval/click_grpo/grpo/test/predictions.jsonl",
         "results/eval/base/screens/test/predictions.jsonl",

@@ -70,7 +70,7 @@ def stage(config, experiment, index):
         (
             lambda c: stage(c, "exp4", 1).update(init_from="stage0"),
             "experiments.exp4.stages[1].init_from: stage 'exp4/stage0' does not exist (stages: click/main, "
-            "click_grpo/sft, click_grpo/grpo, exp1/main, "
+            "click_grpo/sft, click_grpo/grpo, click_tower/main, exp1/main, "
             "exp2/main, exp3/stage1, exp3/stage2, exp3/stage3, exp4/stage1, exp4/stage2, exp5/main, exp6/main, exp7/main)",
         ),
         (

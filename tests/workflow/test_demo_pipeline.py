@@ -26,10 +26,11 @@ EXPERIMENT_STAGES = [
     ("exp6", "main"),
     ("exp7", "main"),
     ("click", "main"),
+    ("click_tower", "main"),
     ("click_grpo", "sft"),
     ("click_grpo", "grpo"),
 ]
-CLICK_EXPERIMENTS = ("click", "click_grpo")
+CLICK_EXPERIMENTS = ("click", "click_tower", "click_grpo")
 
 
 def base_stage_of(experiment):

@@ -141,6 +141,8 @@ def test_remaking_one_demo_dataset_reruns_what_uses_it_alone(demo_workdir):
         *caches,
         f"{R}/train/click/main/adapter",
         f"{R}/eval/click/main/test/predictions.jsonl",
+        f"{R}/train/click_tower/main/adapter",
+        f"{R}/eval/click_tower/main/test/predictions.jsonl",
         f"{R}/train/click_grpo/sft/adapter",
         f"{R}/eval/click_grpo/sft/test/predictions.jsonl",
         f"{R}/train/click_grpo/grpo/adapter",
