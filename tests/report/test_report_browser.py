@@ -57,9 +57,9 @@ def test_the_demo_report_renders_in_a_browser(browser, demo_workdir):
     # and nine tables (who won, results and its further columns, categories, preference stages,
     # reward stages, what trained, jobs, the stages' settings), then the
     # examples: per evaluation (the base model and 10 stages on the shapes' val and test, the base
-    # model and the 3 click stages on the screens' test: 26) a table of its first 3 right and 3 wrong
+    # model and the 4 click stages on the screens' test: 27) a table of its first 3 right and 3 wrong
     # answers, each with its image.
-    evaluations = 2 * (10 + 1) + 4
+    evaluations = 2 * (10 + 1) + 5
     sections = browser.find_elements("css selector", "details")
     assert len(sections) == 1 + evaluations  # the results' further columns, then the examples
     example_rows = browser.find_elements("css selector", "table.examples tr.right, table.examples tr.wrong")
