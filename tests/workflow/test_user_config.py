@@ -134,7 +134,7 @@ def test_without_a_config_file_the_demo_runs(tmp_path):
     )
     planned = planned_outputs(workdir)
     assert "results/demo/tiny-qwen3-vl" in planned
-    assert len([p for p in planned if p.startswith("results/train/")]) == demo_stages == 13
+    assert len([p for p in planned if p.startswith("results/train/")]) == demo_stages == 14
     # --config on its own edits the demo rather than replacing it.
     planned = planned_outputs(workdir, "--config", "results=elsewhere")
     assert "results/demo/tiny-qwen3-vl" in planned  # model.path, a key of its own, stays the demo's
