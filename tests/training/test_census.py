@@ -23,6 +23,21 @@ def trained(small_stage, out, steps=2, **options):
     return summary, page
 
 
+def part_left_trainable(monkeypatch, part: str, trainable: bool) -> None:
+    """The stage's model set up as usual, then one part's parameters made trainable or frozen, as
+    a mistake in later code would."""
+    setup_model = train_module._setup_model
+
+    def altered(*args, **kwargs):
+        model = setup_model(*args, **kwargs)
+        for name, param in model.named_parameters():
+            if part_of(name) == part:
+                param.requires_grad_(trainable)
+        return model
+
+    monkeypatch.setattr(train_module, "_setup_model", altered)
+
+
 def test_an_ordinary_stage_changed_its_adapter_and_nothing_else(small_stage, tmp_path):
     summary, page = trained(small_stage, tmp_path)
     parts = summary["trained_parts"]
@@ -39,16 +54,7 @@ def test_an_ordinary_stage_changed_its_adapter_and_nothing_else(small_stage, tmp
 def test_a_merger_trained_while_the_tower_was_frozen_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
     """LLaMA-Factory PR #9399: Qwen3-VL's mergers (DeepStack's among them) took gradients while the
     vision tower was frozen. Made here by the same mistake: the mergers' parameters left trainable."""
-    setup_model = train_module._setup_model
-
-    def mergers_left_trainable(*args, **kwargs):
-        model = setup_model(*args, **kwargs)
-        for name, param in model.named_parameters():
-            if part_of(name) == "merger":
-                param.requires_grad_(True)
-        return model
-
-    monkeypatch.setattr(train_module, "_setup_model", mergers_left_trainable)
+    part_left_trainable(monkeypatch, "merger", True)
     summary, page = trained(small_stage, tmp_path)
     merger = summary["trained_parts"]["merger"]
     assert merger["changed"] > 0 and not merger["trained"]
@@ -88,16 +94,7 @@ def test_a_stage_that_trains_the_tower_changed_its_lora_and_its_mergers_copies_a
 def test_a_tower_unfrozen_whose_lora_never_changed_is_one_line_in_red(small_stage, tmp_path, monkeypatch):
     """2U1/Qwen-VL-Series-Finetune#115 as it happened there: the tower set to train, and frozen
     again by later code before the optimizer was built; its LoRA's weights never changed."""
-    setup_model = train_module._setup_model
-
-    def tower_frozen_again(*args, **kwargs):
-        model = setup_model(*args, **kwargs)
-        for name, param in model.named_parameters():
-            if part_of(name) == "vision LoRA adapter":
-                param.requires_grad_(False)
-        return model
-
-    monkeypatch.setattr(train_module, "_setup_model", tower_frozen_again)
+    part_left_trainable(monkeypatch, "vision LoRA adapter", False)
     summary, page = trained(small_stage, tmp_path, vision_lora=True)
     tower = summary["trained_parts"]["vision LoRA adapter"]
     said = f"the vision LoRA adapter was trained, yet none of its {tower['unchanged']} tensors changed"

@@ -113,11 +113,6 @@ def train_stage(
     # Without image groups each record is a group of its own.
     steps = plan_steps(data.records, settings, image_of(data.images) if settings.image_groups else None)
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
-    if trains_vision(settings) and uses_vision_cache(data):  # the plan gives such a stage the pixel cache
-        raise ConfigError(
-            "this stage trains the vision tower's LoRA or the merger, but was given the vision cache, the frozen "
-            "tower's outputs: give it the pixel cache (the plan does, whatever its vision_cache says)"
-        )
     model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference and the census are of the starting weights.
@@ -324,6 +319,11 @@ def _setup_model(
 ):
     """A fresh adapter, or the adapter of the stage this one starts from; the frozen tower replaced
     by the vision cache's outputs, packed attention, compiled layers, as the settings ask."""
+    if trains_vision(settings) and vision_cache:  # the plan gives such a stage the pixel cache
+        raise ConfigError(
+            "this stage trains the vision tower's LoRA or the merger, but was given the vision cache, the frozen "
+            "tower's outputs: give it the pixel cache (the plan does, whatever its vision_cache says)"
+        )
     model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
     if vision_cache:
         use_vision_cache(model)
