@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from vlft import parallelism
 from vlft.jobs import distributed
 from vlft.jobs.cli import add_cpu_fallback_argument, add_predicted_argument, run, set_cpu_threads, say_took_at_exit
 from vlft.modeling import require_gpus
@@ -50,6 +51,12 @@ def main():
     parser.add_argument(
         "--processes", type=int, default=1, help="GPUs the job asked for, one data-parallel process each"
     )
+    parser.add_argument(
+        "--parallelism",
+        choices=parallelism.CHOICES,
+        default="replicate",
+        help="the processes shard the frozen base, or each holds it whole (vlft.parallelism)",
+    )
     add_cpu_fallback_argument(parser)
     add_predicted_argument(parser)
     args = parser.parse_args()
@@ -91,6 +98,7 @@ def main():
             report_to=tuple(filter(None, args.report_to.split(","))),
             activation_checkpointing=bool(args.activation_checkpointing),
             evaluation=evaluation,
+            parallelism=args.parallelism,
         )
     except Preempted as stopped:
         if main_process:

@@ -155,9 +155,10 @@ def plan_of_stages(tmp_path: Path, train: Path, stages: list[dict]):
     return build_plan(resolve_config(config))
 
 
-def train_float64(inputs, settings: dict, out: Path, stop=None) -> None:
+def train_float64(inputs, settings: dict, out: Path, stop=None, parallelism: str = "replicate") -> None:
     """A stage trained in float64 into `out` (adapter, log.jsonl, summary.json, ckpt), as the tests
-    that compare two ways of taking the same steps train it."""
+    that compare two ways of taking the same steps train it; `parallelism`: the stage's
+    resources.parallelism, where several processes train it."""
     import torch
 
     from vlft.training.train import train_stage
@@ -172,6 +173,7 @@ def train_float64(inputs, settings: dict, out: Path, stop=None) -> None:
         1000,
         stop=stop,
         dtype=torch.float64,
+        parallelism=parallelism,
     )
 
 

@@ -253,3 +253,18 @@ def is_hybrid_model(model) -> bool:
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def compile_decoder_layers(model, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer of the language model: fused elementwise work around the
+    matmuls, one graph reused by every layer; dynamic shapes, as batch widths vary.
+
+    Floats specialized: with dynamic shapes dynamo otherwise passes each Python float the layer
+    reads (LoRA's scaling, the norms' epsilon) into the graph as a float64 tensor on the CPU, and
+    inductor compiles a C++ kernel to convert it. Loading that kernel in a later job probes the
+    CPU's vector instructions with a C++ compiler and a Python subprocess per instruction set: on
+    the GPU machine most of each training job's warm compile (benchmarks/README.md). The
+    floats are constants of the model, so specializing them costs no recompiles."""
+    torch._dynamo.config.specialize_float = True
+    for layer in unwrapped(model).model.language_model.layers:
+        layer.compile(dynamic=True, backend=backend)

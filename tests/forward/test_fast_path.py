@@ -23,7 +23,7 @@ from vlft.forward.loss import answer_loss_sum, linear_cross_entropy_sum
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, unwrapped, with_new_adapter
 from vlft.forward.packing import pack, packed_attention, packed_batches, use_packed_attention
 from vlft.data.prompts import PromptBuilder
-from vlft.training.train import compile_decoder_layers
+from vlft.modeling import compile_decoder_layers
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
 from vlft.demo.tiny_model import FAMILIES, HYBRID_FAMILIES
 from vlft.training.census import part_of

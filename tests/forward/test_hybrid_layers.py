@@ -19,7 +19,7 @@ from vlft.forward.batching import collate, to_device
 from vlft.forward.loss import answer_loss_sum
 from vlft.forward.packing import pack, use_packed_attention
 from vlft.modeling import load_base_model, load_tokenizer, rope_index, with_new_adapter
-from vlft.training.train import compile_decoder_layers
+from vlft.modeling import compile_decoder_layers
 from tests.helpers import (
     FLOAT64_RTOL,
     assert_close_normwise,
@@ -377,7 +377,7 @@ def test_a_piece_cut_after_a_short_one_reads_back_through_its_parents():
 
 
 def test_compiled_deltanet_layers_run_new_rows_without_compiling_again(hybrid):
-    """A training job compiles its decoder layers once (vlft.training.train.compile_decoder_layers):
+    """A training job compiles its decoder layers once (vlft.modeling.compile_decoder_layers):
     a packed row's pieces are Python numbers that differ every step, and traced into the layer's
     graph they made it compile again for every row (a 9B's first steps never ended on the GPU).
     Rows of other lengths and piece bounds reuse what the first rows compiled."""

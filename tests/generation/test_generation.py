@@ -25,7 +25,8 @@ from vlft.modeling import load_base_model, load_tokenizer, with_adapter, with_ne
 from vlft.forward.packing import use_packed_attention
 from vlft.data.prompts import PromptBuilder
 from vlft.data.stage_data import load_stage_data
-from vlft.training.train import StageInputs, compile_decoder_layers, train_stage
+from vlft.modeling import compile_decoder_layers
+from vlft.training.train import StageInputs, train_stage
 from tests.helpers import assert_close_normwise, tiny_family_data, tiny_stage_settings
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
@@ -168,7 +169,7 @@ def assert_answers_are_generates(name, root, model, trained: bool) -> None:
 
 def test_a_stage_evaluating_as_it_trains_runs_its_layers_as_an_evaluate_job(family):
     """Evaluating during training (vlft.training.step_evals), the stage's layers are compiled for its steps
-    (vlft.training.train.compile_decoder_layers). The evaluation runs them as an evaluate job does, eagerly
+    (vlft.modeling.compile_decoder_layers). The evaluation runs them as an evaluate job does, eagerly
     on a CPU: the same answers and losses, bit for bit, and nothing traced by the compiler (through
     a prefill's KV cache it traced each layer apart, past dynamo's limit of 8 recompiles on the
     GPU); the layers are compiled for the steps again after."""

@@ -53,7 +53,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, out) -> None:
+def _train_in_process(
+    rank: int, size: int, port: int, inputs, settings: dict, out, parallelism: str = "replicate", stop=None
+) -> None:
     """One process of a data-parallel job, set up as torchrun sets up its processes (spawned: the
     environment it sets is its own)."""
     os.environ.update(
@@ -61,7 +63,7 @@ def _train_in_process(rank: int, size: int, port: int, inputs, settings: dict, o
     )
     torch.set_num_threads(1)
     try:
-        train_float64(inputs, settings, out)
+        train_float64(inputs, settings, out, stop, parallelism)
     finally:
         distributed.leave()
 
@@ -146,11 +148,11 @@ def test_two_processes_take_the_dpo_steps_one_process_takes(grouped_stage, step,
         assert two[key] == pytest.approx([chosen, rejected], rel=FLOAT64_RTOL), key
 
 
-def _train_noting_draws(rank: int, size: int, port: int, inputs, settings: dict, out) -> None:
+def _train_noting_draws(rank: int, size: int, port: int, inputs, settings: dict, out, parallelism: str) -> None:
     """One process of a data-parallel reward stage, each rollout's questions it draws noted in
     `out`'s folder (drawn-RANK.jsonl)."""
     note_draws(out.parent / f"drawn-{rank}.jsonl")
-    _train_in_process(rank, size, port, inputs, settings, out)
+    _train_in_process(rank, size, port, inputs, settings, out, parallelism)
 
 
 def note_draws(path) -> None:
@@ -235,15 +237,23 @@ def test_two_processes_draw_a_share_each_of_the_grpo_steps_and_take_the_steps_on
 
 
 def assert_two_processes_take_one_process_steps(
-    inputs, settings, tmp_path, later_rtol: float | None = None, target=_train_in_process
+    inputs,
+    settings,
+    tmp_path,
+    later_rtol: float | None = None,
+    target=_train_in_process,
+    processes: int = 2,
+    parallelism: str = "replicate",
 ):
     """The same losses, gradient norms and adapter: to FLOAT64_RTOL, or from the third step on to
     `later_rtol` where the processes' layout differs from the one process's. `target`: what each
-    of the two processes runs (_train_in_process's arguments)."""
+    of the `processes` (two by default, their outputs in `two`) runs (_train_in_process's arguments)."""
     # One process: this one, as a job outside torchrun (nothing of torchrun's in its environment).
     assert "WORLD_SIZE" not in os.environ and "RANK" not in os.environ
-    train_float64(inputs, settings, tmp_path / "one")
-    mp.spawn(target, args=(2, free_port(), inputs, settings, tmp_path / "two"), nprocs=2)
+    if not (tmp_path / "one").exists():  # where a test has not trained it already
+        train_float64(inputs, settings, tmp_path / "one")
+    args = (processes, free_port(), inputs, settings, tmp_path / "two", parallelism)
+    mp.spawn(target, args=args, nprocs=processes)
 
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
     assert [row["step"] for row in two] == list(range(1, 8))

@@ -22,7 +22,9 @@ from vlft.data.prompts import PromptBuilder, Sample
 T = TypeVar("T")
 
 # What a batch carries for the loss rather than for the model's forward pass.
-NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets", "answer_owners", "sample_ids")
+# A micro-batch computed only so that every process runs as many (vlft.training.host_batches).
+FILLER = "filler"
+NOT_MODEL_INPUTS = ("labels", "answer_positions", "answer_targets", "answer_owners", "sample_ids", FILLER)
 
 
 def collate(

@@ -63,7 +63,7 @@ AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 def layer_calls(layers, calls):
     """Each of `layers` called through its entry of `calls` (None: its own forward, eagerly) while
     the block runs; the calls the layers had before (a training stage's compiled ones, from
-    vlft.training.train.compile_decoder_layers) come back after."""
+    vlft.modeling.compile_decoder_layers) come back after."""
     before = [layer._compiled_call_impl for layer in layers]
     for layer, call in zip(layers, calls):
         layer._compiled_call_impl = call

@@ -99,7 +99,8 @@ UNITS = {"mem_mb": ("memory", " MB"), "gpu": ("GPUs", ""), "runtime": ("time", "
 def over_line(partition: Partition, request: Request) -> str | None:
     """One line where a job asks for more than the partition offers (it would wait in the queue
     forever, or be refused); None where it fits."""
-    limit = {"mem_mb": partition.mem_mb, "gpu": partition.gpus, "runtime": partition.time_limit_min}[request.resource]
+    limits = {"mem_mb": partition.mem_mb, "gpu": partition.gpus, "runtime": partition.time_limit_min}
+    limit = limits.get(request.resource)  # a resource the partition does not bound (parallelism): None
     if limit is None or request.value <= limit:
         return None
     what, unit = UNITS[request.resource]

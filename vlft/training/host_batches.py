@@ -13,6 +13,10 @@ a stage without image groups has groups of one), this says how they become model
 
 Whole groups go to a process and to a row, cut only where one exceeds the budget (each part keeps
 the prefix): an image's questions are computed with their image once wherever they land.
+
+Where the processes share the frozen base (`even`, vlft.jobs.sharding), each must compute as many
+micro-batches as the busiest: a share with fewer is padded with fillers, a micro-batch of the step's
+marked FILLER, whose results its consumers leave out (the update weighs its loss 0).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Callable, Iterator
 
 from vlft.jobs import distributed
 from vlft.data.prompts import PromptBuilder
-from vlft.forward.batching import collate, token_budget_batches
+from vlft.forward.batching import FILLER, collate, token_budget_batches
 from vlft.forward.image_groups import ImageGroup, group_rows, share_groups
 from vlft.forward.packing import pack_groups
 
@@ -38,6 +42,7 @@ class HostBatcher:
     budget: int | None  # tokens a micro-batch, or None: micro_batch samples
     group: distributed.Group
     pin: bool = False
+    even: bool = False  # as many micro-batches on every process, fillers where a share has fewer
 
     def __call__(self, groups: list[ImageGroup]) -> list[dict]:
         """This process's micro-batches of a step's groups."""
@@ -46,9 +51,17 @@ class HostBatcher:
     def each(self, groups: list[ImageGroup]) -> Iterator[dict]:
         """This process's micro-batches of the groups, each laid out when asked for: a pass over a
         whole split (a preference stage's reference) holds one micro-batch's images at a time."""
-        if self.group.size > 1:  # this process's share of the step, balanced by tokens
-            groups = share_groups(groups, self.group.size)[self.group.rank]
-        return (self.lay_out(row) for row in self.rows(groups))
+        if self.group.size == 1:
+            return (self.lay_out(row) for row in self.rows(groups))
+        shares = share_groups(groups, self.group.size)  # this process's share of the step, balanced by tokens
+        rows = self.rows(shares[self.group.rank])
+        fillers = 0
+        if self.even:
+            most = max(len(self.rows(share)) for share in shares)
+            fillers = most - len(rows)
+            # A filler: the process's own first row, or where its share is empty the step's first.
+            rows += [rows[0] if rows else self.rows(next(share for share in shares if share))[0]] * fillers
+        return (self.lay_out(row) | ({FILLER: True} if n >= len(rows) - fillers else {}) for n, row in enumerate(rows))
 
     def work_spread(self, groups: list[ImageGroup]) -> dict:
         """For the step's log line: each process's tokens in the step (the busiest sets its time)."""

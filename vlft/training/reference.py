@@ -21,7 +21,7 @@ import torch
 from vlft.data.stage_data import StageData
 from vlft.files import write_json
 from vlft.jobs import distributed
-from vlft.forward.batching import prefetched, to_device
+from vlft.forward.batching import FILLER, prefetched, to_device
 from vlft.forward.loss import answer_logps
 from vlft.forward.image_groups import pair_group
 from vlft.training.steps import groups_in_order, image_of
@@ -77,8 +77,10 @@ def pair_logps(
         # Each micro-batch laid out in a background thread while the GPU computes the one before;
         # the values are read back once at the end, so the GPU never waits for the host to read them.
         for host_batch in prefetched(batcher.each(groups)):
-            logps.append(answer_logps(model, to_device(host_batch, device, dtype)).detach())
-            keys += host_batch["sample_ids"][0::2]
+            computed = answer_logps(model, to_device(host_batch, device, dtype)).detach()
+            if not host_batch.get(FILLER):  # a filler's pairs are another process's (vlft.jobs.sharding)
+                logps.append(computed)
+                keys += host_batch["sample_ids"][0::2]
     values = torch.cat(logps).tolist() if logps else []
     computed = {key: (values[2 * n], values[2 * n + 1]) for n, key in enumerate(keys)}
     if group.size > 1:

@@ -20,7 +20,8 @@ with `eval_every` among them, the stage evaluates as it trains, generating as `e
 config's evaluation settings) says. `reuse_finished`: this job is a retry that may have been stopped
 just after publishing a finished run, which it then restores. `dtype`: the model's, by default the
 device's (bf16 on a GPU, float32 on the CPU); tests train in float64 to compare two layouts of one
-computation beyond float32 rounding. `curves_dir`: where the stage's TensorBoard run goes
+computation beyond float32 rounding. `parallelism`: the stage's resources.parallelism (vlft.parallelism).
+`curves_dir`: where the stage's TensorBoard run goes
 (vlft.training.curves); `report_to`: the trackers its curves go to (vlft.training.trackers). `activation_checkpointing`: recompute activations in the backward pass (less
 memory, the same result: a setting of how the job runs, not of what it computes). In a data-parallel
 job every process calls it; the main one alone writes files.
@@ -46,21 +47,22 @@ from vlft.caches.vision_cache import use_vision_cache
 from vlft.errors import ConfigError, TrainingError
 from vlft.job_settings import StageSettings
 from vlft.jobs import distributed
+from vlft.jobs.sharding import is_sharded, shard_frozen_base, shards_the_base
 from vlft.jobs.stopping import Preempted, StopRequest
 from vlft.modeling import (
     adapter_autocast,
+    compile_decoder_layers,
     load_base_model,
     load_tokenizer,
     pick_device,
     rope_index,
-    unwrapped,
     use_activation_checkpointing,
     with_adapter,
     with_new_adapter,
 )
 from vlft.stage_params import schedule_problem, trains_vision, warmup_steps
 from vlft.training import step_evals, token_budget
-from vlft.forward.batching import prefetched, to_device
+from vlft.forward.batching import FILLER, prefetched, to_device
 from vlft.training.census import Census, trained_by
 from vlft.training.host_batches import HostBatcher
 from vlft.training.method_registry import METHODS
@@ -75,7 +77,7 @@ from vlft.training.steps import image_of, plan_steps
 # The settings that say how a stage's model reads images and answers (vlft.plan.Plan.eval_settings').
 ANSWERING_KEYS = ("answer_format", "min_pixels", "max_pixels", "max_seq_len")
 
-__all__ = ["Preempted", "StageInputs", "train_stage", "compile_decoder_layers"]
+__all__ = ["Preempted", "StageInputs", "train_stage"]
 
 
 def train_stage(
@@ -93,6 +95,7 @@ def train_stage(
     report_to: tuple[str, ...] = ("tensorboard",),
     activation_checkpointing: bool = False,
     evaluation: dict | None = None,
+    parallelism: str = "replicate",
 ) -> dict:
     """Train the stage, or restore it where an earlier run finished its steps (vlft.training.runs).
     Its arguments are explained in the module's docstring, "train_stage's arguments"."""
@@ -113,7 +116,7 @@ def train_stage(
     # Without image groups each record is a group of its own.
     steps = plan_steps(data.records, settings, image_of(data.images) if settings.image_groups else None)
     during = _setup_evaluation(inputs, settings, evaluation, builder, tokenizer, base, run, device, dtype)
-    model = _setup_model(base, inputs.init_adapter, settings, uses_vision_cache(data), device, activation_checkpointing)
+    model = _setup_model(base, inputs, settings, data, device, (activation_checkpointing, parallelism), group)
     optimizer, scheduler = _setup_optimizer(model, settings, len(steps), len(data.records), device, group)
     # Before a checkpoint is restored: a method's reference and the census are of the starting weights.
     method = _setup_method(settings, inputs, data, model, tokenizer, builder, run, device, dtype, group, steps)
@@ -122,12 +125,11 @@ def train_stage(
     during.resume(first_step)
     trainer = Trainer(model, method, optimizer, scheduler, settings.max_grad_norm, device, dtype, group)
     batcher, chosen = _setup_batcher(settings, tokenizer, builder, data, trainer, steps)
-    steps_before = _steps_before(inputs.init_adapter)
 
     # The loop. Each step's micro-batches are read and laid out on the host one step ahead, in a
     # background thread, while the GPU trains on the step before.
     todo = range(first_step, len(steps))
-    curves = _setup_curves(curves_dir, report_to, params, first_step, steps_before, method.logged, group)
+    curves = _setup_curves(curves_dir, report_to, params, first_step, inputs.init_adapter, method.logged, group)
     with StepLog(
         run.running_log, len(steps), first_step, outputs.adapter.parent.name, curves, device, group.is_main
     ) as log:
@@ -151,7 +153,7 @@ def train_stage(
 
     # The finished outputs, kept in the run directory (the checkpoints have served), then published.
     summary = _summary(
-        run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
+        run, inputs, settings, evaluation, trainer, data, steps, first_step, chosen, during, started
     ) | census.finish(model)
     run.finish(summary, model, during.kept_step())
     result = run.publish(outputs)
@@ -187,12 +189,12 @@ def _memory_told(batches, todo: range, said):
         yield step, made
 
 
-def _setup_curves(curves_dir, report_to, params: dict, first_step: int, steps_before: int, metrics, group):
+def _setup_curves(curves_dir, report_to, params: dict, first_step: int, init_adapter: str | None, metrics, group):
     """The stage's live curves (TensorBoard, and the trackers `report_to` names), the main process's
-    alone; a curriculum's go on from the steps of the stages it starts from."""
+    alone; a curriculum's go on from the steps of the stages it starts from (`init_adapter`'s)."""
     if not curves_dir or not group.is_main:
         return None
-    return Curves(curves_dir, first_step, steps_before, metrics, report_to, params)
+    return Curves(curves_dir, first_step, _steps_before(init_adapter), metrics, report_to, params)
 
 
 def _step_batches(method, steps: list, todo: range, batcher):
@@ -236,6 +238,9 @@ class Trainer:
             batch = to_device(host_batch, self.device, self.dtype) if isinstance(host_batch, dict) else host_batch
             with self.forward_context:
                 sums = self.method.loss_sums(self.model, batch)
+            if isinstance(host_batch, dict) and host_batch.get(FILLER):  # the sharded layers' collectives alone
+                (sums[0] * 0).backward()
+                continue
             (sums[0] / weight).backward()
             totals += torch.stack([s.detach() for s in sums])
         if self.group.size > 1:
@@ -311,28 +316,36 @@ def _setup_evaluation(inputs: StageInputs, settings, evaluation, builder, tokeni
 
 def _setup_model(
     model,
-    init_adapter: str | None,
+    inputs: StageInputs,
     settings: StageSettings,
-    vision_cache: bool,
+    data: StageData,
     device: torch.device,
-    activation_checkpointing: bool = False,
+    how: tuple[bool, str] = (False, "replicate"),
+    group: distributed.Group = distributed.Group(),
 ):
     """A fresh adapter, or the adapter of the stage this one starts from; the frozen tower replaced
-    by the vision cache's outputs, packed attention, compiled layers, as the settings ask."""
+    by the vision cache's outputs, packed attention, compiled layers, the frozen base sharded across
+    the processes, as the settings and `how` the job runs (activation checkpointing, parallelism) ask."""
+    activation_checkpointing, parallelism_setting = how
+    vision_cache = uses_vision_cache(data)
     if trains_vision(settings) and vision_cache:  # the plan gives such a stage the pixel cache
         raise ConfigError(
             "this stage trains the vision tower's LoRA or the merger, but was given the vision cache, the frozen "
             "tower's outputs: give it the pixel cache (the plan does, whatever its vision_cache says)"
         )
-    model = with_adapter(model, init_adapter, trainable=True) if init_adapter else with_new_adapter(model, settings)
+    init = inputs.init_adapter
+    model = with_adapter(model, init, trainable=True) if init else with_new_adapter(model, settings)
     if vision_cache:
         use_vision_cache(model)
     if settings.packing:
         use_packed_attention(model)
     if activation_checkpointing:
         use_activation_checkpointing(model)
-    if settings.compile and device.type == "cuda":
+    shard = shards_the_base(parallelism_setting, inputs.model_dir, settings, device, group)
+    if settings.compile and device.type == "cuda" and not shard:  # sharded layers: not yet measured compiled
         compile_decoder_layers(model)
+    if shard:
+        shard_frozen_base(model, group, device)
     model.train()
     return model
 
@@ -388,6 +401,7 @@ def _host_batcher(settings: StageSettings, tokenizer, builder, data: StageData, 
         None,
         group,
         pin=device.type == "cuda",
+        even=is_sharded(model),
     )
 
 
@@ -422,9 +436,7 @@ def _setup_batcher(settings: StageSettings, tokenizer, builder, data: StageData,
     return replace(batcher, budget=budget), chosen
 
 
-def _summary(
-    run, inputs, settings, evaluation, trainer, data, steps, first_step, steps_before, chosen, during, started
-) -> dict:
+def _summary(run, inputs, settings, evaluation, trainer, data, steps, first_step, chosen, during, started) -> dict:
     """What the stage did, from its step log: speed and memory, what it trained on, how its adapter
     is used (for predict.py: the base model, and how images and answers were made)."""
     rows = [json.loads(line) for line in run.running_log.read_text().splitlines()]
@@ -436,6 +448,8 @@ def _summary(
         **throughput(rows),
         **trainer.method.summary(rows),
         "device": str(trainer.device),
+        "processes": trainer.group.size,
+        "sharded_base": is_sharded(trainer.model),  # vlft.jobs.sharding
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "data_and_settings": training_fingerprint(inputs, settings, evaluation, steps),
         "model": {
@@ -444,7 +458,7 @@ def _summary(
             "trust_remote_code": inputs.trust_remote_code,
         },
         "answering": {k: getattr(settings, k) for k in ANSWERING_KEYS},
-        "steps_before": steps_before,
+        "steps_before": _steps_before(inputs.init_adapter),
         "settings": settings.params,  # as the job was given them: what the report says each stage was
     }
     if chosen:
@@ -476,18 +490,3 @@ def _save_and_stop(run: RunDirectory, trainer: Trainer, reason: str, done: int, 
 def _steps_before(init_adapter: str | None) -> int:
     """The optimizer steps of the stages this one starts from; 0 for none."""
     return TrainedStage.of_adapter(init_adapter).steps_through() if init_adapter else 0
-
-
-def compile_decoder_layers(model, backend: str = "inductor") -> None:
-    """torch.compile each decoder layer of the language model: fused elementwise work around the
-    matmuls, one graph reused by every layer; dynamic shapes, as batch widths vary.
-
-    Floats specialized: with dynamic shapes dynamo otherwise passes each Python float the layer
-    reads (LoRA's scaling, the norms' epsilon) into the graph as a float64 tensor on the CPU, and
-    inductor compiles a C++ kernel to convert it. Loading that kernel in a later job probes the
-    CPU's vector instructions with a C++ compiler and a Python subprocess per instruction set: on
-    the GPU machine most of each training job's warm compile (benchmarks/README.md). The
-    floats are constants of the model, so specializing them costs no recompiles."""
-    torch._dynamo.config.specialize_float = True
-    for layer in unwrapped(model).model.language_model.layers:
-        layer.compile(dynamic=True, backend=backend)

@@ -13,6 +13,8 @@ rule train:
         runtime=get_stage_resource("runtime"),
         mem_mb=get_stage_resource("mem_mb"),
         gpu=get_stage_resource("gpus"),
+        # Whether the processes shard the frozen base or each hold it whole: the same steps, a resource.
+        parallelism=get_stage_resource("parallelism"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
         checkpoint_every=lambda wildcards: get_stage(wildcards).settings["checkpoint_every"],
         # Memory against time, the same result: a resource too.
@@ -67,6 +69,7 @@ rule train:
         "--predicted-seconds {resources.predicted_s} "
         "--threads {threads} "
         "--processes {resources.gpu} "
+        "--parallelism {resources.parallelism} "
         "--cpu-fallback {resources.cpu_fallback} "
         "--adapter {output.adapter:q} "
         "--log {output.log:q} "
