@@ -425,6 +425,22 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also run ours on a 4-bit base (quantization_bit: 4) with activation_checkpointing",
     )
+    parser.add_argument(
+        "--qlora-memory-gib",
+        type=float,
+        help="cap this process's GPU memory at this before the 4-bit runs (after the bf16 ones, uncapped)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="where the model is saved as a checkpoint (default: under --work); e.g. /dev/shm for a model "
+        "larger than the disk",
+    )
+    parser.add_argument(
+        "--reuse-checkpoint",
+        action="store_true",
+        help="train from the checkpoint and caches an earlier run saved (with --skip reference), not a new model",
+    )
     parser.add_argument("--no-plain", action="store_true", help="leave out the runs of ours with neither option")
     parser.add_argument(
         "--grouped",
@@ -493,10 +509,15 @@ def our_runs(args) -> list[tuple[str, int | str, dict]]:
     return runs
 
 
-def save_as_checkpoint(work: Path, model, tokenizer, image_processor) -> tuple[Path, dict]:
+def save_as_checkpoint(work: Path, model, tokenizer, image_processor, model_dir: Path) -> tuple[Path, dict]:
     """The model saved where a job reads a checkpoint, and its caches built: the cache seconds."""
-    model_dir = work / "model"
-    model.save_pretrained(model_dir)
+    import shutil
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = shutil.disk_usage(model_dir.parent if model_dir.parent.exists() else work).free
+    if weights > free:
+        sys.exit(f"{model_dir.parent} has {free / 1e9:.1f} GB free, less than the weights' {weights / 1e9:.1f} GB")
+    model.save_pretrained(model_dir, max_shard_size="4GB")
     tokenizer.save_pretrained(model_dir)
     image_processor.save_pretrained(model_dir)
     pixel_cache_s, vision_cache_s = build_caches(work, image_processor, model)
@@ -509,6 +530,9 @@ def measure_ours(args, work: Path, model_dir: Path, cache_seconds: dict, flops_p
 
     settings, results = our_settings(args.steps), {}
     for name, budget, options in our_runs(args):
+        if options.get("quantization_bit") and args.qlora_memory_gib:  # a smaller card's budget from here on
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.qlora_memory_gib * 2**30 / total)
         try:
             ours = run_ours(
                 model_dir,
@@ -527,6 +551,8 @@ def measure_ours(args, work: Path, model_dir: Path, cache_seconds: dict, flops_p
                 results[name]["mfu"] = float("nan")
         except torch.OutOfMemoryError as error:
             results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+        except Exception as error:  # one run's failure is a result; the others still run
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
         except ConfigError as error:  # auto found no budget that fits
             results[name] = {"error": str(error)}
         torch._dynamo.reset()  # drop this run's compiled graphs with its model
@@ -553,6 +579,7 @@ def report_of(args, results: dict, peak: float, language_params: int, vision_par
         "flash_attn": _installed("flash_attn"),
         "torch": torch.__version__,
         "memory_cap_gib": args.memory_gib,
+        "qlora_memory_cap_gib": args.qlora_memory_gib,
         **results,
     }
     if "reference" in results:
@@ -598,7 +625,10 @@ def main():
     tokenizer = make_tokenizer()
     records = workload_records(args, work, tokenizer)
     peak = matmul_peak_tflops()
-    model = build_model(args.arch, tokenizer, "cuda")
+    model_dir = args.checkpoint_dir or work / "model"
+    reused = args.reuse_checkpoint and (model_dir / "config.json").exists()
+    # A checkpoint saved before: its shapes alone, on no device, for the counts and the processor.
+    model = build_model(args.arch, tokenizer, "meta" if reused else "cuda")
     language_params, vision_params = parameter_counts(model)
     flops_per_token = 4 * language_params  # LoRA on a frozen base: forward + input gradients; see README
     image_processor = image_processor_for(model)
@@ -610,8 +640,11 @@ def main():
         )
         results["reference"] = summarize(ref, flops_per_token, peak)
         torch.cuda.empty_cache()
-    if args.skip != "ours":
-        model_dir, cache_seconds = save_as_checkpoint(work, model, tokenizer, image_processor)
+    if args.skip != "ours" and reused:
+        del model
+        results |= measure_ours(args, work, model_dir, {}, flops_per_token, peak)
+    elif args.skip != "ours":
+        model_dir, cache_seconds = save_as_checkpoint(work, model, tokenizer, image_processor, model_dir)
         del model  # our runs load the checkpoint, as a job does: none of the benchmark's own on the GPU
         torch.cuda.empty_cache()
         results |= measure_ours(args, work, model_dir, cache_seconds, flops_per_token, peak)
