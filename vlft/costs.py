@@ -26,6 +26,7 @@ from pathlib import Path
 
 from vlft.data.records import raw_objects, selected_by
 from vlft.devices import Throughputs
+from vlft.parallelism import Layout
 from vlft.files import atomic_path
 from vlft.stage_params import trains_vision
 
@@ -94,6 +95,7 @@ class ModelShape:
     compute_params: float  # the language model's weights a token goes through (its layers and head)
     factor: int  # pixels a side of one image token: patch size x merge size
     tokenizer: Path | None
+    layer_params: float = 0.0  # its decoder layers' weights alone: what a sharded stage all-gathers
 
     @classmethod
     def of(cls, model_dir: str | Path) -> "ModelShape":
@@ -111,6 +113,7 @@ class ModelShape:
             layers * per_layer + text["vocab_size"] * d,
             processor["patch_size"] * processor["merge_size"],
             tokenizer if tokenizer.is_file() else None,
+            layers * per_layer,
         )
 
 
@@ -285,7 +288,11 @@ def _decode_s(tokens: float, rows: int, rate: Throughputs, kind: str = "") -> fl
 
 
 def train_seconds(
-    settings: dict, counts: SplitCounts, rate: Throughputs, adapter_dropout: float | None = None
+    settings: dict,
+    counts: SplitCounts,
+    rate: Throughputs,
+    adapter_dropout: float | None = None,
+    layout: Layout = Layout(),
 ) -> Prediction:
     """A training stage's time: each step's forward and backward over the tokens it computes (an
     image's once a group with image groups, once a sample otherwise), the vision tower where it
@@ -347,7 +354,17 @@ def train_seconds(
             samples / step_size * rate["grpo_step_host_s"] + without_gradients * rollouts * rate["grpo_pass_host_s"]
         )
     what = f"{samples:,.0f} samples, {tokens(passes * (image + text))} tokens"
-    return Prediction(rate["train_fixed_s"], step_s + extra_s, what)
+    seconds = step_s + extra_s
+    if layout.processes > 1:
+        steps = max(samples / step_size, 1)
+        budget = settings["max_batch_tokens"]
+        if isinstance(budget, int) and budget:  # each process's micro-batches a step
+            rows = math.ceil(passes * (image + text) / steps / layout.processes / budget)
+        else:
+            rows = math.ceil(step_size / layout.processes / settings["micro_batch"])
+        seconds, said = layout.priced(seconds, steps, rows)
+        what += said
+    return Prediction(rate["train_fixed_s"], seconds, what)
 
 
 def _prompts_once(settings: dict, dropout: float, step_tokens: float) -> bool:

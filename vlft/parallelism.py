@@ -5,12 +5,13 @@ its decoder layers' weights (vlft.jobs.sharding); `auto`, the default: shard whe
 weights would take more than half of one GPU's memory (the rest is for the step's activations),
 replicate otherwise, and always where the stage uses a path sharding does not support yet. Which
 one runs changes no result (the same steps, to rounding): it is a resource, and changing it reruns
-nothing. The plan decides with `planning.device`'s memory for the dry run; the training job decides
-again with its own GPU's.
+nothing. The plan decides with `planning.device`'s memory for the dry run, and prices the stage's
+processes (`Layout`); the training job decides again with its own GPU's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 CHOICES = ("auto", "shard", "replicate")
@@ -32,14 +33,21 @@ def unsharded_paths(settings) -> list[str]:
     return paths
 
 
+def shard_refused(settings) -> str | None:
+    """Why a stage cannot shard its base, in a sentence's second half; None where it can."""
+    if paths := unsharded_paths(settings):
+        return f"a sharded base does not support {'; nor '.join(paths)}: give parallelism: replicate, or auto"
+    return None
+
+
 def chosen(setting: str, settings, processes: int, weight_bytes: float | None, gpu_bytes: float | None) -> str:
     """`shard` or `replicate` for a stage of `processes` processes whose `resources.parallelism` is
     `setting`. `weight_bytes`: the base's weights (None: not known); `gpu_bytes`: one GPU's memory
     (None: no GPU). Raises ValueError with the sentence's reason where `shard` is asked for a stage
     that cannot shard."""
     if setting == "shard":
-        if paths := unsharded_paths(settings):
-            raise ValueError(f"a sharded base does not support {'; nor '.join(paths)}: give parallelism: replicate")
+        if problem := shard_refused(settings):
+            raise ValueError(problem)
         return "shard" if processes > 1 else "replicate"
     if setting == "replicate" or processes == 1 or unsharded_paths(settings):
         return "replicate"
@@ -53,3 +61,37 @@ def weight_bytes(model_dir: str | Path) -> float | None:
     checkpoint is not on disk yet (a model the run fetches)."""
     files = list(Path(model_dir).glob("*.safetensors"))
     return float(sum(f.stat().st_size for f in files)) if files else None
+
+
+# Across nodes, what one GPU sends to the others: a 400 Gb/s (NDR) InfiniBand adapter a GPU, as H100
+# and H200 nodes are commonly built.
+INTER_NODE_GB_S = 50
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A training job's processes: how many, on how many nodes, and whether they shard the frozen base
+    (vlft.parallelism), all-gathering its decoder layers' `layer_bytes` over links of `link_gb_s` a GPU
+    (vlft/devices.csv)."""
+
+    processes: int = 1
+    nodes: int = 1
+    sharded: bool = False
+    layer_bytes: float = 0.0
+    link_gb_s: float = 0.0
+
+    def priced(self, seconds: float, steps: float, rows: float) -> tuple[float, str]:
+        """A stage's `seconds` of one GPU's work over its `steps` spread over the processes (`rows`: each
+        process's micro-batches a step), and what the prediction says of it."""
+        shared = seconds / self.processes
+        where = f"{self.processes} processes" + (f" on {self.nodes} nodes" if self.nodes > 1 else "")
+        if not self.sharded:
+            return shared, f"; {where}, the base replicated, the steps' work shared out (not yet measured on GPUs)"
+        link = INTER_NODE_GB_S if self.nodes > 1 else self.link_gb_s
+        # Each micro-batch all-gathers every layer twice (for its forward and its backward), (N-1)/N of
+        # it from the others; each layer's gather starts as the layer before computes, so the slower
+        # of the two sets the time.
+        gathered = 2 * rows * steps * self.layer_bytes * (self.processes - 1) / self.processes
+        moving = gathered / (link * 1e9) if link else 0.0
+        said = f"{gathered / 1e9:,.0f} GB all-gathered at {link:g} GB/s a GPU"
+        return max(shared, moving), f"; {where}, the base sharded ({said}; not yet measured on GPUs)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlft.config import METHOD_DEFAULTS, load_schema, stage_defaults
+from vlft import parallelism
 from vlft.errors import ConfigError, InputError
 from vlft.model_files import checkpoint_pixels, hub_processor_dir, model_dir_problem
 from vlft.data.answers import AnswerFormat
@@ -198,6 +199,8 @@ def build_plan(config: dict) -> Plan:
             _resolve_method_defaults(settings, key)
             _check_data(settings, datasets, key, made_here=set(config.get("demo", {}).get("datasets", {})))
             _check_schedule(settings, key)
+            if settings["resources"]["parallelism"] == "shard" and (problem := parallelism.shard_refused(settings)):
+                raise ConfigError(f"{key}.resources.parallelism: shard: {problem}")
             init_from = settings.pop("init_from")
             if init_from is not None and "/" not in init_from:
                 init_from = f"{experiment}/{init_from}"

@@ -11,6 +11,8 @@ import subprocess
 from functools import cached_property
 from pathlib import Path
 
+from vlft import parallelism
+from vlft.parallelism import Layout
 from vlft.costs import (
     CountsMemo,
     ModelShape,
@@ -25,7 +27,7 @@ from vlft.costs import (
     vision_cache_seconds,
     wall_seconds,
 )
-from vlft.devices import devices, throughputs
+from vlft.devices import device_specs, devices, throughputs
 from vlft.digests import DigestMemo, split_digest
 from vlft.jobs.cli import took_seconds
 from vlft.model_files import hub_files_dir
@@ -116,7 +118,22 @@ class StudyCosts:
         counts = self.counts(settings["dataset"], settings["train_splits"], settings, settings["filter"] or {})
         # A stage that starts from another trains that stage's adapter, made with its chain's first stage's dropout.
         made_by = ([stage] + self.plan.ancestors(stage))[-1]
-        return train_seconds(settings, counts, self.rate, made_by.settings["lora_dropout"]) if counts else None
+        if not counts:
+            return None
+        return train_seconds(settings, counts, self.rate, made_by.settings["lora_dropout"], self.layout(settings))
+
+    def layout(self, settings: dict) -> Layout:
+        """How a stage's job runs on the planned device: its processes, and whether they shard the
+        base (vlft.parallelism, decided with the device's memory)."""
+        resources = settings["resources"]
+        nodes = resources.get("nodes", 1)
+        processes = max(resources["gpus"], 1) * nodes
+        spec = {name.lower(): row for name, row in device_specs().items()}.get(self.device[0].lower())
+        memory = float(spec["memory_gb"]) * 1e9 if spec else None
+        weights = parallelism.weight_bytes(self.config["model"]["path"]) or 2 * self.shape.compute_params
+        sharded = parallelism.chosen(resources["parallelism"], settings, processes, weights, memory) == "shard"
+        link = float(spec["link_gb_s"]) if spec else 0.0
+        return Layout(processes, nodes, sharded, 2 * self.shape.layer_params, link)  # bf16: 2 bytes a weight
 
     def _unrefined_eval(self, experiment: str, stage: str, split: str) -> Prediction | None:
         if self.rate is None:

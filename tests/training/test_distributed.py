@@ -18,17 +18,11 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 from tests.helpers import FLOAT64_RTOL, REPO, assert_close_normwise, planned_outputs, snakemake, train_float64
-from vlft.demo.shapes import questions_on_shared_images
 from safetensors.torch import load_file
 
 from vlft.jobs import distributed
 from vlft.training.reference import REFERENCE_FILE
-from vlft.demo.shapes import make_dataset
 from vlft.files import read_jsonl
-from vlft.caches.image_cache import PixelSettings, build_image_cache
-from vlft.modeling import load_image_processor
-from vlft.plan import build_plan
-from vlft.data.records import prepare_split
 from vlft.training.rollouts import Rollouts as ROLLOUTS_CLASS
 from vlft.training.train import StageInputs
 
@@ -66,41 +60,6 @@ def _train_in_process(
         train_float64(inputs, settings, out, stop, parallelism)
     finally:
         distributed.leave()
-
-
-def seven_step_stage(root, raw, tiny_model_dir, **overrides):
-    """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
-    prepare_split(raw, root / "images", root / "prepared.jsonl")
-    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    settings = build_plan(config).stage("exp1", "main").train_params() | {
-        "micro_batch": 8,
-        "grad_accum": 1,
-        "max_steps": 7,
-        "lora_dropout": 0.0,
-        **overrides,
-    }
-    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
-    return inputs, settings
-
-
-@pytest.fixture(scope="module")
-def small_stage(tmp_path_factory, tiny_model_dir):
-    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
-    processes has nothing to compute in it."""
-    root = tmp_path_factory.mktemp("small_stage")
-    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
-    return seven_step_stage(root, root / "train.jsonl", tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def grouped_stage(tmp_path_factory, tiny_model_dir):
-    """48 training samples on 12 images, 4 questions each, with image_groups: a step of 8 samples
-    takes two groups, and each of two processes one whole group."""
-    root = tmp_path_factory.mktemp("grouped_stage")
-    raw = questions_on_shared_images(root, images=12, per_image=4)
-    return seven_step_stage(root, raw, tiny_model_dir, image_groups=True)
 
 
 @pytest.mark.parametrize(

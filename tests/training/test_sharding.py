@@ -12,13 +12,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.helpers import FLOAT64_RTOL, StopAfter, assert_close_normwise, train_float64
-from tests.training.test_distributed import (  # noqa: F401 (fixtures)
+from tests.training.test_distributed import (
     CUT_LAYOUT_RTOL,
     _train_in_process,
     assert_two_processes_take_one_process_steps,
     free_port,
-    grouped_stage,
-    small_stage,
 )
 from vlft.files import read_jsonl
 from vlft.jobs.stopping import Preempted

@@ -190,3 +190,29 @@ def test_a_stage_that_trains_the_tower_trains_from_pixels_says_so_and_its_later_
         ConfigError, match=r"experiments\.tower\.stages\[1\]\.vision_lora: must equal that of 'tower/main'"
     ):
         build_plan(resolve_config(config))
+
+
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        ({"quantization_bit": 4}, "quantization_bit (a 4-bit base's weights are bitsandbytes tensors"),
+        ({"eval_every": 2, "eval_split": "train"}, "eval_every (the evaluation during training answers in the main"),
+    ],
+)
+def test_a_sharded_stage_on_a_path_sharding_does_not_support_is_one_sentence(tmp_path, tiny_model_dir, option, said):
+    """resources.parallelism: shard where the stage uses what a sharded base cannot run: refused at
+    plan time, naming the key and the option; auto replicates such a stage instead (not refused)."""
+    stage = {"name": "main", "resources": {"gpus": 2, "parallelism": "shard"}} | option
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "datasets": {"mine": {"image_root": str(tmp_path), "splits": {"train": str(tmp_path / "train.jsonl")}}},
+        "defaults": {"eval_splits": []},
+        "experiments": {"big": {"stages": [stage]}},
+    }
+    with pytest.raises(ConfigError) as error:
+        build_plan(resolve_config(config))
+    message = str(error.value)
+    assert message.startswith("experiments.big.stages[0].resources.parallelism: shard: a sharded base does not support")
+    assert said in message and message.endswith("give parallelism: replicate, or auto")
+    stage["resources"]["parallelism"] = "auto"
+    assert build_plan(resolve_config(config)).resources("big", "main")["parallelism"] == "auto"

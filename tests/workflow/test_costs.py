@@ -469,3 +469,61 @@ def test_a_gpu_without_measurements_is_timed_from_the_nearest_measured_one_by_it
     assert rate["decode_step_s"] == pytest.approx(measured["decode_step_s"] / bandwidth)
     assert rate["train_fixed_s"] == measured["train_fixed_s"] and rate["eval_once_s"] == measured["eval_once_s"]
     assert throughputs("TPU", 7.57e9) is None
+
+
+def test_several_processes_share_a_stages_work_and_a_sharded_base_pays_its_all_gathers():
+    """Replicated, each of N processes takes 1/N of the work. Sharded, each micro-batch also
+    all-gathers the decoder layers twice (forward, backward), (N-1)/N of them from the others, at
+    the link's bandwidth (vlft/devices.csv; across nodes an InfiniBand adapter's), overlapped with
+    the computation: the slower of the two sets the time."""
+    from vlft.parallelism import INTER_NODE_GB_S, Layout
+
+    rate = throughputs("H100", 7.57e9)
+    counts = kvasir_like(10)
+    stage = dict(STAGE, max_batch_tokens=None)  # 18 steps of 16 samples, micro-batches of 16
+    one = train_seconds(stage, counts, rate)
+    replicated = train_seconds(stage, counts, rate, layout=Layout(processes=4))
+    assert replicated.work_s == pytest.approx(one.work_s / 4) and "not yet measured on GPUs" in replicated.what
+    # A 32B's decoder layers: 62 GB of bf16 weights; 4 processes a step of 16 take one micro-batch each.
+    layers = 62e9
+    sharded = train_seconds(stage, counts, rate, layout=Layout(4, 1, True, layers, 450))
+    gathered = 2 * 1 * 18 * layers * 3 / 4
+    assert sharded.work_s == pytest.approx(max(one.work_s / 4, gathered / 450e9))
+    assert f"{gathered / 1e9:,.0f} GB all-gathered at 450 GB/s a GPU" in sharded.what
+    across = train_seconds(stage, counts, rate, layout=Layout(8, 2, True, layers, 450))
+    gathered = 2 * 1 * 18 * layers * 7 / 8  # micro_batch 16 over 8 processes: still one each
+    assert across.work_s == pytest.approx(max(one.work_s / 8, gathered / (INTER_NODE_GB_S * 1e9)))
+    assert "8 processes on 2 nodes" in across.what
+    # Under a token budget, each process's micro-batches a step follow its share of the step's tokens.
+    budgeted = dict(stage, max_batch_tokens=4096)
+    step_tokens = counts.image_tokens + counts.records * TEMPLATE_TOKENS + counts.question_tokens
+    step_tokens = (step_tokens + counts.answer_tokens()) / 18
+    rows = math.ceil(step_tokens / 2 / 4096)
+    two = train_seconds(budgeted, counts, rate, layout=Layout(2, 1, True, layers, 450))
+    alone = train_seconds(budgeted, counts, rate)
+    assert two.work_s == pytest.approx(max(alone.work_s / 2, 2 * rows * 18 * layers / 2 / 450e9))
+
+
+@pytest.mark.parametrize(
+    "weights_gb, gpu_gb, processes, setting, method, expected",
+    [
+        (67, 141, 2, "auto", "sft", "replicate"),  # a 32B on H200s: under half of one
+        (67, 80, 2, "auto", "sft", "shard"),  # on H100s: over half
+        (17, 24, 4, "auto", "sft", "shard"),  # an 8B on 24 GB cards
+        (17, 80, 4, "auto", "sft", "replicate"),
+        (67, 80, 1, "auto", "sft", "replicate"),  # one process has nothing to shard with
+        (67, 80, 2, "auto", "grpo", "replicate"),  # a path sharding does not support: auto replicates
+        (67, None, 2, "auto", "sft", "replicate"),  # no GPU (CPU processes)
+        (1, 141, 2, "shard", "sft", "shard"),  # asked for
+        (67, 80, 2, "replicate", "sft", "replicate"),
+    ],
+)
+def test_auto_shards_where_the_weights_would_take_over_half_a_gpu(
+    weights_gb, gpu_gb, processes, setting, method, expected
+):
+    from vlft.config import stage_defaults
+    from vlft.parallelism import chosen
+
+    settings = stage_defaults() | {"method": method}
+    gpu = gpu_gb and gpu_gb * 1e9
+    assert chosen(setting, settings, processes, weights_gb * 1e9, gpu) == expected

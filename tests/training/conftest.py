@@ -1,0 +1,50 @@
+"""The training tests' shared stages: the demo's exp1 stage in steps of 8, on single questions and on
+images of several questions (tests/training/test_distributed.py, test_sharding.py)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.helpers import REPO
+from vlft.caches.image_cache import PixelSettings, build_image_cache
+from vlft.data.records import prepare_split
+from vlft.demo.shapes import make_dataset, questions_on_shared_images
+from vlft.modeling import load_image_processor
+from vlft.plan import build_plan
+from vlft.training.train import StageInputs
+
+
+def seven_step_stage(root, raw, tiny_model_dir, **overrides):
+    """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
+    prepare_split(raw, root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    settings = build_plan(config).stage("exp1", "main").train_params() | {
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "max_steps": 7,
+        "lora_dropout": 0.0,
+        **overrides,
+    }
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    return inputs, settings
+
+
+@pytest.fixture(scope="module")
+def small_stage(tmp_path_factory, tiny_model_dir):
+    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
+    processes has nothing to compute in it."""
+    root = tmp_path_factory.mktemp("small_stage")
+    make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
+    return seven_step_stage(root, root / "train.jsonl", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def grouped_stage(tmp_path_factory, tiny_model_dir):
+    """48 training samples on 12 images, 4 questions each, with image_groups: a step of 8 samples
+    takes two groups, and each of two processes one whole group."""
+    root = tmp_path_factory.mktemp("grouped_stage")
+    raw = questions_on_shared_images(root, images=12, per_image=4)
+    return seven_step_stage(root, raw, tiny_model_dir, image_groups=True)
