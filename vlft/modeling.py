@@ -17,7 +17,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import ModulesToSaveWrapper
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from vlft.errors import DeviceError, InputError
+from vlft.errors import ConfigError, DeviceError, InputError
 from vlft.integrity import verify_adapter
 from vlft.model_files import require_model_dir
 
@@ -101,12 +101,16 @@ def load_base_model(
             llm_int8_skip_modules=NOT_QUANTIZED,
         )
         quantized = {"quantization_config": config, "device_map": {"": device}}
+    # An MoE's experts computed one by one in float64 (the tests' dtype): torch's grouped matmul,
+    # transformers' default, has no float64 kernel.
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     model = AutoModelForImageTextToText.from_pretrained(
         model_dir,
         dtype=dtype,
         attn_implementation=attention_implementation(device),
         trust_remote_code=trust_remote_code,
         **quantized,
+        **experts,
     )
     model.requires_grad_(False)
     return model if quantized else model.to(device)
@@ -176,9 +180,33 @@ def lora_config(settings, model=None) -> LoraConfig:
         lora_alpha=settings["lora_alpha"],
         lora_dropout=settings["lora_dropout"],
         target_modules=pattern,
+        target_parameters=expert_weights(settings, model),
         modules_to_save=merger_modules(model) if settings["train_merger"] else None,
         task_type="CAUSAL_LM",
     )
+
+
+# A mixture of experts holds each projection of all its experts in one 3D weight (transformers'
+# Qwen3-VL-MoE: gate and up fused in gate_up_proj), no module of each projection's name: LoRA reaches
+# them through PEFT's target_parameters, a low-rank pair an expert, where the stage's
+# lora_target_modules name the MLP's projections (as the peers put LoRA on every linear weight).
+EXPERT_WEIGHTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def expert_weights(settings, model) -> list[str] | None:
+    """The experts' weights the stage's LoRA reaches (PEFT's target_parameters), or None for a dense model."""
+    if model is None or not any(name.endswith("mlp.experts.gate_up_proj") for name, _ in model.named_parameters()):
+        return None
+    weights = sorted(
+        {f"mlp.experts.{EXPERT_WEIGHTS[m]}" for m in settings["lora_target_modules"] if m in EXPERT_WEIGHTS}
+    )
+    if weights and settings["lora_dropout"]:
+        raise ConfigError(
+            f"lora_dropout: {settings['lora_dropout']} on a mixture of experts whose lora_target_modules name the "
+            "MLP's projections: PEFT's LoRA on the experts' weights takes no dropout; give lora_dropout: 0, or "
+            "lora_target_modules without gate_proj, up_proj and down_proj (attention's alone)"
+        )
+    return weights or None
 
 
 def with_new_adapter(model, settings):

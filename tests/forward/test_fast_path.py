@@ -25,7 +25,7 @@ from vlft.forward.packing import pack, packed_attention, packed_batches, use_pac
 from vlft.data.prompts import PromptBuilder
 from vlft.modeling import compile_decoder_layers
 from vlft.caches.vision_cache import VisionCache, build_vision_cache, estimate_bytes, use_vision_cache
-from vlft.demo.tiny_model import FAMILIES, HYBRID_FAMILIES
+from vlft.demo.tiny_model import FAMILIES, HYBRID_FAMILIES, MOE_FAMILIES
 from vlft.training.census import part_of
 from tests.helpers import FLOAT64_RTOL, assert_close_normwise, image_groups_rtol, tiny_family_data, train_float64
 
@@ -40,7 +40,7 @@ LORA = {
 }
 
 
-@pytest.fixture(scope="module", params=FAMILIES + HYBRID_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES)
 def family_setup(request, tmp_path_factory):
     """A tiny model of one family, 12 demo records of varied answer lengths, and their pixel cache."""
     root = tmp_path_factory.mktemp(request.param)
@@ -403,7 +403,7 @@ def test_training_on_packed_rows_follows_the_padded_loss_curve(demo_workdir, tmp
 IMAGE_OF_RECORD = [0, 0, 0, 0, 0, 5, 5, 5, 8, 8, 10, 11]
 
 
-@pytest.fixture(scope="module", params=FAMILIES + HYBRID_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES)
 def grouped_family_setup(request, tmp_path_factory):
     """A tiny model of one family and 12 records asking 1 to 5 questions each about 5 images of
     three sizes (the questions of one image differ, as Kvasir's do; some with a history or a system

@@ -48,3 +48,14 @@ def grouped_stage(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("grouped_stage")
     raw = questions_on_shared_images(root, images=12, per_image=4)
     return seven_step_stage(root, raw, tiny_model_dir, image_groups=True)
+
+
+@pytest.fixture(scope="module")
+def moe_stage(tmp_path_factory):
+    """The grouped stage's images and questions on a tiny mixture of experts (Qwen3-VL-MoE's shape)."""
+    from vlft.demo.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_stage")
+    make_tiny_model(root / "model", family="qwen3_vl_moe")
+    raw = questions_on_shared_images(root, images=12, per_image=4)
+    return seven_step_stage(root, raw, root / "model", image_groups=True)

@@ -81,6 +81,8 @@ SHARDED_LAYOUTS = {
     "image-groups-4-processes": ("grouped_stage", {}, 4, CUT_LAYOUT_RTOL),
     # A preference stage: the reference computed in shares, fillers and all, then gathered.
     "dpo-2-processes": ("small_stage", {"method": "dpo"}, 2, None),
+    # A mixture of experts, LoRA on its experts' weights too (PEFT's target_parameters).
+    "moe-2-processes": ("moe_stage", {}, 2, None),
 }
 
 
@@ -98,6 +100,11 @@ def test_sharded_processes_take_the_steps_one_process_takes(layout, request, tmp
     assert all(len(row["rank_tokens"]) == processes for row in log)
     if stage == "small_stage":  # the last step's one sample: the other process computed a filler alone
         assert sorted(log[-1]["rank_tokens"])[0] == 0
+    if stage == "moe_stage":  # LoRA on both of every layer's expert weights, trained with the rest
+        adapter = load_file(tmp_path / "two/adapter/adapter_model.safetensors")
+        for layer in (0, 1):
+            assert len([k for k in adapter if f"layers.{layer}.mlp.experts." in k and "lora_B" in k]) == 2
+        assert all(float(adapter[k].abs().max()) > 0 for k in adapter if "lora_B" in k)
     if options.get("method") == "dpo":
         one, sharded = (
             json.loads(next((tmp_path / name / "ckpt").glob(f"*/{REFERENCE_FILE}")).read_text())["logps"]

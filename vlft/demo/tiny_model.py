@@ -18,6 +18,7 @@ from transformers import (
     Qwen3VLConfig,
 )
 from transformers.models.qwen3_5 import Qwen3_5Config
+from transformers.models.qwen3_vl_moe import Qwen3VLMoeConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlft.demo import screens, shapes
@@ -65,8 +66,12 @@ FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2_vl")
 # Families whose text model mixes linear-attention (Gated DeltaNet) layers with full attention: built
 # here (three DeltaNet layers, then one of attention, as the released models repeat them).
 HYBRID_FAMILIES = ("qwen3_5",)
+# Families whose MLPs are mixtures of experts (Qwen3-VL-30B-A3B's shape): four experts, two a token.
+MOE_FAMILIES = ("qwen3_vl_moe",)
 # Vision patch size of each family (Qwen3-VL and Qwen3.5 16 pixels, the earlier ones 14).
-PATCH_SIZE = {"qwen3_vl": 16, "qwen3_5": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
+# The families with Qwen3-VL's vision tower (learned position embeddings) and interleaved M-RoPE.
+QWEN3_VISION = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+PATCH_SIZE = {"qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
 
 
 def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_vl"):
@@ -83,7 +88,7 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         "num_key_value_heads": max(1, hidden_size // head_dim // 2),
         "head_dim": head_dim,
         "max_position_embeddings": 4096,
-        "rope_parameters": dict(rope, mrope_interleaved=True) if family in ("qwen3_vl", "qwen3_5") else rope,
+        "rope_parameters": dict(rope, mrope_interleaved=True) if family in QWEN3_VISION else rope,
         "bos_token_id": token("<|endoftext|>"),
         "pad_token_id": token("<|endoftext|>"),
         "eos_token_id": token("<|im_end|>"),
@@ -95,8 +100,11 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
     }
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
         config_class = Qwen3VLConfig
+        if family == "qwen3_vl_moe":
+            config_class = Qwen3VLMoeConfig
+            text |= {"moe_intermediate_size": hidden_size, "num_experts": 4, "num_experts_per_tok": 2}
         vision = {
             **vision_common,
             "hidden_size": 64,
@@ -138,7 +146,7 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         config_class = Qwen2VLConfig
         vision = {**vision_common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}
     else:
-        raise ValueError(f"unknown model family {family!r}; one of {FAMILIES + HYBRID_FAMILIES}")
+        raise ValueError(f"unknown model family {family!r}; one of {FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES}")
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -162,7 +170,7 @@ def make_tiny_model(
         model.lm_head.weight.mul_(10.0)
         # Likewise a random vision tower's learned position embeddings (0.02 scale) are some 25x
         # smaller than its patch embeddings of the pixels: where a thing is would be all but lost.
-        if family in ("qwen3_vl", "qwen3_5"):
+        if family in QWEN3_VISION:
             model.model.visual.pos_embed.weight.mul_(25.0)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
