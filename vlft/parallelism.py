@@ -1,7 +1,7 @@
 """Whether a stage of several processes shards its frozen base or replicates it (`resources.parallelism`).
 
 `replicate`: each process holds the whole model (vlft.jobs.distributed); `shard`: each holds 1/N of
-its decoder layers' weights (vlft.jobs.sharding); `auto`, the default: shard where the base's
+its decoder layers' weights (vlft.training.sharding); `auto`, the default: shard where the base's
 weights would take more than half of one GPU's memory (the rest is for the step's activations),
 replicate otherwise, and always where the stage uses a path sharding does not support yet. Which
 one runs changes no result (the same steps, to rounding): it is a resource, and changing it reruns

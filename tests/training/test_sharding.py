@@ -1,4 +1,4 @@
-"""A stage whose processes shard the frozen base (resources.parallelism: shard, vlft.jobs.sharding)
+"""A stage whose processes shard the frozen base (resources.parallelism: shard, vlft.training.sharding)
 takes the steps one process takes, computes the reference it computes, and stops and resumes as it
 does, on any number of processes: in float64, two and four CPU processes talking over gloo."""
 
@@ -32,7 +32,7 @@ def _shard_and_look(rank: int, size: int, port: int, model_dir: str, out) -> Non
 
     from vlft.config import stage_defaults
     from vlft.jobs import distributed
-    from vlft.jobs.sharding import shard_frozen_base
+    from vlft.training.sharding import shard_frozen_base
     from vlft.modeling import load_base_model, with_new_adapter
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank))

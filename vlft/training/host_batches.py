@@ -14,7 +14,7 @@ a stage without image groups has groups of one), this says how they become model
 Whole groups go to a process and to a row, cut only where one exceeds the budget (each part keeps
 the prefix): an image's questions are computed with their image once wherever they land.
 
-Where the processes share the frozen base (`even`, vlft.jobs.sharding), each must compute as many
+Where the processes share the frozen base (`even`, vlft.training.sharding), each must compute as many
 micro-batches as the busiest: a share with fewer is padded with fillers, a micro-batch of the step's
 marked FILLER, whose results its consumers leave out (the update weighs its loss 0).
 """

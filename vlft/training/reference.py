@@ -78,7 +78,7 @@ def pair_logps(
         # the values are read back once at the end, so the GPU never waits for the host to read them.
         for host_batch in prefetched(batcher.each(groups)):
             computed = answer_logps(model, to_device(host_batch, device, dtype)).detach()
-            if not host_batch.get(FILLER):  # a filler's pairs are another process's (vlft.jobs.sharding)
+            if not host_batch.get(FILLER):  # a filler's pairs are another process's (vlft.training.sharding)
                 logps.append(computed)
                 keys += host_batch["sample_ids"][0::2]
     values = torch.cat(logps).tolist() if logps else []

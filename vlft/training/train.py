@@ -47,7 +47,7 @@ from vlft.caches.vision_cache import use_vision_cache
 from vlft.errors import ConfigError, TrainingError
 from vlft.job_settings import StageSettings
 from vlft.jobs import distributed
-from vlft.jobs.sharding import is_sharded, shard_frozen_base, shards_the_base
+from vlft.training.sharding import is_sharded, shard_frozen_base, shards_the_base
 from vlft.jobs.stopping import Preempted, StopRequest
 from vlft.modeling import (
     adapter_autocast,
@@ -449,7 +449,7 @@ def _summary(run, inputs, settings, evaluation, trainer, data, steps, first_step
         **trainer.method.summary(rows),
         "device": str(trainer.device),
         "processes": trainer.group.size,
-        "sharded_base": is_sharded(trainer.model),  # vlft.jobs.sharding
+        "sharded_base": is_sharded(trainer.model),  # vlft.training.sharding
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "data_and_settings": training_fingerprint(inputs, settings, evaluation, steps),
         "model": {
