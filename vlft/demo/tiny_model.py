@@ -66,12 +66,17 @@ FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen2_vl")
 # Families whose text model mixes linear-attention (Gated DeltaNet) layers with full attention: built
 # here (three DeltaNet layers, then one of attention, as the released models repeat them).
 HYBRID_FAMILIES = ("qwen3_5",)
-# Families whose MLPs are mixtures of experts (Qwen3-VL-30B-A3B's shape): four experts, two a token.
+# Families whose MLPs are mixtures of experts (Qwen3-VL-30B-A3B's shape, `experts_of`).
 MOE_FAMILIES = ("qwen3_vl_moe",)
 # Vision patch size of each family (Qwen3-VL and Qwen3.5 16 pixels, the earlier ones 14).
 # The families with Qwen3-VL's vision tower (learned position embeddings) and interleaved M-RoPE.
 QWEN3_VISION = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 PATCH_SIZE = {"qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen2_5_vl": 14, "qwen2_vl": 14}
+
+
+def experts_of(hidden_size: int) -> dict:
+    """A tiny mixture of experts' text settings: four experts as wide as the model, two a token."""
+    return {"moe_intermediate_size": hidden_size, "num_experts": 4, "num_experts_per_tok": 2}
 
 
 def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_vl"):
@@ -101,10 +106,8 @@ def make_config(tokenizer, hidden_size: int, layers: int, family: str = "qwen3_v
         "temporal_patch_size": 2,
     }
     if family in ("qwen3_vl", "qwen3_vl_moe"):
-        config_class = Qwen3VLConfig
-        if family == "qwen3_vl_moe":
-            config_class = Qwen3VLMoeConfig
-            text |= {"moe_intermediate_size": hidden_size, "num_experts": 4, "num_experts_per_tok": 2}
+        config_class = Qwen3VLMoeConfig if family in MOE_FAMILIES else Qwen3VLConfig
+        text |= experts_of(hidden_size) if family in MOE_FAMILIES else {}
         vision = {
             **vision_common,
             "hidden_size": 64,
