@@ -20,14 +20,17 @@ REPLICATED_SHARE = 0.5
 
 
 def unsharded_paths(settings) -> list[str]:
-    """The stage's settings that a sharded base does not support (yet), each as its key and why."""
+    """The stage's settings that a sharded base does not support (yet), each as its key and why. A
+    sharded layer gathers its weights from every process at each of its calls, so every process must
+    call it as often as the others: generation, whose decode steps follow each process's own answers,
+    does not."""
     paths = []
     if settings["method"] == "grpo":
-        paths.append("method: grpo (its rollouts generate with the whole model in each process)")
+        paths.append("method: grpo (each process decodes its rollouts' answers for as many steps as they take)")
     if settings["quantization_bit"]:
         paths.append("quantization_bit (a 4-bit base's weights are bitsandbytes tensors, which FSDP2 does not shard)")
     if settings["eval_every"]:
-        paths.append("eval_every (the evaluation during training answers in the main process alone)")
+        paths.append("eval_every (each process decodes its share's answers for as many steps as they take)")
     if settings["max_batch_tokens"] == "auto":
         paths.append("max_batch_tokens: auto (it measures one process's memory with the whole model in it)")
     return paths

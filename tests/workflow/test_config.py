@@ -196,7 +196,10 @@ def test_a_stage_that_trains_the_tower_trains_from_pixels_says_so_and_its_later_
     "option, said",
     [
         ({"quantization_bit": 4}, "quantization_bit (a 4-bit base's weights are bitsandbytes tensors"),
-        ({"eval_every": 2, "eval_split": "train"}, "eval_every (the evaluation during training answers in the main"),
+        (
+            {"eval_every": 2, "eval_split": "train"},
+            "eval_every (each process decodes its share's answers for as many steps",
+        ),
     ],
 )
 def test_a_sharded_stage_on_a_path_sharding_does_not_support_is_one_sentence(tmp_path, tiny_model_dir, option, said):
