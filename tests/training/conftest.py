@@ -33,10 +33,10 @@ def seven_step_stage(root, raw, tiny_model_dir, **overrides):
 
 
 @pytest.fixture(scope="module")
-def small_stage(tmp_path_factory, tiny_model_dir):
-    """49 training samples: in micro-batches of 8, the seventh step holds one sample, so one of two
-    processes has nothing to compute in it."""
-    root = tmp_path_factory.mktemp("small_stage")
+def uneven_stage(tmp_path_factory, tiny_model_dir):
+    """49 training samples (the root conftest's small_stage has 16): in micro-batches of 8, the seventh
+    step holds one sample, so one of two processes has nothing to compute in it."""
+    root = tmp_path_factory.mktemp("uneven_stage")
     make_dataset({"train": root / "train.jsonl"}, root / "images", {"train": 49}, seed=0)
     return seven_step_stage(root, root / "train.jsonl", tiny_model_dir)
 

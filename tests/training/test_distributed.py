@@ -67,8 +67,8 @@ def _train_in_process(
     [{}, {"packing": False, "max_batch_tokens": 1500, "grad_accum": 2, "micro_batch": 4}],
     ids=["packed", "padded-under-a-token-budget"],
 )
-def test_two_processes_take_the_steps_one_process_takes(small_stage, layout, tmp_path):
-    inputs, settings = small_stage
+def test_two_processes_take_the_steps_one_process_takes(uneven_stage, layout, tmp_path):
+    inputs, settings = uneven_stage
     assert_two_processes_take_one_process_steps(inputs, settings | layout, tmp_path)
 
 
@@ -273,9 +273,9 @@ SIGNALLED_RUN_STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_run(small_stage, tmp_path_factory):
+def uninterrupted_run(uneven_stage, tmp_path_factory):
     """The signalled run's stage, uninterrupted, in 2 processes."""
-    inputs, settings = small_stage
+    inputs, settings = uneven_stage
     whole = tmp_path_factory.mktemp("whole")
     command = train_command(inputs, settings | {"max_steps": SIGNALLED_RUN_STEPS}, whole, 2)
     subprocess.run(command, check=True, capture_output=True, timeout=300)
@@ -292,12 +292,12 @@ def uninterrupted_run(small_stage, tmp_path_factory):
     ],
 )
 def test_a_signal_stops_every_process_at_one_step_with_one_checkpoint_and_the_rerun_resumes_there(
-    small_stage, uninterrupted_run, sig, to_every_process, resume, tmp_path
+    uneven_stage, uninterrupted_run, sig, to_every_process, resume, tmp_path
 ):
     """Each signal stops both processes at one step with one checkpoint, said once. The rerun's
     resuming from that checkpoint is one path whichever signal left it: taken once, after SLURM's
     (a rerun takes 25 s of CI's 2 cores)."""
-    inputs, settings = small_stage
+    inputs, settings = uneven_stage
     steps = SIGNALLED_RUN_STEPS
     settings = settings | {"max_steps": steps}
     whole = uninterrupted_run

@@ -76,11 +76,11 @@ def test_each_process_holds_its_share_of_every_decoder_layer_and_the_whole_adapt
 
 SHARDED_LAYOUTS = {
     # 49 samples in steps of 8: the seventh step holds one sample, so one process computes a filler.
-    "packed-2-processes": ("small_stage", {}, 2, None),
+    "packed-2-processes": ("uneven_stage", {}, 2, None),
     # Steps of two images of 4 questions on 4 processes: each image cut in two.
     "image-groups-4-processes": ("grouped_stage", {}, 4, CUT_LAYOUT_RTOL),
     # A preference stage: the reference computed in shares, fillers and all, then gathered.
-    "dpo-2-processes": ("small_stage", {"method": "dpo"}, 2, None),
+    "dpo-2-processes": ("uneven_stage", {"method": "dpo"}, 2, None),
     # A mixture of experts, LoRA on its experts' weights too (PEFT's target_parameters).
     "moe-2-processes": ("moe_stage", {}, 2, None),
 }
@@ -98,7 +98,7 @@ def test_sharded_processes_take_the_steps_one_process_takes(layout, request, tmp
     assert summary["processes"] == processes and summary["sharded_base"]
     log = read_jsonl(tmp_path / "two/log.jsonl")
     assert all(len(row["rank_tokens"]) == processes for row in log)
-    if stage == "small_stage":  # the last step's one sample: the other process computed a filler alone
+    if stage == "uneven_stage":  # the last step's one sample: the other process computed a filler alone
         assert sorted(log[-1]["rank_tokens"])[0] == 0
     if stage == "moe_stage":  # LoRA on both of every layer's expert weights, trained with the rest
         adapter = load_file(tmp_path / "two/adapter/adapter_model.safetensors")
@@ -124,12 +124,12 @@ def _train_until_stopped(rank: int, size: int, port: int, inputs, settings: dict
 
 
 def test_a_sharded_stage_stopped_resumes_on_another_number_of_processes_to_the_adapter_one_process_makes(
-    small_stage, tmp_path
+    uneven_stage, tmp_path
 ):
     """Two sharded processes stop after step 3 with one checkpoint; four resume from it (the
     adapter and optimizer are whole in every process, so any number can), and the stage ends with
     the adapter one process makes without stopping."""
-    inputs, settings = small_stage
+    inputs, settings = uneven_stage
     train_float64(inputs, settings, tmp_path / "one")
     mp.spawn(_train_until_stopped, args=(2, free_port(), inputs, settings, tmp_path / "two", "shard"), nprocs=2)
     assert [p.name for p in (tmp_path / "two/ckpt").glob("*/step-*")] == ["step-00000003"]
