@@ -257,3 +257,28 @@ def delta_rule_in_input_dtype(
         state = state + key[:, :, t, :, None] * delta[:, :, None, :]
         out.append((state * query[:, :, t, :, None]).sum(-2))
     return torch.stack(out, dim=2).transpose(1, 2), state if output_final_state else None
+
+
+def seven_step_stage(root, raw, tiny_model_dir, **overrides):
+    """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
+    import yaml
+
+    from vlft.caches.image_cache import PixelSettings, build_image_cache
+    from vlft.data.records import prepare_split
+    from vlft.modeling import load_image_processor
+    from vlft.plan import build_plan
+    from vlft.training.train import StageInputs
+
+    prepare_split(raw, root / "images", root / "prepared.jsonl")
+    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
+    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    settings = build_plan(config).stage("exp1", "main").train_params() | {
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "max_steps": 7,
+        "lora_dropout": 0.0,
+        **overrides,
+    }
+    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
+    return inputs, settings

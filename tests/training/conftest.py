@@ -4,32 +4,9 @@ images of several questions (tests/training/test_distributed.py, test_sharding.p
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tests.helpers import REPO
-from vlft.caches.image_cache import PixelSettings, build_image_cache
-from vlft.data.records import prepare_split
+from tests.helpers import seven_step_stage
 from vlft.demo.shapes import make_dataset, questions_on_shared_images
-from vlft.modeling import load_image_processor
-from vlft.plan import build_plan
-from vlft.training.train import StageInputs
-
-
-def seven_step_stage(root, raw, tiny_model_dir, **overrides):
-    """The demo's exp1 stage on a raw split, in steps of 8 samples, 7 of them, no dropout."""
-    prepare_split(raw, root / "images", root / "prepared.jsonl")
-    pixels = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(root / "prepared.jsonl", root / "images", root / "cache", pixels)
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    settings = build_plan(config).stage("exp1", "main").train_params() | {
-        "micro_batch": 8,
-        "grad_accum": 1,
-        "max_steps": 7,
-        "lora_dropout": 0.0,
-        **overrides,
-    }
-    inputs = StageInputs(str(tiny_model_dir), [str(root / "prepared.jsonl")], [str(root / "cache")], None)
-    return inputs, settings
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,10 @@ import shutil
 import signal
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
-from tests.helpers import FLOAT64_RTOL, REPO, StopAfter, assert_close_normwise
-from vlft.caches.image_cache import PixelSettings, build_image_cache
-from vlft.modeling import load_image_processor
-from vlft.plan import build_plan
-from vlft.data.records import prepare_split
+from tests.helpers import FLOAT64_RTOL, StopAfter, assert_close_normwise, seven_step_stage
 from vlft.jobs.stopping import RESERVE_S, StopRequest, slurm_end_time
-from vlft.training.train import Preempted, StageInputs, train_stage
+from vlft.training.train import Preempted, train_stage
 
 
 @pytest.fixture
@@ -57,16 +52,9 @@ def test_a_stopped_stage_resumes_from_its_checkpoint_and_ends_where_an_uninterru
     from vlft.demo.shapes import make_dataset
 
     make_dataset({"train": tmp_path / "train.jsonl"}, tmp_path / "images", {"train": 48}, seed=0)
-    prepare_split(tmp_path / "train.jsonl", tmp_path / "images", tmp_path / "prepared.jsonl")
-    settings_px = PixelSettings.from_processor(load_image_processor(tiny_model_dir), 4096, 16384)
-    build_image_cache(tmp_path / "prepared.jsonl", tmp_path / "images", tmp_path / "cache", settings_px)
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    settings = build_plan(config).stage("exp1", "main").train_params() | {
-        "max_steps": 6,
-        "micro_batch": 8,
-        "lora_dropout": 0.1,
-    }
-    inputs = StageInputs(str(tiny_model_dir), [str(tmp_path / "prepared.jsonl")], [str(tmp_path / "cache")], None)
+    inputs, settings = seven_step_stage(
+        tmp_path, tmp_path / "train.jsonl", tiny_model_dir, max_steps=6, lora_dropout=0.1
+    )
 
     def run(name, stop=None, retry=False):
         out = tmp_path / name
