@@ -64,7 +64,6 @@ PIPELINE_MODULES = {"test_readme.py", "test_slurm.py"}
 SUITE_SPLIT = "PYTEST_XDIST_WORKER" in os.environ
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PIPELINE_FIXTURES & set(item.fixturenames):
