@@ -39,9 +39,8 @@ def threads_share_cores_politely(request):
     test starts wait passively, as the cluster's jobs do (scripts/slurm_cluster.sh), and this
     process's torch uses one thread. Alone, they keep the default wait: on a 2-core VM a passive one
     makes a training job slower, for waking a sleeping core is slow (../benchmarks/README.md has the
-    figures). Where the suite is split across processes (SUITE_SPLIT), the other process always
-    works beside this one. How threads wait or how many there are changes no result beyond rounding."""
-    if SUITE_SPLIT or background_runs_working(request.session):
+    figures). How threads wait or how many there are changes no result beyond rounding."""
+    if background_runs_working(request.session):
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         torch.set_num_threads(1)
     else:
@@ -54,22 +53,11 @@ def threads_share_cores_politely(request):
 # that `-m "not slow"` (the README's fast part) never starts a demo or a cluster run.
 PIPELINE_FIXTURES = {"demo_workdir", "slurm_cluster", "slurm_demo_run"}
 
-# The suite runs in two processes (pytest-xdist, `-n 2` in pyproject.toml): CI's two cores each
-# take one. The tests that read the demo's run or the SLURM cluster (the fixtures above, and the
-# README's commands, which ask for the demo as they run) are one group that one process runs, so
-# that the demo is made once and the cluster's background runs (tests/slurm_runs.py) are started
-# and awaited by the process that owns them; the rest are shared out as processes come free.
-PIPELINE_GROUP = "pipelines"
-PIPELINE_MODULES = {"test_readme.py", "test_slurm.py"}
-SUITE_SPLIT = "PYTEST_XDIST_WORKER" in os.environ
-
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PIPELINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-        if PIPELINE_FIXTURES & set(item.fixturenames) or item.path.name in PIPELINE_MODULES:
-            item.add_marker(pytest.mark.xdist_group(PIPELINE_GROUP))
 
 
 @pytest.fixture(scope="session")
@@ -138,18 +126,10 @@ def slurm_demo_run(slurm_cluster, tmp_path_factory, request) -> SimpleNamespace:
             process.wait(timeout=120)
 
 
-SLURM_DEMO_CHECKED = pytest.StashKey[bool]()
-
-
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def start_the_slurm_demo_early(request):
-    """Starts slurm_demo_run before the first test of the process that runs the pipeline group,
-    where a test of this session reads it and a cluster answers. Split (SUITE_SPLIT), the other
-    process never starts it: that group's tests are sent to one process, before any other test."""
-    started = request.session.stash.get(SLURM_DEMO_CHECKED, False)
-    if started or SUITE_SPLIT and request.node.get_closest_marker("xdist_group") is None:
-        return
-    request.session.stash[SLURM_DEMO_CHECKED] = True
+    """Starts slurm_demo_run before the first test where a test of this session reads it and a
+    cluster answers."""
     if slurm_problem() is None and any("slurm_demo_run" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("slurm_demo_run")
 
