@@ -52,6 +52,9 @@ def main():
         "--processes", type=int, default=1, help="GPUs the job asked for, one data-parallel process each"
     )
     parser.add_argument(
+        "--nodes", type=int, default=1, help="nodes of the SLURM job, --processes on each (vlft.jobs.distributed)"
+    )
+    parser.add_argument(
         "--parallelism",
         choices=parallelism.CHOICES,
         default="replicate",
@@ -62,7 +65,7 @@ def main():
     args = parser.parse_args()
     require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
-    distributed.relaunch(args.processes, threads_each)
+    distributed.relaunch(args.processes, threads_each, args.nodes)
     stop = StopRequest()  # before anything slow: a signal during loading must not kill us unsaved
     stop.end_time = slurm_end_time()
     main_process = distributed.launched_rank() == 0
@@ -70,7 +73,10 @@ def main():
         limit = (
             f", SLURM time limit at {time.strftime('%H:%M:%S', time.localtime(stop.end_time))}" if stop.end_time else ""
         )
-        processes = f", {args.processes} data-parallel processes" if args.processes > 1 else ""
+        processes = (
+            f", {args.processes * args.nodes} data-parallel processes" if args.processes * args.nodes > 1 else ""
+        )
+        processes += f" on {args.nodes} nodes" if args.nodes > 1 else ""
         print(f"attempt {args.attempt}{processes}{limit}", flush=True)
     set_cpu_threads(threads_each)
     inputs = StageInputs(

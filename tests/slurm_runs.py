@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -179,11 +180,101 @@ def start_cancelled_job(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     return run
 
 
+TWO_NODE_STAGE_RUN = pytest.StashKey[SimpleNamespace]()
+
+
+TWO_NODE_STAGE_TEST = (
+    "test_a_stage_across_two_nodes_stopped_by_its_time_limit_and_a_signal_ends_with_one_process_adapter"
+)
+
+
+# The stage across two nodes: one sample a process a step (micro-batches of 1, 2 a step), so that
+# the two processes' summed gradients are the one process's accumulated ones to the last bit (a + b
+# is b + a); no dropout, whose draws differ between one process and two. 800 steps: two processes
+# took 82 ms a step here, so a one-minute attempt, which trains for about 25 s after its start-up on
+# both nodes, takes part of them even on a machine several times as fast.
+TWO_NODE_STAGE = {"epochs": 2, "micro_batch": 1, "grad_accum": 2, "lora_dropout": 0.0}
+
+
+def start_two_node_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
+    """The long stage (TWO_NODE_STAGE) across node1 and node2 of the cluster (partition `nodes`, one GPU
+    each: one process a node) under attempts of 1, 2, 3 (4 and 5) minutes; once an attempt resumed
+    and trained 20 steps, a thread sends SIGTERM to the training processes of node2 alone. Beside
+    it, on this machine, the same stage in one process, uninterrupted. In the background as soon
+    as the demo exists. tests/jobs/test_slurm.py checks what they did (`signalled`: the step the
+    thread saw before it signalled, `problem`: what stopped the thread)."""
+    workdir = long_stage_workflow(demo_workdir, directory / "work", epochs=TWO_NODE_STAGE["epochs"])
+    config_path = workdir / "config/config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    [stage] = config["experiments"]["long"]["stages"]
+    stage |= TWO_NODE_STAGE
+    reference = shutil.copytree(workdir, directory / "reference")
+    config_path.write_text(
+        yaml.safe_dump(
+            config | {"experiments": {"long": {"stages": [stage | {"resources": stage["resources"] | {"nodes": 2}}]}}}
+        )
+    )
+    (reference / "config/config.yaml").write_text(yaml.safe_dump(config))
+    reference_output = directory / "reference.out"
+    uninterrupted = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
+        cwd=reference,
+        stdout=reference_output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    across = {"slurm_account": "demo", "slurm_partition": "nodes"}
+    profile = site_profile(directory / "site", retries=4, **{"max-threads": 1, "default-resources": across})
+    output = directory / "driver.out"
+    driver = start_slurm_driver(workdir, profile, [LONG_ADAPTER], output)
+    run = SimpleNamespace(
+        workdir=workdir,
+        reference=reference,
+        driver=driver,
+        output=output,
+        uninterrupted=uninterrupted,
+        reference_output=reference_output,
+        signalled=None,
+        problem=None,
+    )
+
+    def signal_node2_once_resumed():
+        try:
+            wait_for(lambda: jobs_of(workdir), 600, "the first attempt's job")
+            first = jobs_of(workdir)[0]
+            wait_for(lambda: set(jobs_of(workdir)) - {first}, 900, "a second attempt")
+            resumed = training_steps_done(workdir)
+            wait_for(lambda: training_steps_done(workdir) >= resumed + 20, 600, "the second attempt to train 20 steps")
+            run.signalled = training_steps_done(workdir)
+            for pid in node_processes("node2", "scripts/train.py"):
+                os.kill(pid, signal.SIGTERM)
+        except Exception as error:  # the test reports it
+            run.problem = error
+
+    run.thread = threading.Thread(target=signal_node2_once_resumed, daemon=True)
+    run.thread.start()
+    return run
+
+
+def node_processes(node: str, command: str) -> list[int]:
+    """The processes in an emulated node's namespace (scripts/slurm_cluster.sh) whose command line
+    holds `command`."""
+    listed = subprocess.run(["ip", "netns", "pids", f"vlft-{node}"], capture_output=True, text=True, check=True)
+    found = []
+    for pid in listed.stdout.split():
+        try:
+            if command in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(pid))
+        except OSError:  # it ended
+            pass
+    return found
+
+
 # Each scenario's stash key: (the test that checks it, what starts it).
 BACKGROUND_SCENARIOS = {
     RESUMED_STAGE_RUN: (RESUMED_STAGE_TEST, start_resumed_stage),
     TWO_GPU_STAGE_RUN: (TWO_GPU_STAGE_TEST, start_two_gpu_stage),
     CANCELLED_JOB_RUN: (CANCELLED_JOB_TEST, start_cancelled_job),
+    TWO_NODE_STAGE_RUN: (TWO_NODE_STAGE_TEST, start_two_node_stage),
 }
 
 

@@ -201,6 +201,10 @@ def build_plan(config: dict) -> Plan:
             _check_schedule(settings, key)
             if settings["resources"]["parallelism"] == "shard" and (problem := parallelism.shard_refused(settings)):
                 raise ConfigError(f"{key}.resources.parallelism: shard: {problem}")
+            if (nodes := settings["resources"]["nodes"]) > 1 and settings["resources"]["gpus"] < 1:
+                raise ConfigError(
+                    f"{key}.resources.nodes: {nodes}: a stage across nodes trains on GPUs; give gpus: 1 or more"
+                )
             init_from = settings.pop("init_from")
             if init_from is not None and "/" not in init_from:
                 init_from = f"{experiment}/{init_from}"

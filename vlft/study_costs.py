@@ -126,7 +126,7 @@ class StudyCosts:
         """How a stage's job runs on the planned device: its processes, and whether they shard the
         base (vlft.parallelism, decided with the device's memory)."""
         resources = settings["resources"]
-        nodes = resources.get("nodes", 1)
+        nodes = resources["nodes"]
         processes = max(resources["gpus"], 1) * nodes
         spec = {name.lower(): row for name, row in device_specs().items()}.get(self.device[0].lower())
         memory = float(spec["memory_gb"]) * 1e9 if spec else None

@@ -28,9 +28,11 @@ from tests.slurm_runs import (
     site_profile,
     TWO_GPU_STAGE_RUN,
     TWO_GPU_TARGETS,
+    TWO_NODE_STAGE_RUN,
     start_cancelled_job,
     start_resumed_stage,
     start_two_gpu_stage,
+    start_two_node_stage,
     training_steps_done,
 )
 
@@ -118,6 +120,14 @@ def resumed_stage(slurm_cluster, demo_workdir, request, tmp_path):
     the demo existed (conftest's demo_workdir), or now where they were not."""
     run = request.session.stash.get(RESUMED_STAGE_RUN, None)
     return run or start_resumed_stage(demo_workdir, tmp_path)
+
+
+@pytest.fixture
+def two_node_stage(slurm_cluster, demo_workdir, request, tmp_path):
+    """The long stage across two nodes through SLURM and its one-process copy, started in the
+    background as soon as the demo existed (conftest's demo_workdir), or now where they were not."""
+    run = request.session.stash.get(TWO_NODE_STAGE_RUN, None)
+    return run or start_two_node_stage(demo_workdir, tmp_path)
 
 
 def test_demo_through_sbatch_gives_the_local_runs_results(slurm_demo, demo_workdir):
@@ -233,6 +243,60 @@ def test_a_job_stops_before_its_time_limit_resumes_on_retry_and_matches_an_unint
     assert interrupted.keys() == uninterrupted.keys()
     for name in interrupted:
         assert torch.equal(interrupted[name], uninterrupted[name]), name
+
+
+def test_a_stage_across_two_nodes_stopped_by_its_time_limit_and_a_signal_ends_with_one_process_adapter(
+    two_node_stage,
+):
+    """resources.nodes: 2 through profiles/slurm: one SLURM job on node1 and node2 (two hosts of
+    their own, scripts/slurm_cluster.sh), one process on each, started by srun and torchrun. Its
+    first attempt stops before its one-minute limit; a later one is stopped by SIGTERM sent to
+    node2's processes alone, and both processes stop after the same step with one checkpoint; each
+    retry resumes where the last stopped, and the adapter is the one process's, bit for bit."""
+    run = two_node_stage
+    run.thread.join(timeout=3600)
+    try:
+        status = run.driver.wait(timeout=3600)
+        assert run.problem is None, f"{run.problem}\n{run.output.read_text()[-3000:]}"
+        assert status == 0, f"the stage across two nodes failed:\n{run.output.read_text()[-5000:]}"
+    finally:
+        assert run.uninterrupted.wait(timeout=900) == 0, run.reference_output.read_text()[-3000:]
+
+    job_outputs = job_outputs_of_long_stage(run.workdir)
+    texts = [read_job_output(output) for output in job_outputs]
+    nodes = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,NodeList", "-j", ",".join(p.stem for p in job_outputs)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert nodes == [f"{p.stem}|node[1-2]" for p in job_outputs], nodes
+    assert all("2 data-parallel processes on 2 nodes" in text for text in texts), texts[0][-3000:]
+    stops = [
+        re.search(r"(the job's time limit is \d+ s away|SIGTERM received): stopped after step (\d+) of", text)
+        for text in texts[:-1]
+    ]
+    assert all(stops), texts
+    assert stops[0].group(1).startswith("the job's time limit") and any(s.group(1) == "SIGTERM received" for s in stops)
+    resumed_from = [int(stop.group(2)) for stop in stops]
+    for text, step in zip(texts[1:], resumed_from):
+        assert f"resuming from step {step}" in text
+    signalled = [step for stop, step in zip(stops, resumed_from) if stop.group(1) == "SIGTERM received"]
+    assert signalled[0] >= run.signalled
+    for text in texts:  # said once, by the process that saves, however many received the signal
+        assert len(re.findall(r"saving a checkpoint", text)) <= 1
+
+    summary = json.loads((run.workdir / "results/train/long/main/summary.json").read_text())
+    assert summary["processes"] == 2 and summary["resumed_from_step"] == resumed_from[-1]
+    assert [row["step"] for row in read_jsonl(run.workdir / "results/train/long/main/log.jsonl")] == list(
+        range(1, summary["steps"] + 1)
+    )
+    across, alone = (
+        load_file(root / LONG_ADAPTER / "adapter_model.safetensors") for root in (run.workdir, run.reference)
+    )
+    assert across.keys() == alone.keys()
+    for name in across:
+        assert torch.equal(across[name], alone[name]), name
 
 
 def queued_jobs():
@@ -366,9 +430,9 @@ def test_a_plan_says_what_the_partition_cannot_give_and_caps_threads_at_its_cpus
         [
             f"partition debug: its nodes have {cpus} CPUs, so jobs that ask for more threads (the rules' threads, "
             f"evaluation.threads) get {cpus}; a partition of larger nodes gives them more",
-            "partition debug offers at most 2 of GPUs a job, but train exp1/main asks for 4 (resources.gpus of the "
+            "partition debug offers at most 2 GPUs a node, but train exp1/main asks for 4 (resources.gpus of the "
             "stage or of defaults): it would wait in the queue forever or be refused",
-            f"partition debug offers at most {mem_mb} MB of memory a job, but evaluate asks for {int(mem_mb) + 1} MB "
+            f"partition debug offers at most {mem_mb} MB of memory a node, but evaluate asks for {int(mem_mb) + 1} MB "
             "(evaluation.resources.mem_mb): it would wait in the queue forever or be refused",
         ]
     )

@@ -41,6 +41,28 @@ def test_shares_are_balanced_by_tokens_and_keep_every_sample_in_its_order():
     assert distributed.share_by_tokens(samples[:2], 3) == [[samples[0]], [samples[1]], []]
 
 
+def test_a_stage_across_nodes_starts_one_launcher_a_node_which_meet_on_the_first_node():
+    """The srun line of the job's batch step, and each node's torchrun options, from what SLURM sets
+    (the run itself is tests/jobs/test_slurm.py's, on two emulated nodes)."""
+    assert distributed.across_nodes(2, 8, {"SLURM_JOB_ID": "4711"}) == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=8",
+    ]
+    with pytest.raises(SystemExit, match=r"resources.nodes: 2: a stage across nodes runs as one SLURM job of 2 nodes"):
+        distributed.across_nodes(2, 8, {})
+    task = {"SLURM_JOB_ID": "4711", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3"}
+    first, other = (distributed.rendezvous(2, task | {"SLURM_NODEID": node}) for node in ("0", "1"))
+    assert (
+        first[:4]
+        == other[:4]
+        == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.1.2.3:24711", "--rdzv-id=4711"]
+    )
+    assert (first[4], other[4]) == ("--rdzv-conf=is_host=1", "--rdzv-conf=is_host=0")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -219,3 +219,18 @@ def test_a_sharded_stage_on_a_path_sharding_does_not_support_is_one_sentence(tmp
     assert said in message and message.endswith("give parallelism: replicate, or auto")
     stage["resources"]["parallelism"] = "auto"
     assert build_plan(resolve_config(config)).resources("big", "main")["parallelism"] == "auto"
+
+
+def test_a_stage_across_nodes_without_gpus_is_one_sentence(tmp_path, tiny_model_dir):
+    """resources.nodes above 1 with gpus: 0: no process would run on the nodes; refused at plan time."""
+    stage = {"name": "main", "resources": {"gpus": 0, "nodes": 2}}
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "datasets": {"mine": {"image_root": str(tmp_path), "splits": {"train": str(tmp_path / "train.jsonl")}}},
+        "defaults": {"eval_splits": []},
+        "experiments": {"big": {"stages": [stage]}},
+    }
+    with pytest.raises(ConfigError, match=r"^experiments\.big\.stages\[0\]\.resources\.nodes: 2: a stage across nodes"):
+        build_plan(resolve_config(config))
+    stage["resources"]["gpus"] = 4
+    assert build_plan(resolve_config(config)).resources("big", "main")["nodes"] == 2

@@ -47,17 +47,61 @@ class Group:
         return self.rank == 0
 
 
-def relaunch(processes: int, threads_each: int) -> None:
-    """Re-execute this script as `processes` processes under torchrun, unless that is done already
-    (or one process is asked for). The job's pid becomes torchrun's, which forwards signals."""
-    if processes <= 1 or "WORLD_SIZE" in os.environ:
+# Set for the launchers srun starts, one a node, so that each becomes torchrun rather than srun again.
+NODE_LAUNCHER = "VLFT_NODE_LAUNCHER"
+
+
+def relaunch(processes: int, threads_each: int, nodes: int = 1) -> None:
+    """Re-execute this script as `processes` processes a node under torchrun, unless that is done
+    already (or one process in all is asked for). The job's pid becomes torchrun's, which forwards
+    signals. Across the `nodes` of a SLURM job: first srun, which starts this script once a node
+    (`across_nodes`), each of which then becomes its node's torchrun, the nodes meeting at a c10d
+    rendezvous on the job's first node (`rendezvous`)."""
+    if processes * nodes <= 1 or "WORLD_SIZE" in os.environ:
         return
     os.environ.update(TORCHRUN_SETTINGS)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_each))
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={processes}"]
     sys.stdout.flush()
+    if nodes > 1 and NODE_LAUNCHER not in os.environ:
+        os.environ[NODE_LAUNCHER] = "1"
+        command = across_nodes(nodes, threads_each * processes, os.environ)
+        os.execvp(command[0], [*command, sys.executable, *sys.argv])
+    where = rendezvous(nodes, os.environ) if nodes > 1 else ["--standalone", "--nnodes=1"]
+    torchrun = ["-m", "torch.distributed.run", *where, f"--nproc-per-node={processes}"]
     # "--": the script's own options are never read as (abbreviations of) torchrun's.
     os.execv(sys.executable, [sys.executable, *torchrun, "--", *sys.argv])
+
+
+def across_nodes(nodes: int, threads: int, env) -> list[str]:
+    """The srun line that starts one launcher on each of the SLURM job's `nodes` (the rule's command
+    runs in the job's batch step, on its first node: profiles/slurm's `mpi` resource). Each gets
+    the node's `threads` CPUs; a step gets the job's GPUs and memory on its nodes by default."""
+    if "SLURM_JOB_ID" not in env:
+        raise SystemExit(
+            f"resources.nodes: {nodes}: a stage across nodes runs as one SLURM job of {nodes} nodes "
+            "(snakemake --profile profiles/slurm); this job runs outside SLURM. Give nodes: 1 to train it here."
+        )
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={threads}"]
+
+
+def rendezvous(nodes: int, env) -> list[str]:
+    """torchrun's options for one node's launcher (an srun task) of a job across `nodes`: the job's
+    first node, from which srun started the launchers, hosts the c10d store, at a port its job id
+    picks (two jobs sharing a first node pick different ones). The nodes' ranks follow the order
+    of their host names, the same in every attempt."""
+    port = RENDEZVOUS_PORTS[0] + int(env["SLURM_JOB_ID"]) % (RENDEZVOUS_PORTS[1] - RENDEZVOUS_PORTS[0])
+    first = env["SLURM_NODEID"] == "0"
+    return [
+        f"--nnodes={nodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={env['SLURM_LAUNCH_NODE_IPADDR']}:{port}",
+        f"--rdzv-id={env['SLURM_JOB_ID']}",
+        f"--rdzv-conf=is_host={int(first)}",
+    ]
+
+
+# The ports a rendezvous may take, below Linux's ephemeral range (32768 on).
+RENDEZVOUS_PORTS = (20000, 30000)
 
 
 def launched_rank() -> int:

@@ -8,8 +8,8 @@ partition once with `sinfo` and:
 
 - CPUs: caps every job's threads at the nodes' CPUs (our jobs use the threads they get) and says so
   in one line;
-- memory, GPUs and time: says in one line for each planned job that asks for more, with the keys
-  that set it, and what the partition offers. Those are not changed: a GPU count or a memory request is the
+- memory and GPUs (a node's), time and nodes (a job's): says in one line for each planned job that
+  asks for more, with the keys that set it, and what the partition offers. Those are not changed: a GPU count or a memory request is the
   user's to lower, and a site may route such a job elsewhere (set-resources).
 """
 
@@ -27,6 +27,7 @@ class Partition:
     mem_mb: int
     gpus: int
     time_limit_min: int | None  # None: no limit
+    nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Request:
     """One job kind's request: `job` says which (`train exp1/main`), `keys` what sets its value."""
 
     job: str
-    resource: str  # mem_mb, gpu or runtime
+    resource: str  # mem_mb, gpu, runtime or nodes
     value: int
     keys: str
 
@@ -59,8 +60,9 @@ def gpu_count(gres: str) -> int:
 
 
 def parse_sinfo(name: str, text: str) -> Partition | None:
-    """`sinfo -h -p NAME -o "%c|%m|%G|%l"`: one line per kind of node; the largest of each counts."""
-    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 3]
+    """`sinfo -h -p NAME -o "%c|%m|%G|%l|%D"`: one line per kind of node; the largest of each counts,
+    and the nodes of all."""
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 4]
     if not rows:
         return None
     limits = [minutes(row[3]) for row in rows]
@@ -70,6 +72,7 @@ def parse_sinfo(name: str, text: str) -> Partition | None:
         mem_mb=max(int(row[1].rstrip("+")) for row in rows),
         gpus=max(gpu_count(row[2]) for row in rows),
         time_limit_min=None if None in limits else max(limits),
+        nodes=sum(int(row[4]) for row in rows),
     )
 
 
@@ -78,7 +81,7 @@ def read_partition(name: str) -> Partition | None:
     submission itself then says what is wrong)."""
     try:
         done = subprocess.run(
-            ["sinfo", "-h", "-p", name, "-o", "%c|%m|%G|%l"], capture_output=True, text=True, timeout=30
+            ["sinfo", "-h", "-p", name, "-o", "%c|%m|%G|%l|%D"], capture_output=True, text=True, timeout=30
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -93,18 +96,20 @@ def cpu_line(partition: Partition) -> str:
     )
 
 
-UNITS = {"mem_mb": ("memory", " MB"), "gpu": ("GPUs", ""), "runtime": ("time", " min")}
+# What a partition offers, a node's or a job's, and the unit of a request.
+OFFERS = {"mem_mb": "{} MB of memory a node", "gpu": "{} GPUs a node", "runtime": "{} min a job", "nodes": "{} nodes"}
+UNITS = {"mem_mb": " MB", "runtime": " min"}
 
 
 def over_line(partition: Partition, request: Request) -> str | None:
     """One line where a job asks for more than the partition offers (it would wait in the queue
     forever, or be refused); None where it fits."""
     limits = {"mem_mb": partition.mem_mb, "gpu": partition.gpus, "runtime": partition.time_limit_min}
-    limit = limits.get(request.resource)  # a resource the partition does not bound (parallelism): None
+    limit = (limits | {"nodes": partition.nodes}).get(request.resource)  # None: one it does not bound
     if limit is None or request.value <= limit:
         return None
-    what, unit = UNITS[request.resource]
+    unit = UNITS.get(request.resource, "")
     return (
-        f"partition {partition.name} offers at most {limit}{unit} of {what} a job, but {request.job} asks for "
-        f"{request.value}{unit} ({request.keys}): it would wait in the queue forever or be refused"
+        f"partition {partition.name} offers at most {OFFERS[request.resource].format(limit)}, but {request.job} "
+        f"asks for {request.value}{unit} ({request.keys}): it would wait in the queue forever or be refused"
     )

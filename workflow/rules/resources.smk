@@ -44,6 +44,28 @@ def get_stage_resource(key, default=False):
     return resource
 
 
+# A stage across nodes (resources.nodes > 1) is one SLURM job of that many nodes, whose command
+# starts one launcher a node (vlft.jobs.distributed.relaunch: srun, then torchrun on each node).
+# snakemake-executor-plugin-slurm builds its sbatch line from these resources: `mpi` runs the rule's
+# command in the batch step (not under `srun -n1`), `tasks` asks for one task a node, and
+# `tasks_per_gpu: 0` keeps it from turning `tasks` into --ntasks-per-gpu. Its `gpu` resource is a
+# job-wide total (--gpus), so such a job asks for its GPUs as `gres`, which SLURM reads per node.
+# Each is None (not set) for a stage on one node, whose job is submitted as before.
+def get_node_resource(key):
+    """A train job's SLURM resource `key` that only a stage across nodes sets (see above)."""
+
+    def resource(wildcards, attempt):
+        nodes = PLAN.resources(wildcards.experiment, wildcards.stage)["nodes"]
+        gpus = get_stage_resource("gpus")(wildcards, attempt)
+        if key == "gpu":
+            return gpus if nodes == 1 else None
+        if nodes == 1:
+            return None
+        return {"mpi": "srun", "tasks": nodes, "tasks_per_gpu": 0, "gres": f"gpu:{gpus}" if gpus else None}[key]
+
+    return resource
+
+
 def get_eval_resource(key):
     """An evaluation job's resource, from the config's `evaluation.resources`; runtime grows with each retry, up to max_runtime."""
 

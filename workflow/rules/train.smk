@@ -12,7 +12,15 @@ rule train:
     resources:
         runtime=get_stage_resource("runtime"),
         mem_mb=get_stage_resource("mem_mb"),
-        gpu=get_stage_resource("gpus"),
+        # GPUs on each node; `gpu` (SLURM's job-wide count), `gres`, `mpi`, `tasks` and
+        # `tasks_per_gpu` submit a stage across nodes (resources.smk, get_node_resource).
+        gpus_per_node=get_stage_resource("gpus"),
+        nodes=get_stage_resource("nodes"),
+        gpu=get_node_resource("gpu"),
+        gres=get_node_resource("gres"),
+        mpi=get_node_resource("mpi"),
+        tasks=get_node_resource("tasks"),
+        tasks_per_gpu=get_node_resource("tasks_per_gpu"),
         # Whether the processes shard the frozen base or each hold it whole: the same steps, a resource.
         parallelism=get_stage_resource("parallelism"),
         # How often the job saves, not what it computes: a resource, so changing it reruns nothing.
@@ -51,7 +59,7 @@ rule train:
         # and the retry resumes. It also stops by itself before its job's time limit
         # (vlft.jobs.stopping).
         "trap '' TERM USR1 INT; python -m vlft.jobs.launch "
-        "--gpus {resources.gpu} "
+        "--gpus {resources.gpus_per_node} "
         "scripts/train.py "
         "--model {params.model_path:q} "
         "{params.trust_remote_code} "
@@ -68,7 +76,8 @@ rule train:
         "--attempt {resources.attempt} "
         "--predicted-seconds {resources.predicted_s} "
         "--threads {threads} "
-        "--processes {resources.gpu} "
+        "--processes {resources.gpus_per_node} "
+        "--nodes {resources.nodes} "
         "--parallelism {resources.parallelism} "
         "--cpu-fallback {resources.cpu_fallback} "
         "--adapter {output.adapter:q} "
