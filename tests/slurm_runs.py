@@ -73,6 +73,17 @@ RESUMED_STAGE_TEST = "test_a_job_stops_before_its_time_limit_resumes_on_retry_an
 RESUMED_STAGE_RUN = pytest.StashKey[SimpleNamespace]()
 
 
+def start_uninterrupted(reference: Path, output: Path) -> subprocess.Popen:
+    """The long stage of the workflow in `reference` on this machine, in one thread, in the
+    background: what a stage stopped and resumed through SLURM must end with."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
+        cwd=reference,
+        stdout=output.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
 def start_resumed_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     """The long stage of RESUMED_STAGE_EPOCHS through SLURM under attempts of 1, 2, 3 (4 and 5) minutes
     (retries beyond the profile's keep a slower machine from running out of attempts), and
@@ -84,12 +95,7 @@ def start_resumed_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     workdir = long_stage_workflow(demo_workdir, directory / "work", RESUMED_STAGE_EPOCHS)
     reference = shutil.copytree(workdir, directory / "reference")
     reference_output = directory / "reference.out"
-    uninterrupted = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
-        cwd=reference,
-        stdout=reference_output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    uninterrupted = start_uninterrupted(reference, reference_output)
     profile = site_profile(directory / "site", retries=4, **{"max-threads": 1})
     output = directory / "driver.out"
     driver = start_slurm_driver(workdir, profile, [LONG_ADAPTER], output)
@@ -216,12 +222,7 @@ def start_two_node_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace
     )
     (reference / "config/config.yaml").write_text(yaml.safe_dump(config))
     reference_output = directory / "reference.out"
-    uninterrupted = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "1", LONG_ADAPTER],
-        cwd=reference,
-        stdout=reference_output.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    uninterrupted = start_uninterrupted(reference, reference_output)
     across = {"slurm_account": "demo", "slurm_partition": "nodes"}
     profile = site_profile(directory / "site", retries=4, **{"max-threads": 1, "default-resources": across})
     output = directory / "driver.out"
