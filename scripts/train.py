@@ -17,7 +17,7 @@ from vlft.training.train import Preempted, StageInputs, train_stage
 EXIT_PREEMPTED = 75
 
 
-def main():
+def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -62,7 +62,11 @@ def main():
     )
     add_cpu_fallback_argument(parser)
     add_predicted_argument(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_arguments()
     require_gpus(args.processes, args.cpu_fallback)
     threads_each = max(1, args.threads // max(1, args.processes))
     distributed.relaunch(args.processes, threads_each, args.nodes)
