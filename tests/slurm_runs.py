@@ -196,16 +196,18 @@ TWO_NODE_STAGE_TEST = (
 
 # The stage across two nodes: one sample a process a step (micro-batches of 1, 2 a step), so that
 # the two processes' summed gradients are the one process's accumulated ones to the last bit (a + b
-# is b + a); no dropout, whose draws differ between one process and two. 800 steps: two processes
-# took 82 ms a step here, so a one-minute attempt, which trains for about 25 s after its start-up on
-# both nodes, takes part of them even on a machine several times as fast.
-TWO_NODE_STAGE = {"epochs": 2, "micro_batch": 1, "grad_accum": 2, "lora_dropout": 0.0}
+# is b + a); no dropout, whose draws differ between one process and two. 1,200 steps: two processes
+# took 35 to 82 ms a step here, so an attempt of one or two minutes, which trains for what is left
+# after its start-up on both nodes and 20 s for saving, takes part of them even on a machine several
+# times as fast. On a busy machine the start-up can outlast a one-minute attempt (SLURM then ends it).
+TWO_NODE_STAGE = {"epochs": 3, "micro_batch": 1, "grad_accum": 2, "lora_dropout": 0.0}
 
 
 def start_two_node_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace:
     """The long stage (TWO_NODE_STAGE) across node1 and node2 of the cluster (partition `nodes`, one GPU
-    each: one process a node) under attempts of 1, 2, 3 (4 and 5) minutes; once an attempt resumed
-    and trained 20 steps, a thread sends SIGTERM to the training processes of node2 alone. Beside
+    each: one process a node) under attempts of 1, 2, 3 (4 and 5) minutes; once an attempt stopped
+    before its time limit, and its retry resumed and trained 20 steps, a thread sends SIGTERM to the
+    training processes of node2 alone. Beside
     it, on this machine, the same stage in one process, uninterrupted. In the background as soon
     as the demo exists. tests/jobs/test_slurm.py checks what they did (`signalled`: the step the
     thread saw before it signalled, `problem`: what stopped the thread)."""
@@ -239,12 +241,17 @@ def start_two_node_stage(demo_workdir: Path, directory: Path) -> SimpleNamespace
     )
 
     def signal_node2_once_resumed():
+        attempts = workdir / "results/logs/train/long/main.attempts.log"
+
+        def said() -> str:
+            return attempts.read_text() if attempts.exists() else ""
+
         try:
-            wait_for(lambda: jobs_of(workdir), 600, "the first attempt's job")
-            first = jobs_of(workdir)[0]
-            wait_for(lambda: set(jobs_of(workdir)) - {first}, 900, "a second attempt")
+            wait_for(lambda: "the job's time limit is" in said(), 1200, "an attempt stopped before its time limit")
+            stopped = said().index("the job's time limit is")
+            wait_for(lambda: "resuming from step" in said()[stopped:], 900, "its retry to resume")
             resumed = training_steps_done(workdir)
-            wait_for(lambda: training_steps_done(workdir) >= resumed + 20, 600, "the second attempt to train 20 steps")
+            wait_for(lambda: training_steps_done(workdir) >= resumed + 20, 600, "the retry to train 20 steps")
             run.signalled = training_steps_done(workdir)
             for pid in node_processes("node2", "scripts/train.py"):
                 os.kill(pid, signal.SIGTERM)

@@ -56,5 +56,7 @@ def test_a_request_beyond_the_partition_is_one_line_naming_its_keys_and_one_with
     )
     # Nodes are a job's: a stage across more nodes than the partition has.
     stage = Request("train exp1/main", "nodes", 3, "resources.nodes of the stage or of defaults")
-    assert over_line(limited, stage).startswith("partition short offers at most 1 nodes, but train exp1/main asks for 3 ")
+    assert over_line(limited, stage).startswith(
+        "partition short offers at most 1 nodes, but train exp1/main asks for 3 "
+    )
     assert over_line(limited, Request("train exp1/main", "nodes", 1, "resources.nodes")) is None
