@@ -433,6 +433,7 @@ def test_a_plan_says_what_the_partition_cannot_give_and_caps_threads_at_its_cpus
     assert sorted(said) == sorted(
         [
             f"partition debug: its nodes have {cpus} CPUs, so jobs that ask for more threads (the rules' threads, "
+            "resources.threads of a stage, "
             f"evaluation.threads) get {cpus}; a partition of larger nodes gives them more",
             "partition debug offers at most 2 GPUs a node, but train exp1/main asks for 4 (resources.gpus of the "
             "stage or of defaults): it would wait in the queue forever or be refused",

@@ -7,7 +7,7 @@ import time
 
 import yaml
 
-from tests.helpers import planned_outputs
+from tests.helpers import planned_outputs, snakemake
 
 R = "results"
 
@@ -70,9 +70,28 @@ def test_changing_how_a_job_runs_reruns_nothing(demo_workdir):
     def edit(config):
         config["experiments"]["exp1"]["stages"][0]["checkpoint_every"] = 7
         config["experiments"]["exp1"]["stages"][0]["activation_checkpointing"] = True
-        config["experiments"]["exp1"]["stages"][0]["resources"] = {"runtime": 99, "mem_mb": 1000, "gpus": 1}
+        config["experiments"]["exp1"]["stages"][0]["resources"] = {
+            "runtime": 99,
+            "mem_mb": 1000,
+            "gpus": 1,
+            "threads": 2,
+        }
 
     assert planned_outputs(demo_workdir, "--configfile", write_config(demo_workdir, edit)) == set()
+
+
+def test_a_stages_threads_are_its_training_jobs(demo_workdir):
+    """`resources.threads` reaches the job's command line: exp1 given 2, the others the demo's 1."""
+
+    def edit(config):
+        config["experiments"]["exp1"]["stages"][0]["resources"] = {"threads": 2}
+
+    adapters = [f"{R}/train/{experiment}/main/adapter" for experiment in ("exp1", "exp2")]
+    planned = snakemake(
+        demo_workdir, "-n", "-p", "--cores", "2", "--configfile", write_config(demo_workdir, edit), "-f", *adapters
+    )
+    threads = dict(re.findall(r"scripts/train\.py .* --threads (\d+) .* --adapter (\S+)", planned.stdout))
+    assert threads == {adapters[0]: "2", adapters[1]: "1"}, planned.stdout
 
 
 def test_adding_an_experiment_plans_only_its_jobs_and_the_report(demo_workdir):

@@ -92,7 +92,7 @@ def cpu_line(partition: Partition) -> str:
     """Said once where some job asks for more threads than a node has CPUs (they are capped)."""
     return (
         f"partition {partition.name}: its nodes have {partition.cpus} CPUs, so jobs that ask for more threads "
-        f"(the rules' threads, evaluation.threads) get {partition.cpus}; a partition of larger nodes gives them more"
+        f"(the rules' threads, resources.threads of a stage, evaluation.threads) get {partition.cpus}; a partition of larger nodes gives them more"
     )
 
 

@@ -115,11 +115,12 @@ def say_once(line):
     print(line, file=sys.stderr)
 
 
-def job_threads(count):
-    """A rule's threads: `count`, or the CPUs of the SLURM partition's nodes where they have fewer (a
-    job asking for more would wait in the queue forever), said once."""
+def job_threads(asked):
+    """A rule's threads: `asked` (or `asked(wildcards)`, a stage's own), or the CPUs of the SLURM
+    partition's nodes where they have fewer (a job asking for more would wait in the queue forever), said once."""
 
     def threads(wildcards):
+        count = asked(wildcards) if callable(asked) else asked
         partition = slurm_partition()
         if partition is None or partition.cpus >= count:
             return count

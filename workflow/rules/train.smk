@@ -8,7 +8,7 @@ rule train:
         summary=stage_path("{experiment}", "{stage}", "summary.json"),
     log:
         f"{RESULTS}/logs/train/{{experiment}}/{{stage}}.log",
-    threads: job_threads(8)
+    threads: job_threads(lambda wildcards: PLAN.resources(wildcards.experiment, wildcards.stage)["threads"])
     resources:
         runtime=get_stage_resource("runtime"),
         mem_mb=get_stage_resource("mem_mb"),
