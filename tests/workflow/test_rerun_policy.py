@@ -90,7 +90,8 @@ def test_a_stages_threads_are_its_training_jobs(demo_workdir):
     planned = snakemake(
         demo_workdir, "-n", "-p", "--cores", "2", "--configfile", write_config(demo_workdir, edit), "-f", *adapters
     )
-    threads = dict(re.findall(r"scripts/train\.py .* --threads (\d+) .* --adapter (\S+)", planned.stdout))
+    commands = re.findall(r"scripts/train\.py .* --threads (\d+) .* --adapter (\S+)", planned.stdout)
+    threads = {adapter: count for count, adapter in commands}
     assert threads == {adapters[0]: "2", adapters[1]: "1"}, planned.stdout
 
 
