@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
+from tests import ranks
 from tests.helpers import FLOAT64_RTOL, REPO, assert_close_normwise, planned_outputs, snakemake, train_float64
 from safetensors.torch import load_file
 
@@ -131,9 +131,14 @@ def test_two_processes_take_the_dpo_steps_one_process_takes(grouped_stage, step,
 
 def _train_noting_draws(rank: int, size: int, port: int, inputs, settings: dict, out, parallelism: str) -> None:
     """One process of a data-parallel reward stage, each rollout's questions it draws noted in
-    `out`'s folder (drawn-RANK.jsonl)."""
+    `out`'s folder (drawn-RANK.jsonl). The rank's own methods are put back after (tests/ranks.py
+    keeps ranks from one test to the next)."""
+    unpatched = ROLLOUTS_CLASS._sample, ROLLOUTS_CLASS._logps
     note_draws(out.parent / f"drawn-{rank}.jsonl")
-    _train_in_process(rank, size, port, inputs, settings, out, parallelism)
+    try:
+        _train_in_process(rank, size, port, inputs, settings, out, parallelism)
+    finally:
+        ROLLOUTS_CLASS._sample, ROLLOUTS_CLASS._logps = unpatched
 
 
 def note_draws(path) -> None:
@@ -234,7 +239,7 @@ def assert_two_processes_take_one_process_steps(
     if not (tmp_path / "one").exists():  # where a test has not trained it already
         train_float64(inputs, settings, tmp_path / "one")
     args = (processes, free_port(), inputs, settings, tmp_path / "two", parallelism)
-    mp.spawn(target, args=args, nprocs=processes)
+    ranks.spawn(target, args=args, nprocs=processes)
 
     one, two = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
     assert [row["step"] for row in two] == list(range(1, 8))

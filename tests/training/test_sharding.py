@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from tests import ranks
 from tests.helpers import FLOAT64_RTOL, StopAfter, assert_close_normwise, train_float64
 from tests.training.test_distributed import (
     CUT_LAYOUT_RTOL,
@@ -55,7 +55,7 @@ def _shard_and_look(rank: int, size: int, port: int, model_dir: str, out) -> Non
 
 
 def test_each_process_holds_its_share_of_every_decoder_layer_and_the_whole_adapter(tiny_model_dir, tmp_path):
-    mp.spawn(_shard_and_look, args=(2, free_port(), str(tiny_model_dir), tmp_path), nprocs=2)
+    ranks.spawn(_shard_and_look, args=(2, free_port(), str(tiny_model_dir), tmp_path), nprocs=2)
     first, second = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
     layers = [name for name in first if ".language_model.layers." in name]
     frozen = [name for name in layers if not first[name]["trains"]]
@@ -131,10 +131,10 @@ def test_a_sharded_stage_stopped_resumes_on_another_number_of_processes_to_the_a
     the adapter one process makes without stopping."""
     inputs, settings = uneven_stage
     train_float64(inputs, settings, tmp_path / "one")
-    mp.spawn(_train_until_stopped, args=(2, free_port(), inputs, settings, tmp_path / "two", "shard"), nprocs=2)
+    ranks.spawn(_train_until_stopped, args=(2, free_port(), inputs, settings, tmp_path / "two", "shard"), nprocs=2)
     assert [p.name for p in (tmp_path / "two/ckpt").glob("*/step-*")] == ["step-00000003"]
     assert not (tmp_path / "two/adapter").exists()
-    mp.spawn(_train_in_process, args=(4, free_port(), inputs, settings, tmp_path / "two", "shard"), nprocs=4)
+    ranks.spawn(_train_in_process, args=(4, free_port(), inputs, settings, tmp_path / "two", "shard"), nprocs=4)
 
     assert json.loads((tmp_path / "two/summary.json").read_text())["resumed_from_step"] == 3
     one, resumed = (read_jsonl(tmp_path / name / "log.jsonl") for name in ("one", "two"))
