@@ -2,7 +2,7 @@
 processes over gloo, kept from one test to the next: `spawn(target, args, nprocs)` runs
 `target(rank, *args)` in ranks 0 to nprocs - 1, as torch.multiprocessing.spawn does, without each
 test starting fresh processes. A fresh process imports torch, transformers, peft and the test's
-module before it does anything (about 7 s of CPU each), which over the suite's data-parallel tests
+module before it does anything, seconds of CPU each, which over the suite's data-parallel tests
 came to minutes of CI's 2 cores.
 
 A rank keeps nothing of one test for the next but its imports: every target sets the environment
