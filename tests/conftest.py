@@ -19,6 +19,7 @@ from tests.slurm_runs import (
     SLURM_DEMO_EXPERIMENTS,
     SLURM_DEMO_RUN,
     OWN_WAIT_POLICY,
+    README_PIPELINES_RUN,
     background_runs_working,
     site_profile,
     slurm_problem,
@@ -71,6 +72,13 @@ def demo_workdir(tmp_path_factory, request) -> Path:
     for key, (test, start) in BACKGROUND_SCENARIOS.items():
         if test in selected and slurm_problem() is None:
             request.session.stash[key] = start(workdir, tmp_path_factory.mktemp(test[:30]))
+    # The README's pipelines that run in copies of their own, in the background once the SLURM runs end.
+    if "test_readme_command_runs_as_written" in {getattr(item, "originalname", None) for item in request.session.items}:
+        from tests.readme_pipelines import start_readme_pipelines
+
+        model = request.getfixturevalue("tiny_model_dir")
+        directory = tmp_path_factory.mktemp("readme-pipelines")
+        request.session.stash[README_PIPELINES_RUN] = start_readme_pipelines(request.session, workdir, model, directory)
     yield workdir
     for key in BACKGROUND_SCENARIOS:
         run = request.session.stash.get(key, None)

@@ -309,10 +309,15 @@ CHANGED_STAGE_TEST = "test_a_stage_changed_after_its_outputs_were_lost_reruns_th
 BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS, CHANGED_STAGE_RUN)
 
 
-def background_runs_working(session: pytest.Session) -> bool:
-    """Whether a run of BACKGROUND_SLURM_RUNS still works: its driver, its reference run on this
-    machine or the thread that starts its driver later."""
-    for key in BACKGROUND_SLURM_RUNS:
+# The README's pipelines that run in the background once the SLURM runs end (tests/workflow/test_readme.py's
+# start_readme_pipelines): a thread, and each command's outcome.
+README_PIPELINES_RUN = pytest.StashKey[SimpleNamespace]()
+
+
+def background_runs_working(session: pytest.Session, keys=(*BACKGROUND_SLURM_RUNS, README_PIPELINES_RUN)) -> bool:
+    """Whether a run of `keys` (by default every background run) still works: its driver, its
+    reference run on this machine or its thread."""
+    for key in keys:
         run = session.stash.get(key, None)
         processes = [getattr(run, name, None) for name in ("driver", "uninterrupted")]
         if any(process is not None and process.poll() is None for process in processes):

@@ -574,4 +574,16 @@ def test_every_readme_command_has_a_runner():
 @pytest.mark.slow
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs_as_written(command, request, tmp_path):
+    from tests.readme_pipelines import BACKGROUND_COMMANDS
+    from tests.slurm_runs import README_PIPELINES_RUN
+
+    if command in BACKGROUND_COMMANDS:
+        request.getfixturevalue("demo_workdir")  # which starts them (tests/conftest.py)
+    background = request.session.stash.get(README_PIPELINES_RUN, None)
+    if background is not None and command in background.outcomes:
+        outcome = background.outcomes[command]
+        assert outcome.ran.wait(timeout=3600), f"`{command}` still ran in the background after an hour"
+        if outcome.error is not None:
+            raise outcome.error
+        return
     RUNNERS[command](command, request.getfixturevalue, tmp_path)
