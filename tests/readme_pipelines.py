@@ -12,9 +12,8 @@ from types import SimpleNamespace
 from tests.helpers import copy_demo_upstream
 from tests.slurm_runs import BACKGROUND_SLURM_RUNS, background_runs_working
 
-# The README's pipelines that run in copies of their own of what the demo made: they run, with their
-# checks, in the background once the session's SLURM runs have ended (the cluster's jobs had CI's
-# two cores until then; after them its tests mostly run one at a time, leaving a core free).
+# Why then: the cluster's jobs have CI's two cores until they end; after them the suite's tests mostly
+# run one at a time, leaving a core free.
 BACKGROUND_COMMANDS = (
     "snakemake --configfile config/examples/demo-qwen3_5.yaml --cores all",
     "snakemake --configfile config/examples/demo-keep-best.yaml --cores all",
@@ -45,7 +44,7 @@ def start_readme_pipelines(session, demo_workdir: Path, tiny_model_dir: Path, di
         for number, command in enumerate(commands):
             outcome = run.outcomes[command]
             try:
-                RUNNERS[command](command, fixtures.__getitem__, (directory / str(number)))
+                RUNNERS[command](command, fixtures.__getitem__, directory / str(number))
             except BaseException as error:  # the command's test raises it
                 outcome.error = error
             finally:

@@ -309,7 +309,7 @@ CHANGED_STAGE_TEST = "test_a_stage_changed_after_its_outputs_were_lost_reruns_th
 BACKGROUND_SLURM_RUNS = (SLURM_DEMO_RUN, *BACKGROUND_SCENARIOS, CHANGED_STAGE_RUN)
 
 
-# The README's pipelines that run in the background once the SLURM runs end (tests/workflow/test_readme.py's
+# The README's pipelines that run in the background once the SLURM runs end (tests/readme_pipelines.py's
 # start_readme_pipelines): a thread, and each command's outcome.
 README_PIPELINES_RUN = pytest.StashKey[SimpleNamespace]()
 
