@@ -193,6 +193,26 @@ class StudyCosts:
             return fallback
         return runtime_minutes(prediction.seconds, self.planning["margin"], self.planning["floor_minutes"])
 
+    def heading(self) -> list[str]:
+        """The table's first lines: the device and where its throughputs come from, and how this
+        study's finished jobs refined them."""
+        device, why = self.device
+        if self.shape is None:
+            source = "the model is not on disk yet: nothing can be counted"
+        elif self.rate is None:
+            source = f"vlft/throughputs.csv has no row for {device}: nothing can be timed"
+        else:
+            source = self.rate.derived or f"throughputs measured on {self.rate.model}"
+        lines = [f"Predicted time of the jobs that would run, on {device} ({why}; {source}):"]
+        refinement = self.refinement
+        for kind in ("train", "evaluate"):
+            if refinement.jobs(kind):
+                lines.append(
+                    f"  {kind}: refined by {refinement.jobs(kind)} of this study's finished jobs "
+                    f"(measured / predicted {refinement.ratio(kind):.2f})"
+                )
+        return lines
+
     def lines(
         self,
         jobs: list[tuple],
@@ -209,21 +229,8 @@ class StudyCosts:
         priced = sorted(jobs, key=lambda job: (not job[1].startswith("train"), job[1]))
         if not priced:
             return []
-        device, why = self.device
-        if self.shape is None:
-            source = "the model is not on disk yet: nothing can be counted"
-        elif self.rate is None:
-            source = f"vlft/throughputs.csv has no row for {device}: nothing can be timed"
-        else:
-            source = self.rate.derived or f"throughputs measured on {self.rate.model}"
-        lines = [f"Predicted time of the jobs that would run, on {device} ({why}; {source}):"]
-        refinement = self.refinement
-        for kind in ("train", "evaluate"):
-            if refinement.jobs(kind):
-                lines.append(
-                    f"  {kind}: refined by {refinement.jobs(kind)} of this study's finished jobs "
-                    f"(measured / predicted {refinement.ratio(kind):.2f})"
-                )
+        device = self.device[0]
+        lines = self.heading()
         width = max(len(name) for _, name, _, _ in priced)
         split_up = []
         for job, name, prediction, gpus in priced:
