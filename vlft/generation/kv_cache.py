@@ -139,6 +139,10 @@ class CacheWindow:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers (5.25 on) counts a layer's tokens as its decode updates the convolution in
+        place; a slot cache counts each row's own (`write_at`)."""
+
     # Older transformers releases: the layer asks whether states exist, then reads them from `layers`.
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return True
@@ -221,6 +225,8 @@ class StatesWindow:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    increase_count = CacheWindow.increase_count
 
     # Older transformers releases read a layer's states as `cache.layers[i].conv_states[0]` (and
     # `recurrent_states`, `record_past`) once `has_previous_state(i)` says they exist.

@@ -80,6 +80,30 @@ def _call_layer(layer, *args, **kwargs):
     return layer._call_impl(*args, **kwargs)
 
 
+try:
+    # transformers 5.25 on wraps attention forwards in the kernels package's layers: each call sets
+    # this routing table and resets it as it returns.
+    from kernels._internals.layer.layer import _ACTIVE_KERNEL_FUNCS as KERNEL_ROUTES
+except ImportError:  # older transformers, without the kernels package
+    KERNEL_ROUTES = None
+
+
+@contextmanager
+def kernel_routes_kept():
+    """The kernels package's routing table as the block found it. Compiled, a layer's reset of the
+    table is lost: torch.compile drops Python state a frame writes after flex_attention (the decode
+    attention) ran in it, so the table stayed set and the next layer's call, which the compiled
+    graph guards to find it unset, compiled the layer again (tests/generation/test_generation.py)."""
+    if KERNEL_ROUTES is None:
+        yield
+        return
+    found = KERNEL_ROUTES.global_var, KERNEL_ROUTES.uses_global_var
+    try:
+        yield
+    finally:
+        KERNEL_ROUTES.global_var, KERNEL_ROUTES.uses_global_var = found
+
+
 class DecodeStep:
     """The next token (the sampler's choice; greedy by default) of each of the cache's first `rows` rows, attending to their first
     `length` positions.
@@ -95,6 +119,7 @@ class DecodeStep:
         model,
         cache: SlotCache,
         compile: bool = False,
+        backend: str = "inductor",
         attention: str | None = None,
         sampler=None,
         folded=None,
@@ -126,7 +151,9 @@ class DecodeStep:
         # (embedding, rotary tables, final norm, head) is a few kernels, and the CUDA graph
         # launches all of it at once anyway. One static shape: compiled for dynamic shapes with a
         # graph per (rows, length) bucket, benchmarks/eval_speed.py did not finish (benchmarks/README.md).
-        self.compiled_layer = torch.compile(_call_layer, dynamic=False) if compile else None
+        # (`backend`: the tests' aot_eager on a CPU, where inductor's C++ flex_attention lacks the
+        # log-sum-exp the cascade reads and Qwen3.5's gated output.)
+        self.compiled_layer = torch.compile(_call_layer, dynamic=False, backend=backend) if compile else None
         # Where compiled, or reading shared prefixes (a layer's own, handed to it with its call),
         # each layer is called through the step's layer call while the step runs.
         self.layer_calls = (
@@ -163,7 +190,10 @@ class DecodeStep:
         if self.prefixes is not None:
             kwargs["prefixes"] = self.prefixes.layer(index)
         layer = self.text.layers[index]
-        return self.compiled_layer(layer, *args, **kwargs) if self.compiled_layer else layer._call_impl(*args, **kwargs)
+        if not self.compiled_layer:
+            return layer._call_impl(*args, **kwargs)
+        with kernel_routes_kept():
+            return self.compiled_layer(layer, *args, **kwargs)
 
     def _run(self, rows: int, length: int) -> None:
         with self._as_the_step():

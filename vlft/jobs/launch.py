@@ -75,7 +75,8 @@ def main(argv: list[str]) -> None:
     # Where the `kernels` package is installed, transformers would fetch some layers' kernels from the
     # Hub as a model loads (a Qwen3.5's Gated DeltaNet and norms among them): a job runs what is
     # installed (flash-attn, flash-linear-attention) or torch, and fetches nothing. Read by
-    # transformers when imported, so set before the job (or its warm process) imports it.
+    # transformers as it imports (before 5.25) or as a model loads, so set before the job (or its
+    # warm process) imports it.
     os.environ["USE_HUB_KERNELS"] = "0"
     if count > 0:
         gpus.claim(count, os.getpid())
