@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
-from vlft.generation.kv_cache import SlotCache, live_blocks, prompt_states_cache, refresh_live_blocks
+from vlft.generation.kv_cache import SlotCache, linear_layers, live_blocks, prompt_states_cache, refresh_live_blocks
 from vlft.generation.requests import Request, asks_again
 from vlft.generation.sampling import Greedy
 from vlft.generation.shared_prefixes import CASCADE_ATTENTION
@@ -104,6 +104,25 @@ def kernel_routes_kept():
         KERNEL_ROUTES.global_var, KERNEL_ROUTES.uses_global_var = found
 
 
+@contextmanager
+def one_linear_attention_index(text):
+    """Every linear-attention layer of the language model `text` under the first one's index
+    while the block runs. transformers before 5.21 reads such a layer's states as
+    `cache.layers[self.layer_idx]`, and torch.compile takes a module's int for a constant it
+    guards: each layer compiled a graph of its own up to the recompile limit, and the rest ran
+    eagerly (benchmarks/README.md). Handed its own part of the cache (a StatesWindow, the same
+    states whatever the index), a layer's index means nothing to it."""
+    modules = [text.layers[i].linear_attn for i in sorted(linear_layers(text.config))]
+    indices = [module.layer_idx for module in modules]
+    for module in modules:
+        module.layer_idx = indices[0]
+    try:
+        yield
+    finally:
+        for module, index in zip(modules, indices):
+            module.layer_idx = index
+
+
 class DecodeStep:
     """The next token (the sampler's choice; greedy by default) of each of the cache's first `rows` rows, attending to their first
     `length` positions.
@@ -176,6 +195,7 @@ class DecodeStep:
         try:
             with (
                 layer_calls(self.text.layers, self.layer_calls) if self.layer_calls else nullcontext(),
+                one_linear_attention_index(self.text) if self.layer_calls else nullcontext(),
                 self.folded.folded_in() if self.folded else nullcontext(),
             ):
                 yield
